@@ -1,0 +1,241 @@
+"""The `hpsearch` command line: small commands that return exit codes, like optuna's CLI.
+
+Heavy modules (torch, transformers, optuna) are imported inside the commands, so
+`hpsearch --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+log = logging.getLogger("hpsearch")
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # Usage errors print the help of the command that was mistyped, then exit 2.
+        self.print_help(sys.stderr)
+        self.exit(EXIT_USAGE, f"\n{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hpsearch", description="Hyperparameter search for transformer fine-tunes.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    def storage_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--storage", metavar="URL", help="postgresql://user:pass@host:5432/db or sqlite:///file.db "
+                       "(default: $HPSEARCH_STORAGE, else ./hpsearch.db)")
+
+    start = sub.add_parser("start", help="create or resume a study and run workers on this host's devices")
+    start.add_argument("--study", required=True, help="study name (a built-in preset: bert-lr)")
+    start.add_argument("--config", metavar="FILE", type=Path, help="study spec (.toml); default ./STUDY.toml or a preset")
+    _worker_args(start)
+    start.add_argument("--n-trials", type=int, metavar="N", help="override the spec's search.n_trials budget")
+    storage_arg(start)
+    start.set_defaults(func=cmd_start)
+
+    wk = sub.add_parser("worker", help="join an existing study with this host's devices")
+    wk.add_argument("--study", required=True)
+    _worker_args(wk)
+    storage_arg(wk)
+    wk.set_defaults(func=cmd_worker)
+
+    st = sub.add_parser("status", help="trials by state, best value, parameters and checkpoint")
+    st.add_argument("--study", required=True)
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    storage_arg(st)
+    st.set_defaults(func=cmd_status)
+
+    best = sub.add_parser("best", help="the best trial and its checkpoint path")
+    best.add_argument("--study", required=True)
+    best.add_argument("--json", action="store_true", help="machine-readable output")
+    storage_arg(best)
+    best.set_defaults(func=cmd_best)
+    return parser
+
+
+def _worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", help="GPU indices (0,1) or cpu:N; default: every GPU, else one CPU worker")
+    p.add_argument("--output-dir", type=Path, default=Path("hpsearch-runs"), metavar="DIR",
+                   help="where trial checkpoints go (DIR/STUDY/trial-N); default ./hpsearch-runs")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        code: int = args.func(args)
+        return code
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if _is_user_error(exc):
+            print(f"hpsearch {args.command}: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        raise
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    from hpsearch.search.devices import DeviceError
+    from hpsearch.storage.errors import StorageUrlError, StudyNotFoundError
+    from hpsearch.trainer.config import ConfigError
+    from hpsearch.trainer.data import DataError
+    from hpsearch.trainer.model import ModelError
+
+    return isinstance(exc, (UsageError, ConfigError, DataError, ModelError, DeviceError, StorageUrlError, StudyNotFoundError))
+
+
+# -- commands ---------------------------------------------------------------------------------
+
+def cmd_start(args: argparse.Namespace) -> int:
+    from hpsearch.search import devices, spec as specs, study as studies
+    from hpsearch.storage import urls
+    from hpsearch.storage.open import open_storage
+
+    if args.n_trials is not None and args.n_trials < 1:
+        raise UsageError(f"--n-trials {args.n_trials}: must be >= 1")
+    url = urls.resolve(args.storage)
+    urls.normalize(url)  # a malformed URL fails here, before anything else
+    device_list = devices.parse(args.devices)
+    spec = _spec_for_start(args, url)
+    if args.n_trials is not None:
+        spec.search.n_trials = args.n_trials
+    _check_inputs(spec)
+    storage = open_storage(url, create=True)
+    try:
+        studies.check_spec_before_create(storage, args.study, spec)
+        study = studies.create_or_resume(storage, args.study, spec)
+    finally:
+        storage.close()
+    log.info("study %s: %d trials on %s; storage %s", args.study, spec.search.n_trials,
+             ", ".join(d.label for d in device_list), urls.mask(url))
+    del study
+    return _run_and_report(args, url, device_list)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from hpsearch.search import devices, study as studies
+    from hpsearch.search.spec import resolved
+    from hpsearch.storage import urls
+    from hpsearch.storage.open import open_storage
+
+    url = urls.resolve(args.storage)
+    device_list = devices.parse(args.devices)
+    storage = open_storage(url, create=False)
+    try:
+        spec = studies.stored_spec(storage, args.study)
+    finally:
+        storage.close()
+    _check_inputs(resolved(spec))
+    return _run_and_report(args, url, device_list)
+
+
+def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Any]) -> int:
+    from hpsearch.search.dispatch import Supervisor
+
+    level = logging.DEBUG if args.verbose else logging.INFO
+    code = Supervisor(args.study, url, device_list, args.output_dir.resolve(), level).run()
+    print(_render(args.study, url, as_json=False, best_only=False))
+    return code
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from hpsearch.storage import urls
+
+    print(_render(args.study, urls.resolve(args.storage), as_json=args.json, best_only=False))
+    return EXIT_OK
+
+
+def cmd_best(args: argparse.Namespace) -> int:
+    from hpsearch.storage import urls
+
+    print(_render(args.study, urls.resolve(args.storage), as_json=args.json, best_only=True))
+    return EXIT_OK
+
+
+def _render(name: str, url: str, *, as_json: bool, best_only: bool) -> str:
+    import optuna
+
+    from hpsearch.search import study as studies, summary
+    from hpsearch.storage.open import open_storage
+
+    storage = open_storage(url, create=False)
+    try:
+        spec = studies.stored_spec(storage, name)
+        study = optuna.load_study(study_name=name, storage=storage.optuna)
+        s = summary.status(study, spec, studies.n_trials(study, spec), storage.display)
+    finally:
+        storage.close()
+    if best_only:
+        return json.dumps(s["best"], indent=2) if as_json else summary.format_best(s["best"], s["metric"])
+    return json.dumps(s, indent=2) if as_json else summary.format_status(s)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+def _spec_for_start(args: argparse.Namespace, url: str) -> Any:
+    """--config, else ./STUDY.toml, else the stored spec of an existing study, else a preset."""
+    from hpsearch.search import spec as specs, study as studies
+    from hpsearch.storage.errors import StudyNotFoundError
+    from hpsearch.storage.open import open_storage
+
+    if args.config is not None:
+        return specs.load_file(args.config)
+    local = Path(f"{args.study}.toml")
+    if local.is_file():
+        return specs.load_file(local)
+    try:
+        storage = open_storage(url, create=False)
+    except StudyNotFoundError:
+        storage = None
+    if storage is not None:
+        try:
+            return studies.stored_spec(storage, args.study)
+        except StudyNotFoundError:
+            pass
+        finally:
+            storage.close()
+    preset = specs.preset_file(args.study)
+    if preset is not None:
+        return specs.load_file(preset)
+    raise UsageError(
+        f"study {args.study!r} does not exist and has no spec; pass --config FILE, put {args.study}.toml "
+        f"here, or use a preset ({', '.join(specs.PRESETS)})"
+    )
+
+
+def _check_inputs(spec: Any) -> None:
+    """Read the data and the tokenizer once before any worker starts (and before storage is
+    touched), so bad input is one clear line, not N failed trials."""
+    from hpsearch.search.spec import resolved
+    from hpsearch.trainer.dataset import read_splits
+    from hpsearch.trainer.model import load_tokenizer
+
+    spec = resolved(spec)
+    read_splits(spec.data)
+    load_tokenizer(spec.model.name)
+
+
+def run() -> NoReturn:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,163 @@
+"""The supervisor: one spawned worker per device, and a record of every way one can end.
+
+Like rq's work-horse supervision: the parent sees a child die at once (process sentinels),
+hands the trial it was running back for a retry, and restarts the child within a bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from hpsearch.search import retry, study as studies, worker
+from hpsearch.search.devices import Device, threads_per_worker
+from hpsearch.storage.open import open_storage
+
+log = logging.getLogger(__name__)
+CRASH_LIMIT = 3
+CRASH_WINDOW_S = 600.0
+
+
+@dataclass
+class Child:
+    device: Device
+    process: Any
+    conn: Connection
+    name: str
+    trial: tuple[int, int] | None = None  # (trial_id, number) being run
+    crashes: deque[float] = field(default_factory=deque)
+
+
+class Supervisor:
+    def __init__(self, study: str, storage_url: str, devices: list[Device], output_dir: Path, log_level: int = logging.INFO) -> None:
+        self.study, self.storage_url, self.devices = study, storage_url, devices
+        self.output_dir, self.log_level = output_dir, log_level
+        self.ctx = mp.get_context("spawn")
+        self.threads = threads_per_worker(devices)
+        self.children: dict[int, Child] = {}  # keyed by sentinel
+        self.stopping = 0
+        self.failed_devices: list[str] = []
+
+    def run(self) -> int:
+        """Run until every worker has finished; 0 if all ended cleanly, 1 if a device gave up."""
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            crashes: dict[str, deque[float]] = {}
+            for device in self.devices:
+                self._spawn(device, crashes.setdefault(device.label, deque()))
+            while self.children:
+                ready = wait([*self.children, *(c.conn for c in self.children.values())], timeout=1.0)
+                for obj in ready:
+                    if isinstance(obj, int):
+                        self._reap(obj)
+                    else:
+                        child = next((c for c in self.children.values() if c.conn is obj), None)
+                        if child is not None:
+                            self._receive(child)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        return 1 if self.failed_devices else 0
+
+    def _spawn(self, device: Device, crashes: deque[float]) -> None:
+        name = f"{socket.gethostname()}/{device.label}/{os.getpid()}"
+        args = worker.WorkerArgs(
+            study=self.study, storage_url=self.storage_url, device=device.kind, name=name,
+            output_dir=str(self.output_dir), threads=self.threads, log_level=self.log_level,
+        )
+        parent_conn, child_conn = self.ctx.Pipe(duplex=False)
+        process = self.ctx.Process(target=worker.main, args=(args, child_conn), name=f"hpsearch-{device.label}")
+        # A spawned child inherits the environment as it is at start(): narrow it to this GPU
+        # before the child (and its torch) is created, then restore ours.
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if device.kind == "cuda":
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(device.index)
+        try:
+            process.start()
+        finally:
+            if device.kind == "cuda":
+                _restore_env("CUDA_VISIBLE_DEVICES", saved)
+        child_conn.close()
+        self.children[process.sentinel] = Child(device, process, parent_conn, name, crashes=crashes)
+        log.info("worker %s started (pid %d)", name, process.pid)
+
+    def _receive(self, child: Child) -> bool:
+        """Read one message from the child; False once its end of the pipe is closed."""
+        try:
+            kind, trial_id, number = child.conn.recv()
+        except (EOFError, OSError):
+            return False
+        child.trial = (trial_id, number) if kind == "trial" else None
+        return True
+
+    def _reap(self, sentinel: int) -> None:
+        child = self.children.pop(sentinel)
+        child.process.join()
+        # Messages sent just before exit are still in the pipe.
+        while child.conn.poll() and self._receive(child):
+            pass
+        child.conn.close()
+        code = child.process.exitcode
+        if code == 0:
+            log.info("worker %s finished", child.name)
+            return
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        log.error("worker %s died unexpectedly (%s)%s", child.name, how, f" during trial {child.trial[1]}" if child.trial else "")
+        if child.trial is not None:
+            self._hand_back(child.trial[0], f"worker_crash ({how})")
+        if self.stopping:
+            return
+        now = time.monotonic()
+        child.crashes.append(now)
+        while child.crashes and now - child.crashes[0] > CRASH_WINDOW_S:
+            child.crashes.popleft()
+        if len(child.crashes) >= CRASH_LIMIT:
+            log.error("worker on %s crashed %d times in %d minutes; giving that device up (see its trial logs)", child.device.label, len(child.crashes), CRASH_WINDOW_S // 60)
+            self.failed_devices.append(child.device.label)
+            return
+        self._spawn(child.device, child.crashes)
+
+    def _hand_back(self, trial_id: int, reason: str) -> None:
+        from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE
+
+        storage = open_storage(self.storage_url, create=False)
+        try:
+            spec = studies.stored_spec(storage, self.study)
+            study = optuna.load_study(study_name=self.study, storage=storage.optuna)
+            number = storage.optuna.get_trial(trial_id).number
+            resume = self.output_dir / self.study / f"trial-{number}" / RESUME / RESUME_FILE
+            retry.hand_back(storage, study, trial_id, reason=reason, resume_from=resume, max_retries=spec.search.max_retries)
+        finally:
+            # The parent holds no connection while its children train.
+            storage.close()
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.stopping += 1
+        if self.stopping == 1:
+            log.warning("stopping: workers checkpoint and hand their trials back (again to quit at once)")
+            for child in self.children.values():
+                if child.process.is_alive() and signum == signal.SIGTERM:
+                    # Ctrl-C reaches the whole process group already; SIGTERM only us.
+                    os.kill(child.process.pid, signal.SIGTERM)
+        else:
+            for child in self.children.values():
+                if child.process.is_alive():
+                    child.process.kill()
+
+
+def _restore_env(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value

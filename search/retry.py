@@ -1,0 +1,62 @@
+"""Handing a trial back: record why it stopped and queue the same parameters again.
+
+Used by the worker (graceful stop), the supervisor (crashed child) and the reaper (lost host).
+Retries are explicit and counted: a trial is retried at most ``max_retries`` times.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from hpsearch.storage import budget
+from hpsearch.storage.open import Storage
+
+log = logging.getLogger(__name__)
+
+RETRY_OF = "retry_of"
+RETRY_COUNT = "retry_count"
+RESUME_FROM = "resume_from"
+FAIL_REASON = "fail_reason"
+
+
+def hand_back(
+    storage: Storage, study: optuna.Study, trial_id: int, *, reason: str, resume_from: Path | None, max_retries: int
+) -> bool:
+    """Mark the trial failed and, retries permitting, queue it again; True if queued.
+
+    The retry is enqueued before the budget slot is released, so whichever worker claims
+    the slot next pops exactly this retry from Optuna's queue.
+    """
+    frozen = storage.optuna.get_trial(trial_id)
+    if frozen.state.is_finished():
+        return False
+    storage.optuna.set_trial_user_attr(trial_id, FAIL_REASON, reason)
+    try:
+        storage.optuna.set_trial_state_values(trial_id, TrialState.FAIL)
+    except RuntimeError:
+        # Finished by someone else in the meantime (e.g. the worker told its result late).
+        return False
+    count = int(frozen.user_attrs.get(RETRY_COUNT, 0))
+    if count >= max_retries:
+        log.warning("trial %d failed (%s); out of retries (%d)", frozen.number, reason, max_retries)
+        return False
+    resume = resume_from if resume_from is not None and resume_from.exists() else None
+    study.enqueue_trial(
+        frozen.params,
+        user_attrs={
+            RETRY_OF: frozen.number,
+            RETRY_COUNT: count + 1,
+            RESUME_FROM: str(resume) if resume else "",
+        },
+        skip_if_exists=False,
+    )
+    budget.release_slot(storage.db, study.study_name, trial_number=frozen.number)
+    log.warning(
+        "trial %d failed (%s); retry %d/%d queued%s",
+        frozen.number, reason, count + 1, max_retries, f", resuming {resume}" if resume else "",
+    )
+    return True

@@ -1,0 +1,81 @@
+"""What `status` and `best` show: a study's trials by state and its best trial."""
+
+from __future__ import annotations
+
+import socket
+from collections import Counter
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from hpsearch.search.spec import StudySpec
+
+
+def best_trial(study: optuna.Study) -> FrozenTrial | None:
+    complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
+    if not complete:
+        return None
+    key = (lambda t: t.value) if study.direction == optuna.study.StudyDirection.MINIMIZE else (lambda t: -t.value)
+    return min(complete, key=key)
+
+
+def trial_dict(trial: FrozenTrial) -> dict[str, Any]:
+    attrs = trial.user_attrs
+    return {
+        "number": trial.number,
+        "state": trial.state.name,
+        "value": trial.value,
+        "params": trial.params,
+        "best_step": attrs.get("best_step"),
+        "best_checkpoint": attrs.get("best_checkpoint"),
+        "host": attrs.get("host"),
+        "device": attrs.get("device"),
+        "worker": attrs.get("worker"),
+        "train_samples_per_second": attrs.get("train_samples_per_second"),
+        "fail_reason": attrs.get("fail_reason"),
+    }
+
+
+def status(study: optuna.Study, spec: StudySpec, n_trials: int, storage_display: str) -> dict[str, Any]:
+    trials = study.get_trials(deepcopy=False)
+    states = Counter(t.state.name.lower() for t in trials)
+    best = best_trial(study)
+    return {
+        "study": study.study_name,
+        "storage": storage_display,
+        "metric": spec.search.metric,
+        "direction": spec.direction,
+        "n_trials": n_trials,
+        "finished": states["complete"] + states["pruned"],
+        "states": {s.name.lower(): states[s.name.lower()] for s in TrialState},
+        "best": trial_dict(best) if best else None,
+        "trials": [trial_dict(t) for t in trials],
+    }
+
+
+def format_status(s: dict[str, Any]) -> str:
+    st = s["states"]
+    lines = [
+        f"study {s['study']}  ({s['storage']})",
+        f"trials: {s['finished']}/{s['n_trials']} finished  complete {st['complete']}  pruned {st['pruned']}  "
+        f"failed {st['fail']}  running {st['running']}  waiting {st['waiting']}",
+    ]
+    lines += format_best(s["best"], s["metric"]).splitlines()
+    return "\n".join(lines)
+
+
+def format_best(best: dict[str, Any] | None, metric: str) -> str:
+    if best is None:
+        return "best: no complete trial yet"
+    lines = [f"best: trial {best['number']}  {metric} {best['value']:.4f} at step {best['best_step']}"]
+    lines += [f"  {k} = {_fmt(v)}" for k, v in sorted(best["params"].items())]
+    lines.append(f"  checkpoint: {best['best_checkpoint']}")
+    host = best.get("host")
+    if host and host != socket.gethostname():
+        lines.append(f"  warning: the checkpoint lives on host {host}, not on this host")
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

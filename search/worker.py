@@ -1,0 +1,232 @@
+"""A worker process: ask -> train -> tell on one device until the study's budget is used.
+
+Runs in a spawned child (see dispatch.py). It loads the tokenizer, the data and the
+pre-trained weights once and keeps them for every trial it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import traceback
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from hpsearch.search import retry, study as studies
+from hpsearch.search.spec import StudySpec, resolved
+from hpsearch.storage import budget
+from hpsearch.storage.db import PATIENT_RETRY
+from hpsearch.storage.open import Storage, open_storage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    study: str
+    storage_url: str
+    device: str
+    """"cpu" or "cuda" (the parent narrows CUDA_VISIBLE_DEVICES to this worker's GPU)."""
+    name: str
+    """Unique worker name: host/device/pid-ish, recorded on every trial it runs."""
+    output_dir: str
+    threads: int | None = None
+    log_level: int = logging.INFO
+
+
+class TrialReporter:
+    """The trainer's Reporter, backed by an Optuna trial."""
+
+    def __init__(self, trial: optuna.Trial) -> None:
+        self.trial = trial
+
+    def report(self, value: float, step: int) -> None:
+        self.trial.report(value, step)
+
+    def should_prune(self) -> bool:
+        return self.trial.should_prune()
+
+    def set_attrs(self, attrs: dict[str, Any]) -> None:
+        for key, value in attrs.items():
+            self.trial.set_user_attr(key, value)
+
+
+class StopFlag:
+    """First SIGTERM/SIGINT: finish the step, checkpoint, hand the trial back. Second: exit now."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self.requested:
+            os._exit(128 + signum)
+        self.requested = True
+        log.warning("received %s: checkpointing and handing the trial back", signal.Signals(signum).name)
+
+    def __call__(self) -> bool:
+        return self.requested
+
+
+def main(args: WorkerArgs, conn: Connection | None = None) -> None:
+    """Entry point of the spawned worker process."""
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s [{args.name}] %(levelname)s %(message)s")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    stop = StopFlag()
+    stop.install()
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        # TF32 tensor cores for fp32 matmuls: ~free speed on Ampere and newer.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    storage = open_storage(args.storage_url, create=False, retry=PATIENT_RETRY)
+    try:
+        Worker(args, storage, stop, conn).run()
+    finally:
+        storage.close()
+
+
+class Worker:
+    def __init__(self, args: WorkerArgs, storage: Storage, stop: StopFlag, conn: Connection | None) -> None:
+        import torch
+
+        from hpsearch.trainer.model import PretrainedCache, load_tokenizer
+
+        self.args, self.storage, self.stop, self.conn = args, storage, stop, conn
+        self.spec: StudySpec = resolved(studies.stored_spec(storage, args.study))
+        seed = studies.worker_seed(self.spec, args.name)
+        self.study = optuna.load_study(
+            study_name=args.study,
+            storage=storage.optuna,
+            sampler=studies.make_sampler(self.spec, seed),
+            pruner=studies.make_pruner(self.spec),
+        )
+        self.device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+        self.tokenizer = load_tokenizer(self.spec.model.name)
+        self.models = PretrainedCache()
+        self.root = Path(args.output_dir) / args.study
+        self._data: Any = None
+
+    def data(self) -> Any:
+        from hpsearch.trainer.dataset import prepare
+
+        if self._data is None:
+            self._data = prepare(self.spec.data, self.tokenizer, self.spec.model.max_length, self.root / "cache")
+        return self._data
+
+    def run(self) -> None:
+        finished = 0
+        while not self.stop():
+            n_trials = studies.n_trials(self.study, self.spec)
+            slot = budget.claim_slot(self.storage.db, self.args.study, n_trials, self.args.name)
+            if slot is None:
+                log.info("study budget (%d trials) is used; %d run here", n_trials, finished)
+                return
+            trial = self.study.ask()
+            budget.bind_slot(self.storage.db, self.args.study, slot, trial.number)
+            self._notify("trial", trial._trial_id, trial.number)
+            self.run_trial(trial)
+            self._notify("idle", trial._trial_id, trial.number)
+            finished += 1
+
+    def run_trial(self, trial: optuna.Trial) -> None:
+        from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE, CheckpointError
+        from hpsearch.trainer.loop import Run, fit
+
+        params = studies.suggest(trial, self.spec)
+        cfg = replace(self.spec.train, **params)
+        out_dir = self.root / f"trial-{trial.number}"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        reporter = TrialReporter(trial)
+        reporter.set_attrs({"device": self._device_name(), "host": socket.gethostname(), "worker": self.args.name})
+        resume = self._resume_point(trial, out_dir)
+        handler = _trial_log(out_dir)
+        log.info("trial %d starts: %s", trial.number, params)
+        try:
+            data = self.data()
+            model = self.models.fresh(self.spec.model.name, data.labels.num_labels, data.labels.id2label(), cfg.seed)
+            run = Run(
+                model=model, tokenizer=self.tokenizer, data=data, cfg=cfg, metric=self.spec.search.metric,
+                device=self.device, out_dir=out_dir, resume_from=resume, should_stop=self.stop,
+                meta={"study": self.args.study, "trial": trial.number, "params": params},
+            )
+            result = fit(run, reporter)
+        except CheckpointError as exc:
+            log.error("trial %d failed: %s", trial.number, exc)
+            self._fail(trial, exc.reason)
+            return
+        except Exception as exc:
+            log.error("trial %d failed:\n%s", trial.number, traceback.format_exc())
+            self._fail(trial, f"{type(exc).__name__}: {exc}"[:500])
+            return
+        finally:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+        if result.status != "interrupted":
+            # The resumable state is only for a retry of this attempt; the best model stays.
+            shutil.rmtree(out_dir / RESUME, ignore_errors=True)
+        if result.status == "complete" and result.best_value is not None:
+            self.study.tell(trial, result.best_value)
+            log.info("trial %d complete: %s = %.4f at step %s", trial.number, self.spec.search.metric, result.best_value, result.best_step)
+        elif result.status == "pruned":
+            if result.fail_reason:
+                trial.set_user_attr(retry.FAIL_REASON, result.fail_reason)
+            self.study.tell(trial, state=TrialState.PRUNED)
+            log.info("trial %d pruned at step %d%s", trial.number, result.steps, f" ({result.fail_reason})" if result.fail_reason else "")
+        elif result.status == "interrupted":
+            retry.hand_back(
+                self.storage, self.study, trial._trial_id, reason="interrupted",
+                resume_from=out_dir / RESUME / RESUME_FILE, max_retries=self.spec.search.max_retries,
+            )
+        else:
+            self._fail(trial, result.fail_reason or "no validation point reached")
+
+    def _resume_point(self, trial: optuna.Trial, out_dir: Path) -> Path | None:
+        source = trial.user_attrs.get(retry.RESUME_FROM)
+        if not source or not Path(source).exists():
+            return None
+        # The failed attempt's best model becomes this attempt's starting best.
+        old_best = Path(source).parent.parent / "best"
+        if old_best.exists() and not (out_dir / "best").exists():
+            shutil.move(str(old_best), out_dir / "best")
+        from hpsearch.trainer.checkpoint import load_resume
+
+        step = int(load_resume(Path(source))["step"])
+        trial.set_user_attr("resumed_from_step", step)
+        return Path(source)
+
+    def _fail(self, trial: optuna.Trial, reason: str) -> None:
+        trial.set_user_attr(retry.FAIL_REASON, reason)
+        self.study.tell(trial, state=TrialState.FAIL)
+
+    def _device_name(self) -> str:
+        if self.device.type == "cuda":
+            import torch
+
+            return f"cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', '0')} ({torch.cuda.get_device_name(0)})"
+        return "cpu"
+
+    def _notify(self, *message: Any) -> None:
+        if self.conn is not None:
+            self.conn.send(message)
+
+
+def _trial_log(out_dir: Path) -> logging.Handler:
+    handler = logging.FileHandler(out_dir / "train.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+    return handler

@@ -1,0 +1,69 @@
+"""Exact trial budgets shared by every worker of a study, on every host."""
+
+from __future__ import annotations
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from hpsearch.storage.db import Database
+from hpsearch.storage.errors import StorageError
+from hpsearch.storage.tables import BudgetSlot
+
+
+def claim_slot(db: Database, study_name: str, n_trials: int, worker: str) -> int | None:
+    """Claim a free budget slot; ``None`` once all ``n_trials`` are taken."""
+    while True:
+        used = db.run(lambda s: _used_slots(s, study_name), what="read trial budget")
+        free = next((n for n in range(n_trials) if n not in used), None)
+        if free is None:
+            return None
+        now = db.now()
+        try:
+            db.run(
+                lambda s, slot=free: s.add(
+                    BudgetSlot(study_name=study_name, slot=slot, worker=worker, claimed_at=now)
+                ),
+                what="claim trial budget slot",
+            )
+            return free
+        except StorageError as exc:
+            # Another worker took this slot between our read and our insert: try the next.
+            if isinstance(exc.__cause__, IntegrityError):
+                continue
+            raise
+
+
+def bind_slot(db: Database, study_name: str, slot: int, trial_number: int) -> None:
+    db.run(
+        lambda s: s.execute(
+            update(BudgetSlot)
+            .where(BudgetSlot.study_name == study_name, BudgetSlot.slot == slot)
+            .values(trial_number=trial_number)
+        ),
+        what="bind trial budget slot",
+    )
+
+
+def release_slot(db: Database, study_name: str, *, slot: int | None = None, trial_number: int | None = None) -> None:
+    """Give a slot back (its trial will be retried, or it was never used)."""
+    cond = [BudgetSlot.study_name == study_name]
+    if slot is not None:
+        cond.append(BudgetSlot.slot == slot)
+    if trial_number is not None:
+        cond.append(BudgetSlot.trial_number == trial_number)
+    db.run(lambda s: s.execute(delete(BudgetSlot).where(*cond)), what="release trial budget slot")
+
+
+def used_slots(db: Database, study_name: str) -> int:
+    return db.run(
+        lambda s: s.execute(
+            select(func.count()).select_from(BudgetSlot).where(BudgetSlot.study_name == study_name)
+        ).scalar_one(),
+        what="count trial budget slots",
+    )
+
+
+def _used_slots(s: Session, study_name: str) -> set[int]:
+    rows = s.execute(select(BudgetSlot.slot).where(BudgetSlot.study_name == study_name))
+    return {r[0] for r in rows}

@@ -1,0 +1,200 @@
+"""Engines, sessions and connection discipline for the study database.
+
+One engine per process, shared by Optuna's RDB storage and by our own tables, so a worker
+holds one connection whatever it does. Modelled on optuna's ``storages/_rdb/storage.py``:
+one session scope that commits, rolls back and wraps driver errors into ``StorageError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import sqlalchemy
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from hpsearch.storage import urls
+from hpsearch.storage.errors import StorageError, StorageUrlError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long to keep trying when the database is unreachable or a transaction is aborted.
+
+    Deadlocks, serialization failures and dropped connections are normal when many workers
+    share one server, and a restarted server comes back within seconds to minutes; giving up
+    at the first error would throw away a trial that is still training fine.
+    """
+
+    attempts: int = 8
+    base_delay_s: float = 0.2
+    max_delay_s: float = 30.0
+
+    def delays(self) -> Iterator[float]:
+        for attempt in range(self.attempts - 1):
+            cap = min(self.max_delay_s, self.base_delay_s * 2**attempt)
+            # Full jitter: workers that lost the server together must not reconnect in lockstep.
+            yield random.uniform(cap / 2, cap)
+
+
+DEFAULT_RETRY = RetryPolicy()
+# Long enough to ride out a PostgreSQL restart (issue: database outage mid-search).
+PATIENT_RETRY = RetryPolicy(attempts=40, base_delay_s=0.5, max_delay_s=15.0)
+
+
+def engine_kwargs(url: str, *, pool_size: int = 1) -> dict[str, Any]:
+    """Engine settings for ``url``: few connections, pre-ping, keepalives, lock patience."""
+    if urls.is_sqlite(url):
+        # Several local worker processes share the file: wait for the write lock instead of
+        # failing with "database is locked".
+        return {"connect_args": {"timeout": 120}}
+    return {
+        "pool_pre_ping": True,
+        "pool_size": pool_size,
+        # One spare for the rare moment two threads of a process (trainer + heartbeat) both
+        # hold a session; a pool of one would make them wait on each other instead.
+        "max_overflow": 1,
+        "pool_recycle": 1800,
+        "connect_args": {
+            "connect_timeout": 10,
+            "application_name": "hpsearch",
+            # An hour-long trial leaves its connection idle; NAT gateways and cloud firewalls
+            # silently drop idle TCP flows, so probe it well before that happens.
+            "keepalives": 1,
+            "keepalives_idle": 60,
+            "keepalives_interval": 10,
+            "keepalives_count": 5,
+        },
+    }
+
+
+def create_engine(url: str, *, pool_size: int = 1) -> Engine:
+    normalized = urls.normalize(url)
+    return sqlalchemy.create_engine(normalized, **engine_kwargs(normalized, pool_size=pool_size))
+
+
+def check_connection(engine: Engine) -> None:
+    """Connect once and turn the driver's complaint into a one-line, fixable message."""
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+    except SQLAlchemyError as exc:
+        raise StorageUrlError(describe_connect_error(engine, exc)) from None
+
+
+_CONNECT_HINTS: list[tuple[str, str]] = [
+    (r"could not translate host name \"?([^\" ]+)\"?", "cannot resolve host {0}; check the host in the storage URL"),
+    (r"password authentication failed for user \"?([^\" ]+)\"?", "PostgreSQL refused the password for user {0}; check user and password in the storage URL"),
+    (r"role \"?([^\" ]+)\"? does not exist", "PostgreSQL has no user {0}; create it (createuser) or fix the user in the storage URL"),
+    (r"database \"?([^\" ]+)\"? does not exist", "database {0} does not exist; create it (createdb {0}) or fix the name in the storage URL"),
+    (r"Connection refused", "nothing accepts connections there; start PostgreSQL, or fix the host/port in the storage URL"),
+    (r"timeout expired|timed out", "no answer within 10 s; check the host, the port, the firewall or the SSH tunnel"),
+    (r"no pg_hba.conf entry", "the server's pg_hba.conf does not admit this host; add a host line for it (see README)"),
+    (r"too many clients", "the server has no free connections (max_connections); stop idle clients or raise max_connections"),
+    (r"SSL", "SSL negotiation failed; set sslmode in the URL (e.g. ?sslmode=require or ?sslmode=disable)"),
+    (r"unable to open database file", "cannot open the SQLite file; check that its folder exists and is writable"),
+]
+
+
+def describe_connect_error(engine: Engine, exc: BaseException) -> str:
+    where = urls.mask(engine.url.render_as_string(hide_password=False))
+    text = str(getattr(exc, "orig", exc) or exc)
+    for pattern, hint in _CONNECT_HINTS:
+        match = re.search(pattern, text)
+        if match:
+            return f"cannot connect to storage {where}: {hint.format(*match.groups())}"
+    first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return f"cannot connect to storage {where}: {first_line}"
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Errors worth retrying: lost connections, server restarts, deadlocks, lock timeouts."""
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    if isinstance(exc, OperationalError):
+        return True
+    orig = getattr(exc, "orig", None)
+    code = getattr(orig, "pgcode", None)
+    # 40001 serialization_failure, 40P01 deadlock_detected, 57P01 admin_shutdown, 08xxx connection.
+    return bool(code and (code in {"40001", "40P01", "57P01", "57P02", "57P03"} or code.startswith("08")))
+
+
+def with_retries(fn: Callable[[], T], *, policy: RetryPolicy = DEFAULT_RETRY, what: str = "storage call") -> T:
+    """Run ``fn``, retrying transient database errors with jittered backoff."""
+    delays = policy.delays()
+    while True:
+        try:
+            return fn()
+        except SQLAlchemyError as exc:
+            if not is_transient(exc):
+                raise StorageError(f"{what} failed: {_one_line(exc)}") from exc
+            delay = next(delays, None)
+            if delay is None:
+                raise StorageError(
+                    f"{what} failed after {policy.attempts} attempts: {_one_line(exc)}"
+                ) from exc
+            log.warning("%s: transient database error (%s); retrying in %.1fs", what, _one_line(exc), delay)
+            time.sleep(delay)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class Database:
+    """Our own tables in the study database, sharing the engine (and pool) with Optuna."""
+
+    def __init__(self, engine: Engine, *, retry: RetryPolicy = DEFAULT_RETRY) -> None:
+        self.engine = engine
+        self.retry = retry
+        self._sessions = sessionmaker(bind=engine, expire_on_commit=False)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A transaction: commits on success, rolls back on error (no retry inside)."""
+        session = self._sessions()
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+        finally:
+            session.close()
+
+    def run(self, fn: Callable[[Session], T], *, what: str) -> T:
+        """Run ``fn`` in its own transaction, retried as a whole on transient errors."""
+
+        def attempt() -> T:
+            with self.session() as s:
+                return fn(s)
+
+        return with_retries(attempt, policy=self.retry, what=what)
+
+    def now(self) -> float:
+        """The database clock, as a Unix timestamp: staleness is judged by it, not by hosts."""
+
+        def read(s: Session) -> float:
+            if self.engine.dialect.name == "sqlite":
+                value = s.execute(
+                    sqlalchemy.text("SELECT (julianday('now') - 2440587.5) * 86400.0")
+                ).scalar_one()
+            else:
+                value = s.execute(
+                    sqlalchemy.text("SELECT EXTRACT(EPOCH FROM clock_timestamp())")
+                ).scalar_one()
+            return float(value)
+
+        return self.run(read, what="read database clock")

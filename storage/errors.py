@@ -1,0 +1,19 @@
+"""Errors raised by the storage layer.
+
+Every driver error that escapes ``storage/`` is wrapped into one of these, so callers
+handle one family and the CLI can turn them into a one-line message.
+"""
+
+from __future__ import annotations
+
+
+class StorageError(Exception):
+    """A storage operation failed; the message says what and how to fix it."""
+
+
+class StorageUrlError(StorageError):
+    """The storage URL is malformed, points nowhere, or is refused (bad user input)."""
+
+
+class StudyNotFoundError(StorageError):
+    """The named study does not exist in the storage."""

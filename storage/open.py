@@ -1,0 +1,94 @@
+"""Open a study storage: Optuna's RDB tables plus ours, on one engine per process."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from dataclasses import dataclass
+
+import optuna
+from sqlalchemy.exc import SQLAlchemyError
+
+from hpsearch.storage import urls
+from hpsearch.storage.db import Database, RetryPolicy, check_connection, create_engine, engine_kwargs
+from hpsearch.storage.errors import StorageError, StorageUrlError, StudyNotFoundError
+from hpsearch.storage.tables import Base
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Storage:
+    url: str
+    """The normalized URL (with password; never print it, use ``display``)."""
+    optuna: optuna.storages.RDBStorage
+    db: Database
+
+    @property
+    def display(self) -> str:
+        return urls.mask(self.url)
+
+    def close(self) -> None:
+        self.optuna.engine.dispose()
+
+
+def open_storage(url: str, *, create: bool, retry: RetryPolicy | None = None) -> Storage:
+    """Connect to ``url``. With ``create=False`` a missing SQLite file is an error, not a new file."""
+    normalized = urls.normalize(url)
+    path = urls.sqlite_path(normalized)
+    if path is not None:
+        _prepare_sqlite(path, create=create, display=urls.mask(url))
+    else:
+        # Fail fast with a fixable message before Optuna creates tables or logs a traceback.
+        probe = create_engine(normalized)
+        try:
+            check_connection(probe)
+        finally:
+            probe.dispose()
+    try:
+        rdb = optuna.storages.RDBStorage(normalized, engine_kwargs=engine_kwargs(normalized))
+        Base.metadata.create_all(rdb.engine)
+    except SQLAlchemyError as exc:
+        raise StorageError(f"cannot open storage {urls.mask(url)}: {str(exc).splitlines()[0]}") from exc
+    db = Database(rdb.engine, retry=retry) if retry else Database(rdb.engine)
+    return Storage(url=normalized, optuna=rdb, db=db)
+
+
+def _prepare_sqlite(path, *, create: bool, display: str) -> None:  # type: ignore[no-untyped-def]
+    if not path.exists():
+        if not create:
+            raise StudyNotFoundError(
+                f"no study storage at {display} (the file does not exist); run `hpsearch start` "
+                "first, or pass --storage / set HPSEARCH_STORAGE to the study's database"
+            )
+        if not path.parent.is_dir():
+            raise StorageUrlError(
+                f"cannot create SQLite storage {display}: folder {path.parent} does not exist"
+            )
+    # WAL is a property of the file, so set it once before any pooled connection opens:
+    # it lets status/dashboard readers run while workers write.
+    conn = sqlite3.connect(path, timeout=120)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+    finally:
+        conn.close()
+
+
+def study_exists(storage: Storage, name: str) -> bool:
+    try:
+        storage.optuna.get_study_id_from_name(name)
+    except KeyError:
+        return False
+    return True
+
+
+def require_study(storage: Storage, name: str) -> int:
+    try:
+        return storage.optuna.get_study_id_from_name(name)
+    except KeyError:
+        names = [s.study_name for s in storage.optuna.get_all_studies()]
+        known = f" (studies there: {', '.join(names)})" if names else " (it holds no studies)"
+        raise StudyNotFoundError(
+            f"study {name!r} does not exist in {urls.mask(storage.url)}{known}; "
+            "create it with `hpsearch start --study NAME`"
+        ) from None

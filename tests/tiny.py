@@ -1,0 +1,44 @@
+"""A tiny BERT and its tokenizer, built locally (no hub), for fast real training on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hpsearch.search.presets import demo_data
+
+
+def build_tiny_bert(folder: Path, *, hidden: int = 32, layers: int = 2, dropout: float = 0.1) -> Path:
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    words = sorted(
+        {w.strip(",") for row in demo_data.generate(2000, seed=99) for w in row["text"].split()}
+        | {"good", "bad", "great", "terrible", "fine"}
+    )
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    
+    tokens = specials + [","] + words
+    tokenizer = BertTokenizerFast(vocab={t: i for i, t in enumerate(tokens)}, do_lower_case=True)
+    tokenizer.save_pretrained(folder)
+    config = BertConfig(
+        vocab_size=len(specials) + 1 + len(words),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=hidden * 2,
+        max_position_embeddings=128,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    BertForSequenceClassification(config).save_pretrained(folder)
+    return folder
+
+
+def write_demo_split(path: Path, n: int, seed: int, *, label_as: str = "string") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for row in demo_data.generate(n, seed):
+            label: object = row["label"] if label_as == "string" else int(row["label"] == "positive")
+            f.write(json.dumps({"text": row["text"], "label": label}) + "\n")
+    return path

@@ -1,0 +1,92 @@
+"""Writing checkpoints atomically: the best model (for users) and resumable state (for us)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpsearch.trainer.model import unwrap
+
+BEST = "best"
+RESUME = "resume"
+RESUME_FILE = "state.pt"
+
+
+class CheckpointError(OSError):
+    """Saving a checkpoint failed; ``reason`` is recorded on the trial (e.g. "disk_full")."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def save_best(model: torch.nn.Module, tokenizer: Any, out_dir: Path, meta: dict[str, Any]) -> Path:
+    """Save model + tokenizer loadable with ``from_pretrained``; replaces the previous best."""
+    target = out_dir / BEST
+
+    def write(tmp: Path) -> None:
+        unwrap(model).save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
+        tokenizer.save_pretrained(tmp)
+        (tmp / "hpsearch.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+
+    _atomic_dir(target, write)
+    return target
+
+
+def save_resume(out_dir: Path, state: dict[str, Any]) -> Path:
+    """Everything needed to continue exactly: weights, optimizer, scheduler, scaler, RNG, position."""
+    target = out_dir / RESUME
+    state = {**state, "rng": rng_state()}
+    _atomic_dir(target, lambda tmp: torch.save(state, tmp / RESUME_FILE))
+    return target / RESUME_FILE
+
+
+def load_resume(path: Path) -> dict[str, Any]:
+    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+    return state
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "torch": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.random.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _atomic_dir(target: Path, write: Any) -> None:
+    """Write into a sibling temp folder, then swap it in: a crash never leaves half a checkpoint."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        write(tmp)
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        if target.exists():
+            os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise CheckpointError(f"disk full while saving {target}: {exc}", "disk_full") from exc
+        raise CheckpointError(f"cannot save checkpoint {target}: {exc}", "checkpoint_error") from exc
+    except RuntimeError as exc:
+        # torch.save reports a full disk as a RuntimeError from its zip writer.
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = "disk_full" if "No space left" in str(exc) or "file write failed" in str(exc) else "checkpoint_error"
+        raise CheckpointError(f"cannot save checkpoint {target}: {exc}", reason) from exc

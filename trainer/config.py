@@ -1,0 +1,187 @@
+"""Plain, typed configuration of one fine-tune, with validation that names the field.
+
+The trainer receives these already merged (spec defaults + the trial's sampled values); it
+knows nothing of studies or search spaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the rule."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = ""
+    """Local path or hub id, loaded with AutoModelForSequenceClassification + AutoTokenizer."""
+    max_length: int = 128
+    """Tokens per example; longer texts are truncated."""
+
+    def validate(self, where: str = "model") -> None:
+        if not self.name:
+            raise ConfigError(f"{where}.name: missing; set it to a local model folder or a hub id")
+        if not 8 <= self.max_length <= 65536:
+            raise ConfigError(f"{where}.max_length: {self.max_length} must be between 8 and 65536")
+
+
+@dataclass
+class DataConfig:
+    train: str = ""
+    """Training file: .jsonl, .csv or .tsv (relative paths resolve against the spec file)."""
+    validation: str = ""
+    """Validation file, same format; the objective is measured on it."""
+    text_column: str = "text"
+    """Column (or JSON key) holding the input text."""
+    label_column: str = "label"
+    """Column holding the label: integers, or strings that are mapped to ids and saved."""
+
+    def validate(self, where: str = "data") -> None:
+        for name in ("train", "validation"):
+            if not getattr(self, name):
+                raise ConfigError(f"{where}.{name}: missing; set it to a .jsonl, .csv or .tsv file")
+        for name in ("text_column", "label_column"):
+            if not getattr(self, name):
+                raise ConfigError(f"{where}.{name}: must not be empty")
+
+
+@dataclass
+class TrainConfig:
+    learning_rate: float = 5e-5
+    """Peak learning rate of AdamW, reached after warm-up, then decayed linearly to 0."""
+    batch_size: int = 32
+    """Effective batch: examples per optimizer step (micro_batch_size x accumulation steps)."""
+    micro_batch_size: int | Literal["auto"] = 16
+    """Examples per forward pass; "auto" picks the largest that fits, up to batch_size."""
+    epochs: int = 1
+    """Passes over the training data."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps (0 = no cap)."""
+    eval_every: int = 50
+    """Optimizer steps between validation points (and one more at the end)."""
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """auto: bf16 where the hardware supports it (CPU included), else fp16 on GPU, else fp32."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay (not applied to biases and LayerNorm weights)."""
+    warmup_ratio: float = 0.0
+    """Fraction of the optimizer steps spent warming the learning rate up from 0."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping threshold (0 = no clipping)."""
+    seed: int = 0
+    """Seed of initialisation, shuffling and dropout."""
+    group_by_length: bool = True
+    """Batch examples of similar length together (shuffled buckets) to avoid padding."""
+    compile: bool = False
+    """Wrap the model in torch.compile (worth it for long trials on GPU)."""
+
+    def validate(self, where: str = "train") -> None:
+        def rule(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"{where}.{name}: {getattr(self, name)!r} {msg}")
+
+        rule(self.learning_rate > 0, "learning_rate", "must be > 0")
+        rule(self.batch_size >= 1, "batch_size", "must be >= 1")
+        if self.micro_batch_size != "auto":
+            rule(self.micro_batch_size >= 1, "micro_batch_size", 'must be >= 1 or "auto"')
+            rule(
+                self.batch_size % self.micro_batch_size == 0,
+                "micro_batch_size",
+                f"must divide batch_size ({self.batch_size})",
+            )
+        rule(self.epochs >= 1, "epochs", "must be >= 1")
+        rule(self.max_steps >= 0, "max_steps", "must be >= 0 (0 = no cap)")
+        rule(self.eval_every >= 1, "eval_every", "must be >= 1")
+        rule(self.precision in PRECISIONS, "precision", f"must be one of {', '.join(PRECISIONS)}")
+        rule(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        rule(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
+        rule(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 = no clipping)")
+
+
+C = TypeVar("C")
+
+
+def from_dict(cls: type[C], values: dict[str, Any], where: str) -> C:
+    """Build dataclass ``cls`` from ``values``, rejecting unknown keys and wrong types."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: must be a table, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(f"{where}.{key}: unknown key; known keys: {', '.join(sorted(names))}")
+        kwargs[key] = coerce(value, hints[key], f"{where}.{key}")
+    return cls(**kwargs)
+
+
+def coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check ``value`` against a type hint (int, float, bool, str, Literal, unions of those)."""
+    origin = get_origin(hint)
+    if origin is Literal:
+        if value not in get_args(hint):
+            allowed = ", ".join(repr(a) for a in get_args(hint))
+            raise ConfigError(f"{where}: {value!r} must be one of {allowed}")
+        return value
+    if origin in (Union, types.UnionType):
+        for option in get_args(hint):
+            try:
+                return coerce(value, option, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}: {value!r} has the wrong type; expected {_describe(hint)}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif hint is type(None):
+        if value is None:
+            return value
+    else:
+        return value
+    raise ConfigError(f"{where}: {value!r} has the wrong type; expected {_describe(hint)}")
+
+
+def _describe(hint: Any) -> str:
+    origin = get_origin(hint)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in get_args(hint))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(hint))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        hint, str(hint)
+    )
+
+
+def field_doc(cls: type, name: str) -> str:
+    """The docstring written under a dataclass field (for --help and error hints)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == name:
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                return str(nxt.value.value)
+    return ""
+
+
+__all__ = ["ConfigError", "DataConfig", "ModelConfig", "TrainConfig", "field", "from_dict"]

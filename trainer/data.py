@@ -1,0 +1,224 @@
+"""Reading labelled text files, mapping labels, tokenising once and batching without waste."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUFFIXES = (".jsonl", ".csv", ".tsv")
+
+
+class DataError(ValueError):
+    """A data file is missing, unreadable or inconsistent; the message says which and how."""
+
+
+@dataclass(frozen=True)
+class Rows:
+    texts: list[str]
+    labels: list[Any]
+    path: Path
+
+
+def read_rows(path: Path, text_column: str, label_column: str) -> Rows:
+    """Read (text, label) pairs from a .jsonl, .csv or .tsv file, with errors that say where."""
+    if not path.exists():
+        raise DataError(f"data file {path} does not exist; check the path in the spec's [data] table")
+    if path.is_dir():
+        raise DataError(f"data file {path} is a folder; point [data] at a .jsonl, .csv or .tsv file")
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise DataError(f"data file {path}: unsupported extension {suffix!r}; use .jsonl, .csv or .tsv")
+    try:
+        raw = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"data file {path} is not UTF-8 (bad byte at offset {exc.start}); re-save it as UTF-8"
+        ) from None
+    records = _read_jsonl(raw, path) if suffix == ".jsonl" else _read_table(raw, path, suffix)
+    if not records:
+        raise DataError(f"data file {path} has no rows; it needs a header and at least one example")
+    texts: list[str] = []
+    labels: list[Any] = []
+    for line_no, record in records:
+        for column in (text_column, label_column):
+            if column not in record:
+                known = ", ".join(sorted(record)) or "none"
+                raise DataError(
+                    f"data file {path}: row at line {line_no} has no column {column!r} (columns: "
+                    f"{known}); fix the file or set data.{'text' if column == text_column else 'label'}_column"
+                )
+        text, label = record[text_column], record[label_column]
+        if not isinstance(text, str):
+            raise DataError(f"data file {path}: line {line_no}: {text_column!r} must be text, got {text!r}")
+        if label is None or label == "":
+            raise DataError(f"data file {path}: line {line_no}: empty label in column {label_column!r}")
+        texts.append(text)
+        labels.append(label)
+    return Rows(texts, labels, path)
+
+
+def _read_jsonl(raw: str, path: Path) -> list[tuple[int, dict[str, Any]]]:
+    records = []
+    for line_no, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"data file {path}: line {line_no} is not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise DataError(f"data file {path}: line {line_no} must be a JSON object")
+        records.append((line_no, record))
+    return records
+
+
+def _read_table(raw: str, path: Path, suffix: str) -> list[tuple[int, dict[str, Any]]]:
+    lines = raw.splitlines()
+    if suffix == ".tsv":
+        # TSV corpora (GLUE among them) contain bare quotes: quoting must be off.
+        reader = csv.reader(lines, delimiter="\t", quoting=csv.QUOTE_NONE)
+    else:
+        reader = csv.reader(lines)
+    rows = list(reader)
+    if not rows:
+        return []
+    header = rows[0]
+    records = []
+    for offset, row in enumerate(rows[1:], start=2):
+        if not row or all(not cell.strip() for cell in row):
+            continue
+        if len(row) != len(header):
+            raise DataError(
+                f"data file {path}: line {offset} has {len(row)} fields, the header has {len(header)}"
+            )
+        records.append((offset, dict(zip(header, row))))
+    return records
+
+
+@dataclass(frozen=True)
+class LabelMap:
+    """Label value <-> class id. Saved with every checkpoint so predictions decode back."""
+
+    names: tuple[str, ...]
+    numeric: bool
+
+    @classmethod
+    def fit(cls, labels: Sequence[Any], path: Path) -> LabelMap:
+        if all(_as_int(v) is not None for v in labels):
+            ids = [_as_int(v) for v in labels]
+            if min(ids) < 0:  # type: ignore[type-var]
+                raise DataError(f"data file {path}: integer labels must be >= 0 (found {min(ids)})")  # type: ignore[type-var]
+            n = max(ids) + 1  # type: ignore[type-var, operator]
+            if n < 2:
+                raise DataError(f"data file {path}: every example has label 0; a classifier needs >= 2 classes")
+            return cls(tuple(str(i) for i in range(n)), numeric=True)
+        names = sorted({str(v) for v in labels})
+        if len(names) < 2:
+            raise DataError(f"data file {path}: only one label ({names[0]!r}); a classifier needs >= 2 classes")
+        return cls(tuple(names), numeric=False)
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.names)
+
+    def encode(self, labels: Sequence[Any], path: Path) -> list[int]:
+        index = {name: i for i, name in enumerate(self.names)}
+        out = []
+        for row, value in enumerate(labels, start=1):
+            key = str(_as_int(value)) if self.numeric and _as_int(value) is not None else str(value)
+            if key not in index:
+                raise DataError(
+                    f"data file {path}: example {row} has label {value!r}, never seen in the training "
+                    f"data (labels: {', '.join(self.names[:10])}); fix the label or add it to training"
+                )
+            out.append(index[key])
+        return out
+
+    def id2label(self) -> dict[int, str]:
+        return dict(enumerate(self.names))
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value.strip())
+    return None
+
+
+@dataclass
+class Encoded:
+    """A tokenised split: variable-length id lists (no padding is stored) and class ids."""
+
+    input_ids: list[list[int]]
+    labels: list[int]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids in self.input_ids]
+
+    def real_tokens(self, indices: Sequence[int]) -> int:
+        return sum(len(self.input_ids[i]) for i in indices)
+
+
+def micro_batches(
+    lengths: Sequence[int], micro_batch_size: int, *, seed: int, epoch: int, group_by_length: bool
+) -> list[list[int]]:
+    """The epoch's micro-batches as index lists, deterministic in (seed, epoch).
+
+    With ``group_by_length``, indices are shuffled, cut into mega-batches of 50 micro-batches,
+    sorted by length inside each, then the micro-batches are shuffled: batches stay random
+    across the epoch but each holds similar lengths, so dynamic padding wastes little.
+    """
+    rng = random.Random(seed * 100_003 + epoch)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    if group_by_length:
+        mega = micro_batch_size * 50
+        grouped: list[int] = []
+        for start in range(0, len(order), mega):
+            chunk = order[start : start + mega]
+            grouped.extend(sorted(chunk, key=lambda i: lengths[i], reverse=True))
+        order = grouped
+    batches = [order[i : i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+    if group_by_length:
+        rng.shuffle(batches)
+    return batches
+
+
+def eval_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Validation batches sorted by length: same result, far less padding."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def collate(data: Encoded, indices: Sequence[int], pad_id: int) -> dict[str, Any]:
+    """Pad to the longest sequence of this batch only; returns CPU tensors (pinned by caller)."""
+    import torch
+
+    width = max(len(data.input_ids[i]) for i in indices)
+    ids = torch.full((len(indices), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(indices), width), dtype=torch.long)
+    for row, i in enumerate(indices):
+        seq = data.input_ids[i]
+        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask[row, : len(seq)] = 1
+    labels = torch.tensor([data.labels[i] for i in indices], dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def iter_chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]

@@ -1,0 +1,164 @@
+"""One fine-tune: the training loop, in the spirit of nanoGPT's train.py and litgpt's fit()."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hpsearch.trainer import checkpoint as ckpt
+from hpsearch.trainer import precision as prec
+from hpsearch.trainer.config import TrainConfig
+from hpsearch.trainer.data import collate, micro_batches
+from hpsearch.trainer.dataset import Prepared
+from hpsearch.trainer.evaluate import Metrics, evaluate
+from hpsearch.trainer.optim import build_optimizer, build_scheduler, plan_steps
+from hpsearch.trainer.report import Reporter, TrainResult
+from hpsearch.trainer.stats import Throughput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """What one trial trains: model, tokenizer, data, config and where its files go."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    data: Prepared
+    cfg: TrainConfig
+    metric: str  # "loss" (minimise) or "accuracy" (maximise)
+    device: torch.device
+    out_dir: Path
+    resume_from: Path | None = None
+    should_stop: Callable[[], bool] = lambda: False
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def fit(run: Run, reporter: Reporter) -> TrainResult:
+    cfg, device, data = run.cfg, run.device, run.data
+    precision = prec.resolve(cfg.precision, device)
+    torch.manual_seed(cfg.seed)
+    model = run.model.to(device)
+    model.train()
+    micro = cfg.batch_size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
+    accum = cfg.batch_size // micro
+    total_steps, steps_per_epoch = plan_steps(len(data.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
+    optimizer = build_optimizer(model, cfg, device)
+    scheduler = build_scheduler(optimizer, cfg, total_steps)
+    scaler = prec.grad_scaler(precision, device)
+    step, best_value, best_step = 0, None, None
+    if run.resume_from is not None:
+        state = ckpt.load_resume(run.resume_from)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        ckpt.set_rng_state(state["rng"])
+        step, best_value, best_step = state["step"], state["best_value"], state["best_step"]
+        log.info("resumed from %s at optimizer step %d", run.resume_from, step)
+    better = (lambda a, b: a < b) if run.metric == "loss" else (lambda a, b: a > b)
+    speed = Throughput(device)
+    result = TrainResult(status="complete")
+    # Loss is accumulated on the device and read with .item() only at validation points:
+    # .item() forces a host-device sync that would stall the GPU's queue every step.
+    running_loss = torch.zeros((), device=device)
+    running_steps = 0
+
+    while step < total_steps:
+        epoch, group_in_epoch = divmod(step, steps_per_epoch)
+        batches = micro_batches(
+            data.train.lengths, micro, seed=cfg.seed, epoch=epoch, group_by_length=cfg.group_by_length
+        )
+        group = batches[group_in_epoch * accum : (group_in_epoch + 1) * accum]
+        # Normalise by the examples of the whole optimizer step, not per micro-batch: the
+        # summed gradient then equals one big batch's, even when the last micro-batch is short.
+        step_examples = sum(len(b) for b in group)
+        speed.resume()
+        for indices in group:
+            batch = _to_device(collate(data.train, indices, data.pad_id), device)
+            with prec.autocast(precision, device):
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum") / step_examples
+            scaler.scale(loss).backward()
+            running_loss += loss.detach()
+            speed.add(examples=len(indices), tokens=data.train.real_tokens(indices))
+        if cfg.max_grad_norm > 0:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        step += 1
+        running_steps += 1
+
+        stopping = run.should_stop()
+        if step % cfg.eval_every == 0 or step == total_steps or stopping:
+            train_loss = running_loss.item() / running_steps
+            speed.pause()
+            running_loss.zero_()
+            running_steps = 0
+            if not math.isfinite(train_loss):
+                result = TrainResult(status="pruned", fail_reason="nan_loss")
+                log.warning("train loss is %s at step %d: pruning", train_loss, step)
+                break
+            if stopping:
+                _save_resume(run, model, optimizer, scheduler, scaler, step, best_value, best_step)
+                result = TrainResult(status="interrupted")
+                break
+            metrics = evaluate(model, data.validation, pad_id=data.pad_id, batch_size=micro * 2, device=device, precision=precision)
+            value = metrics.objective(run.metric)
+            log.info("step %d/%d train_loss %.4f val_loss %.4f val_acc %.4f", step, total_steps, train_loss, metrics.loss, metrics.accuracy)
+            # Order of a validation point: evaluate, save if best, report, then ask to prune.
+            if best_value is None or better(value, best_value):
+                best_value, best_step = value, step
+                path = ckpt.save_best(model, run.tokenizer, run.out_dir, _meta(run, metrics, step))
+                reporter.set_attrs({"best_checkpoint": str(path.resolve()), "best_step": step, **_metric_attrs(metrics)})
+            if step < total_steps:
+                _save_resume(run, model, optimizer, scheduler, scaler, step, best_value, best_step)
+            reporter.report(value, step)
+            if reporter.should_prune():
+                result = TrainResult(status="pruned")
+                break
+
+    speed.pause()
+    result.best_value, result.best_step, result.steps = best_value, best_step, step
+    if best_step is not None:
+        result.best_checkpoint = str((run.out_dir / ckpt.BEST).resolve())
+    result.attrs = {**speed.attrs(), "precision": precision, "micro_batch_size": micro, "accumulation_steps": accum}
+    reporter.set_attrs(result.attrs)
+    return result
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    if device.type != "cuda":
+        return batch
+    # Page-locked host memory lets the copy overlap with compute (non_blocking).
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _save_resume(run: Run, model: torch.nn.Module, optimizer: Any, scheduler: Any, scaler: Any, step: int, best_value: float | None, best_step: int | None) -> None:
+    from hpsearch.trainer.model import unwrap
+
+    ckpt.save_resume(run.out_dir, {
+        "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+        "step": step, "best_value": best_value, "best_step": best_step,
+        "config": vars(run.cfg), "micro_batch_size": run.cfg.micro_batch_size,
+    })
+
+
+def _meta(run: Run, metrics: Metrics, step: int) -> dict[str, Any]:
+    return {**run.meta, "step": step, "val_loss": metrics.loss, "val_accuracy": metrics.accuracy, "train": vars(run.cfg)}
+
+
+def _metric_attrs(metrics: Metrics) -> dict[str, float]:
+    return {"best_val_loss": metrics.loss, "best_val_accuracy": metrics.accuracy}

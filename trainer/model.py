@@ -1,0 +1,112 @@
+"""Loading a pre-trained classifier once per process and handing each trial a fresh copy."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class ModelError(ValueError):
+    """The model or its tokenizer cannot be loaded; the message says why and what to do."""
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    # Load reports ("classifier.weight MISSING") are expected for a new head; keep logs clean.
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def load_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise ModelError(_explain(name, exc)) from None
+
+
+def _explain(name: str, exc: BaseException) -> str:
+    path = Path(name).expanduser()
+    if path.exists():
+        return (
+            f"model.name: {name} is a folder but not a loadable model/tokenizer "
+            f"({str(exc).splitlines()[0]}); it needs config.json, weights and tokenizer files"
+        )
+    if name.startswith((".", "/", "~")) or os.sep in name.strip("/").split("/", 1)[-1]:
+        return f"model.name: folder {name} does not exist; fix the path"
+    return (
+        f"model.name: cannot load {name!r}: not a local folder, and the hub is unreachable or "
+        "has no such model; download it first (huggingface-cli download) and point at the folder"
+    )
+
+
+class PretrainedCache:
+    """Keeps each pre-trained model in host memory so later trials skip the disk read.
+
+    A trial gets a deep copy of the pristine model with a freshly, deterministically
+    initialised classification head, which is what ``from_pretrained`` would produce.
+    """
+
+    def __init__(self) -> None:
+        self._models: dict[tuple[str, int], torch.nn.Module] = {}
+
+    def fresh(self, name: str, num_labels: int, id2label: dict[int, str], seed: int) -> torch.nn.Module:
+        key = (name, num_labels)
+        if key not in self._models:
+            self._models[key] = load_model(name, num_labels)
+        model = copy.deepcopy(self._models[key])
+        model.config.id2label = dict(id2label)
+        model.config.label2id = {v: k for k, v in id2label.items()}
+        _reinit_head(model, seed)
+        return model
+
+
+def load_model(name: str, num_labels: int) -> torch.nn.Module:
+    from transformers import AutoModelForSequenceClassification
+
+    _quiet_transformers()
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(
+            name, num_labels=num_labels, attn_implementation="sdpa"
+        )
+    except (OSError, ValueError) as exc:
+        if "sdpa" in str(exc).lower():
+            # Architectures without an SDPA kernel fall back to their default attention.
+            return AutoModelForSequenceClassification.from_pretrained(name, num_labels=num_labels)
+        raise ModelError(_explain(name, exc)) from None
+
+
+def _reinit_head(model: torch.nn.Module, seed: int) -> None:
+    """Re-draw the new head's weights from ``seed`` as transformers does (body stays pre-trained)."""
+    std = float(getattr(model.config, "initializer_range", 0.02) or 0.02)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in _head_modules(model):
+            weight = torch.randn(module.weight.shape, generator=generator) * std
+            module.weight.copy_(weight.to(module.weight.dtype))
+            if module.bias is not None:
+                module.bias.zero_()
+
+
+def _head_modules(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    for attr in ("classifier", "score", "classification_head"):
+        head = getattr(model, attr, None)
+        if isinstance(head, torch.nn.Module):
+            return [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+    return []
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain model under torch.compile / DDP wrappers (what gets saved)."""
+    inner = getattr(model, "_orig_mod", model)
+    return getattr(inner, "module", inner)

@@ -1,0 +1,42 @@
+"""Optimizer, learning-rate schedule and step plan of a fine-tune."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hpsearch.trainer.config import TrainConfig
+
+
+def plan_steps(n_examples: int, batch_size: int, epochs: int, max_steps: int) -> tuple[int, int]:
+    """(total optimizer steps, optimizer steps per epoch); the last step of an epoch may be short."""
+    per_epoch = max(1, math.ceil(n_examples / batch_size))
+    total = per_epoch * epochs
+    return (min(total, max_steps) if max_steps else total), per_epoch
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        # Weight decay on biases and norm scales only shrinks them toward zero for no benefit.
+        (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    # The fused CUDA kernel updates all parameters in a few launches instead of one per tensor.
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=device.type == "cuda")
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    warmup = int(round(cfg.warmup_ratio * total_steps))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
