@@ -1,0 +1,119 @@
+"""Shared fixtures: a tiny local BERT, demo data, specs, and real storages (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.tiny import build_tiny_bert, write_demo_split
+
+PG_ADMIN_URL = os.environ.get("HPSEARCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_bert(tmp_path_factory.mktemp("tiny-bert") / "model")
+
+
+@pytest.fixture(scope="session")
+def demo_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("data")
+    return write_demo_split(root / "train.jsonl", 320, 1), write_demo_split(root / "dev.jsonl", 96, 2)
+
+
+def spec_text(model: Path, train: Path, dev: Path, *, n_trials: int = 2, extra_train: str = "",
+              space: str = 'learning_rate = { type = "float", low = 1e-4, high = 3e-3, log = true }',
+              search: str = "") -> str:
+    return f"""
+[model]
+name = "{model}"
+max_length = 32
+[data]
+train = "{train}"
+validation = "{dev}"
+[train]
+learning_rate = 1e-3
+batch_size = 32
+micro_batch_size = 16
+epochs = 2
+eval_every = 5
+precision = "fp32"
+{extra_train}
+[search]
+n_trials = {n_trials}
+sampler = "tpe"
+pruner = "median"
+metric = "loss"
+seed = 0
+{search}
+[search.space]
+{space}
+"""
+
+
+@pytest.fixture
+def spec_file(tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> Path:
+    path = tmp_path / "spec.toml"
+    path.write_text(spec_text(tiny_model, *demo_files))
+    return path
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'study.db'}"
+
+
+def _pg_available() -> bool:
+    try:
+        import psycopg2
+
+        psycopg2.connect(PG_ADMIN_URL.replace("postgresql://", "postgresql://", 1), connect_timeout=3).close()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A throwaway database on the machine's PostgreSQL server, dropped afterwards."""
+    import psycopg2
+
+    if not _pg_available():
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL is not reachable at {PG_ADMIN_URL} (CI must start it)")
+        pytest.skip("PostgreSQL server not reachable")
+    name = f"hpsearch_test_{uuid.uuid4().hex[:10]}"
+    admin = psycopg2.connect(PG_ADMIN_URL)
+    admin.autocommit = True
+    admin.cursor().execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        cur = admin.cursor()
+        cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+        cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        admin.close()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def storage_url(request: pytest.FixtureRequest) -> str:
+    """Run a test against every storage backend: SQLite always, PostgreSQL for real."""
+    if request.param == "sqlite":
+        return str(request.getfixturevalue("sqlite_url"))
+    return str(request.getfixturevalue("pg_url"))
+
+
+def hpsearch(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI in a subprocess, as a user would."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    full_env.pop("HPSEARCH_STORAGE", None) if env is None or "HPSEARCH_STORAGE" not in env else None
+    return subprocess.run(
+        [sys.executable, "-m", "hpsearch.search.cli", *args],
+        cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
+    )
