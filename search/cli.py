@@ -97,7 +97,7 @@ def _is_user_error(exc: BaseException) -> bool:
     from hpsearch.storage.errors import StorageUrlError, StudyNotFoundError
     from hpsearch.trainer.config import ConfigError
     from hpsearch.trainer.data import DataError
-    from hpsearch.trainer.model import ModelError
+    from hpsearch.trainer.errors import ModelError
 
     return isinstance(exc, (UsageError, ConfigError, DataError, ModelError, DeviceError, StorageUrlError, StudyNotFoundError))
 
@@ -105,7 +105,8 @@ def _is_user_error(exc: BaseException) -> bool:
 # -- commands ---------------------------------------------------------------------------------
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from hpsearch.search import devices, spec as specs, study as studies
+    from hpsearch.search import devices
+    from hpsearch.search import study as studies
     from hpsearch.storage import urls
     from hpsearch.storage.open import open_storage
 
@@ -131,7 +132,8 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from hpsearch.search import devices, study as studies
+    from hpsearch.search import devices
+    from hpsearch.search import study as studies
     from hpsearch.search.spec import resolved
     from hpsearch.storage import urls
     from hpsearch.storage.open import open_storage
@@ -172,8 +174,8 @@ def cmd_best(args: argparse.Namespace) -> int:
 
 def _render(name: str, url: str, *, as_json: bool, best_only: bool) -> str:
     import optuna
-
-    from hpsearch.search import study as studies, summary
+    from hpsearch.search import study as studies
+    from hpsearch.search import summary
     from hpsearch.storage.open import open_storage
 
     storage = open_storage(url, create=False)
@@ -192,7 +194,8 @@ def _render(name: str, url: str, *, as_json: bool, best_only: bool) -> str:
 
 def _spec_for_start(args: argparse.Namespace, url: str) -> Any:
     """--config, else ./STUDY.toml, else the stored spec of an existing study, else a preset."""
-    from hpsearch.search import spec as specs, study as studies
+    from hpsearch.search import spec as specs
+    from hpsearch.search import study as studies
     from hpsearch.storage.errors import StudyNotFoundError
     from hpsearch.storage.open import open_storage
 

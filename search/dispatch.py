@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-
-from hpsearch.search import retry, study as studies, worker
+from hpsearch.search import retry, worker
+from hpsearch.search import study as studies
 from hpsearch.search.devices import Device, threads_per_worker
 from hpsearch.storage.open import open_storage
 

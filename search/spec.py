@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 from hpsearch.trainer.config import ConfigError, DataConfig, ModelConfig, TrainConfig, from_dict
 
 SPEC_ATTR = "hpsearch_spec"

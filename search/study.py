@@ -8,7 +8,6 @@ import zlib
 from typing import Any
 
 import optuna
-
 from hpsearch.search.spec import SPEC_ATTR, SpecError, StudySpec, difference
 from hpsearch.storage.open import Storage, require_study
 
@@ -71,10 +70,11 @@ def n_trials(study: optuna.Study, spec: StudySpec) -> int:
     return int(study.user_attrs.get(N_TRIALS_ATTR, spec.search.n_trials))
 
 
-def worker_seed(spec: StudySpec, worker_name: str) -> int:
-    """Each worker gets its own sampler seed: with one shared seed, parallel workers would
-    draw identical random start-up trials."""
-    return (spec.search.seed * 1_000_003 + zlib.crc32(worker_name.encode())) % 2**31
+def worker_seed(spec: StudySpec, place: str, n_existing: int) -> int:
+    """A sampler seed per worker: with one shared seed, parallel workers (and a resumed run)
+    would draw the same random start-up trials. Mixing in the host/device and the study's
+    progress keeps a single-worker search reproducible from ``search.seed``."""
+    return (spec.search.seed * 1_000_003 + zlib.crc32(place.encode()) + n_existing * 7919) % 2**31
 
 
 def make_sampler(spec: StudySpec, seed: int) -> optuna.samplers.BaseSampler:

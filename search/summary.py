@@ -7,9 +7,8 @@ from collections import Counter
 from typing import Any
 
 import optuna
-from optuna.trial import FrozenTrial, TrialState
-
 from hpsearch.search.spec import StudySpec
+from optuna.trial import FrozenTrial, TrialState
 
 
 def best_trial(study: optuna.Study) -> FrozenTrial | None:

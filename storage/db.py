@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import sqlalchemy
+from hpsearch.storage import urls
+from hpsearch.storage.errors import StorageError, StorageUrlError
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
-
-from hpsearch.storage import urls
-from hpsearch.storage.errors import StorageError, StorageUrlError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

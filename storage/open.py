@@ -5,14 +5,15 @@ from __future__ import annotations
 import logging
 import sqlite3
 from dataclasses import dataclass
+from pathlib import Path
 
 import optuna
-from sqlalchemy.exc import SQLAlchemyError
-
+import sqlalchemy
 from hpsearch.storage import urls
 from hpsearch.storage.db import Database, RetryPolicy, check_connection, create_engine, engine_kwargs
 from hpsearch.storage.errors import StorageError, StorageUrlError, StudyNotFoundError
 from hpsearch.storage.tables import Base
+from sqlalchemy.exc import SQLAlchemyError
 
 log = logging.getLogger(__name__)
 
@@ -38,23 +39,32 @@ def open_storage(url: str, *, create: bool, retry: RetryPolicy | None = None) ->
     path = urls.sqlite_path(normalized)
     if path is not None:
         _prepare_sqlite(path, create=create, display=urls.mask(url))
-    else:
-        # Fail fast with a fixable message before Optuna creates tables or logs a traceback.
-        probe = create_engine(normalized)
-        try:
-            check_connection(probe)
-        finally:
-            probe.dispose()
+    # Fail fast with a fixable message before Optuna creates tables or logs a traceback.
+    probe = create_engine(normalized)
     try:
-        rdb = optuna.storages.RDBStorage(normalized, engine_kwargs=engine_kwargs(normalized))
-        Base.metadata.create_all(rdb.engine)
+        check_connection(probe)
+        has_tables = sqlalchemy.inspect(probe).has_table("studies")
+    finally:
+        probe.dispose()
+    if not create and not has_tables:
+        # Read-only commands must not turn a wrong database into an Optuna one.
+        raise StudyNotFoundError(
+            f"storage {urls.mask(url)} holds no studies; check --storage / HPSEARCH_STORAGE, or "
+            "create a study with `hpsearch start`"
+        )
+    try:
+        rdb = optuna.storages.RDBStorage(
+            normalized, engine_kwargs=engine_kwargs(normalized), skip_table_creation=not create
+        )
+        if create:
+            Base.metadata.create_all(rdb.engine)
     except SQLAlchemyError as exc:
         raise StorageError(f"cannot open storage {urls.mask(url)}: {str(exc).splitlines()[0]}") from exc
     db = Database(rdb.engine, retry=retry) if retry else Database(rdb.engine)
     return Storage(url=normalized, optuna=rdb, db=db)
 
 
-def _prepare_sqlite(path, *, create: bool, display: str) -> None:  # type: ignore[no-untyped-def]
+def _prepare_sqlite(path: Path, *, create: bool, display: str) -> None:
     if not path.exists():
         if not create:
             raise StudyNotFoundError(

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from hpsearch.trainer.model import unwrap
 
 BEST = "best"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +11,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from hpsearch.trainer import checkpoint as ckpt
 from hpsearch.trainer import precision as prec
 from hpsearch.trainer.config import TrainConfig

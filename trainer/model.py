@@ -9,12 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hpsearch.trainer.errors import ModelError
 
 log = logging.getLogger(__name__)
-
-
-class ModelError(ValueError):
-    """The model or its tokenizer cannot be loaded; the message says why and what to do."""
 
 
 def _quiet_transformers() -> None:

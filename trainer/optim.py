@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 from hpsearch.trainer.config import TrainConfig
 
 

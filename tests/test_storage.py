@@ -1,0 +1,80 @@
+"""Storage contract, run against every backend: SQLite always, PostgreSQL for real."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hpsearch.storage import budget, urls
+from hpsearch.storage.errors import StorageUrlError, StudyNotFoundError
+from hpsearch.storage.open import open_storage, require_study
+
+
+def test_bare_postgres_url_uses_psycopg2() -> None:
+    assert urls.normalize("postgresql://u:p@h:5432/db").startswith("postgresql+psycopg2://")
+    assert urls.normalize("postgres://u:p@h/db").startswith("postgresql+psycopg2://")
+
+
+def test_password_is_masked() -> None:
+    assert "s3cret" not in urls.mask("postgresql://hp:s3cret@10.0.0.5:5432/hpsearch")
+    assert urls.mask("postgresql://hp:s3cret@10.0.0.5:5432/hpsearch").startswith("postgresql://hp:***@")
+
+
+@pytest.mark.parametrize("url", ["redis://h/0", "sqlite://", "postgresql://u@h:5432"])
+def test_unsupported_urls_are_user_errors(url: str) -> None:
+    with pytest.raises(StorageUrlError):
+        urls.normalize(url)
+
+
+def test_env_var_and_default(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv(urls.ENV_VAR, "sqlite:///from-env.db")
+    assert urls.resolve(None) == "sqlite:///from-env.db"
+    assert urls.resolve("sqlite:///explicit.db") == "sqlite:///explicit.db"
+    monkeypatch.delenv(urls.ENV_VAR)
+    assert urls.resolve(None, cwd=tmp_path) == f"sqlite:///{tmp_path / 'hpsearch.db'}"
+
+
+def test_budget_is_exact_under_concurrent_claims(storage_url: str) -> None:
+    storage = open_storage(storage_url, create=True)
+    claimed: list[int | None] = []
+    lock = threading.Lock()
+
+    def claimer(i: int) -> None:
+        own = open_storage(storage_url, create=False)
+        try:
+            while True:
+                slot = budget.claim_slot(own.db, "s", 7, f"w{i}")
+                with lock:
+                    claimed.append(slot)
+                if slot is None:
+                    return
+        finally:
+            own.close()
+
+    threads = [threading.Thread(target=claimer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got = [s for s in claimed if s is not None]
+    assert sorted(got) == list(range(7)), "every slot claimed exactly once, never more than the budget"
+    assert budget.used_slots(storage.db, "s") == 7
+    budget.bind_slot(storage.db, "s", 3, trial_number=42)
+    budget.release_slot(storage.db, "s", trial_number=42)
+    assert budget.claim_slot(storage.db, "s", 7, "again") == 3
+    storage.close()
+
+
+def test_missing_study_is_a_clear_error(storage_url: str) -> None:
+    storage = open_storage(storage_url, create=True)
+    with pytest.raises(StudyNotFoundError, match="study 'ghost' does not exist"):
+        require_study(storage, "ghost")
+    storage.close()
+
+
+def test_database_clock_is_sane(storage_url: str) -> None:
+    import time
+
+    storage = open_storage(storage_url, create=True)
+    assert abs(storage.db.now() - time.time()) < 5
+    storage.close()

@@ -1,0 +1,87 @@
+"""The training loop, for real on CPU: accumulation equivalence, checkpoints, resume, NaN."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE, load_resume
+from hpsearch.trainer.config import DataConfig, TrainConfig
+from hpsearch.trainer.dataset import prepare
+from hpsearch.trainer.loop import Run, fit
+from hpsearch.trainer.model import PretrainedCache, load_tokenizer
+from hpsearch.trainer.report import NullReporter
+
+from tests.tiny import build_tiny_bert
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def no_dropout_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Dropout would make two forward passes differ; accumulation must be compared without it.
+    return build_tiny_bert(tmp_path_factory.mktemp("m") / "model", dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def prepared(no_dropout_model: Path, demo_files: tuple[Path, Path]):  # type: ignore[no-untyped-def]
+    tok = load_tokenizer(str(no_dropout_model))
+    return tok, prepare(DataConfig(train=str(demo_files[0]), validation=str(demo_files[1])), tok, 32, None)
+
+
+def _train(model_dir: Path, prepared, cfg: TrainConfig, out: Path, **kw):  # type: ignore[no-untyped-def]
+    tok, data = prepared
+    model = PretrainedCache().fresh(str(model_dir), data.labels.num_labels, data.labels.id2label(), cfg.seed)
+    reporter = NullReporter()
+    result = fit(Run(model=model, tokenizer=tok, data=data, cfg=cfg, metric="loss", device=CPU, out_dir=out, **kw), reporter)
+    return model, result, reporter
+
+
+def test_accumulation_matches_one_big_batch(no_dropout_model: Path, prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    base = TrainConfig(learning_rate=1e-3, batch_size=32, epochs=1, max_steps=1, eval_every=1,
+                       precision="fp32", group_by_length=False, max_grad_norm=0.0)
+    big, _, _ = _train(no_dropout_model, prepared, replace(base, micro_batch_size=32), tmp_path / "a")
+    acc, _, _ = _train(no_dropout_model, prepared, replace(base, micro_batch_size=8), tmp_path / "b")
+    init = PretrainedCache().fresh(str(no_dropout_model), 2, {0: "negative", 1: "positive"}, 0)
+    moved = 0
+    for (name, p_big), (_, p_acc), (_, p0) in zip(big.named_parameters(), acc.named_parameters(), init.named_parameters()):
+        torch.testing.assert_close(p_acc, p_big, rtol=1e-5, atol=1e-6, msg=name)
+        moved += int(not torch.equal(p_big, p0))
+    assert moved > 10, "the update must actually change the parameters"
+
+
+def test_checkpoint_saved_and_resume_continues(tiny_model: Path, demo_files: tuple[Path, Path], tmp_path: Path) -> None:
+    tok = load_tokenizer(str(tiny_model))
+    data = prepare(DataConfig(train=str(demo_files[0]), validation=str(demo_files[1])), tok, 32, None)
+    prepared = (tok, data)
+    cfg = TrainConfig(learning_rate=2e-3, batch_size=32, micro_batch_size=16, epochs=2, eval_every=5, precision="fp32")
+    # Stop after the second validation point, as SIGTERM would.
+    calls = {"n": 0}
+
+    def stop_after_step_10() -> bool:
+        calls["n"] += 1
+        return calls["n"] >= 10
+
+    _, first, _ = _train(tiny_model, prepared, cfg, tmp_path / "t0", should_stop=stop_after_step_10)
+    assert first.status == "interrupted" and first.steps == 10
+    state_file = tmp_path / "t0" / RESUME / RESUME_FILE
+    state = load_resume(state_file)
+    assert state["step"] == 10 and "optimizer" in state and "scheduler" in state and "rng" in state
+    assert (tmp_path / "t0" / "best" / "config.json").exists()
+
+    _, resumed, rep = _train(tiny_model, prepared, cfg, tmp_path / "t1", resume_from=state_file)
+    assert resumed.status == "complete"
+    assert sorted(rep.values) == [15, 20], "the resumed run continues at step 10, it does not restart"
+
+    # The resumed run ends where an uninterrupted run ends (same data order, RNG and schedule).
+    _, straight, rep_straight = _train(tiny_model, prepared, cfg, tmp_path / "t2")
+    assert rep.values[20] == pytest.approx(rep_straight.values[20], rel=1e-4)
+
+
+def test_nan_loss_prunes_with_reason(tiny_model: Path, prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    cfg = TrainConfig(learning_rate=1e6, batch_size=32, micro_batch_size=32, epochs=1, eval_every=2,
+                      precision="fp32", max_grad_norm=0.0)
+    _, result, _ = _train(tiny_model, prepared, cfg, tmp_path / "nan")
+    assert result.status == "pruned" and result.fail_reason == "nan_loss"
