@@ -47,6 +47,7 @@ class Supervisor:
         self.threads = threads_per_worker(devices)
         self.children: dict[int, Child] = {}  # keyed by sentinel
         self.stopping = 0
+        self.stop_signal = 0
         self.failed_devices: list[str] = []
 
     def run(self) -> int:
@@ -68,6 +69,8 @@ class Supervisor:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+        if self.stopping:
+            return 128 + self.stop_signal
         return 1 if self.failed_devices else 0
 
     def _spawn(self, device: Device, crashes: deque[float]) -> None:
@@ -112,6 +115,12 @@ class Supervisor:
         if code == 0:
             log.info("worker %s finished", child.name)
             return
+        if code in (128 + signal.SIGTERM, 128 + signal.SIGINT) and child.trial is None:
+            # A graceful stop: the worker checkpointed and handed its trial back itself.
+            log.warning("worker %s was stopped by a signal after handing its trial back", child.name)
+            if not self.stopping:
+                self._spawn(child.device, child.crashes)
+            return
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         log.error("worker %s died unexpectedly (%s)%s", child.name, how, f" during trial {child.trial[1]}" if child.trial else "")
         if child.trial is not None:
@@ -144,6 +153,7 @@ class Supervisor:
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.stopping += 1
+        self.stop_signal = signum
         if self.stopping == 1:
             log.warning("stopping: workers checkpoint and hand their trials back (again to quit at once)")
             for child in self.children.values():

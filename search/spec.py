@@ -114,8 +114,10 @@ class Param:
     def extremes(self) -> list[Any]:
         if self.type == "categorical":
             return list(self.choices or [])
-        cast = int if self.type == "int" else float
-        return [cast(self.low), cast(self.high)]
+        assert self.low is not None and self.high is not None
+        if self.type == "int":
+            return [int(self.low), int(self.high)]
+        return [self.low, self.high]
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None and k != "name" and v is not False}

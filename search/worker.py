@@ -64,6 +64,7 @@ class StopFlag:
 
     def __init__(self) -> None:
         self.requested = False
+        self.signum = 0
 
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._handle)
@@ -73,6 +74,7 @@ class StopFlag:
         if self.requested:
             os._exit(128 + signum)
         self.requested = True
+        self.signum = signum
         log.warning("received %s: checkpointing and handing the trial back", signal.Signals(signum).name)
 
     def __call__(self) -> bool:
@@ -98,6 +100,10 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         Worker(args, storage, stop, conn).run()
     finally:
         storage.close()
+    if stop.requested:
+        # Tell the supervisor we were stopped (its trial is already handed back), so it
+        # restarts us unless it is stopping too.
+        raise SystemExit(128 + stop.signum)
 
 
 class Worker:

@@ -1,0 +1,123 @@
+"""Fault injection on real processes and the real PostgreSQL: no finished work is lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from tests.conftest import spec_text
+
+
+def _spawned_workers(parent: int) -> list[int]:
+    """PIDs of the parent's worker children (spawned interpreters, not the resource tracker)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat[1]) == parent and "spawn_main" in cmd:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _slow_spec(tmp_path: Path, model: Path, data: tuple[Path, Path], n_trials: int) -> Path:
+    spec = tmp_path / "slow.toml"
+    # Micro-batches of 4 make steps slow enough to kill a trial between validation points.
+    spec.write_text(
+        spec_text(model, *data, n_trials=n_trials, search="max_retries = 2")
+        .replace("micro_batch_size = 16", "micro_batch_size = 4")
+        .replace("epochs = 2", "epochs = 4")
+        .replace('pruner = "median"', 'pruner = "none"')
+    )
+    return spec
+
+
+def _start(tmp_path: Path, spec: Path, url: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpsearch.search.cli", "start", "--study", "f", "--config", str(spec),
+         "--storage", url, "--devices", "cpu:1", "--output-dir", str(tmp_path / "runs")],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+
+
+def _wait_for_report(url: str, min_step: int, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            trials = optuna.load_study(study_name="f", storage=url).get_trials(deepcopy=False)
+        except KeyError:
+            trials = []
+        if any(t.state == TrialState.RUNNING and t.intermediate_values and max(t.intermediate_values) >= min_step
+               for t in trials):
+            return
+        time.sleep(0.2)
+    raise AssertionError("no trial reached a validation point in time")
+
+
+def _sa_url(url: str) -> str:
+    return url.replace("postgresql://", "postgresql+psycopg2://", 1)
+
+
+def _assert_recovered(url: str, n_trials: int, reason: str) -> None:
+    trials = optuna.load_study(study_name="f", storage=_sa_url(url)).get_trials()
+    finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(finished) == n_trials, [(t.number, t.state, t.user_attrs) for t in trials]
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    failed = [t for t in trials if t.state == TrialState.FAIL]
+    assert len(failed) == 1 and failed[0].user_attrs["fail_reason"].startswith(reason)
+    retry = next(t for t in trials if t.user_attrs.get("retry_of") == failed[0].number)
+    assert retry.params == failed[0].params
+    assert retry.user_attrs["resumed_from_step"] > 0
+    # The retry continued: it reports only steps after the resume point.
+    assert min(retry.intermediate_values) > retry.user_attrs["resumed_from_step"]
+
+
+@pytest.mark.parametrize("sig,reason", [(signal.SIGKILL, "worker_crash"), (signal.SIGTERM, "interrupted")])
+def test_killed_worker_trial_is_retried_from_its_checkpoint(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], pg_url: str, sig: int, reason: str
+) -> None:
+    proc = _start(tmp_path, _slow_spec(tmp_path, tiny_model, demo_files, n_trials=2), pg_url)
+    try:
+        _wait_for_report(_sa_url(pg_url), min_step=10)
+        workers = _spawned_workers(proc.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], sig)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    _assert_recovered(pg_url, 2, reason)
+
+
+def test_sigterm_of_start_hands_back_and_next_start_resumes(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str
+) -> None:
+    spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=1)
+    proc = _start(tmp_path, spec, sqlite_url)
+    try:
+        _wait_for_report(sqlite_url, min_step=10)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)  # what AutoDL sends at shutdown
+        _, err = proc.communicate(timeout=60)
+        assert time.monotonic() - t0 < 30, "must exit within 30 s of SIGTERM"
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "Traceback" not in err
+    again = _start(tmp_path, spec, sqlite_url)
+    _, err = again.communicate(timeout=600)
+    assert again.returncode == 0, err[-3000:]
+    _assert_recovered(sqlite_url, 1, "interrupted")
