@@ -27,7 +27,12 @@ def run_in_pty(args: list[str], cwd: Path, timeout: float = 600) -> tuple[int, s
     env.pop("HPSEARCH_STORAGE", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "hpsearch.search.cli", *args],
-        cwd=cwd, env=env, stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+        cwd=cwd,
+        env=env,
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        close_fds=True,
     )
     os.close(slave)
     chunks: list[bytes] = []
@@ -47,8 +52,21 @@ def run_in_pty(args: list[str], cwd: Path, timeout: float = 600) -> tuple[int, s
 
 def test_live_display_on_a_terminal(tmp_path: Path, spec_file: Path) -> None:
     code, out = run_in_pty(
-        ["start", "--study", "live", "--config", str(spec_file), "--storage", f"sqlite:///{tmp_path / 's.db'}",
-         "--devices", "cpu:1", "--n-trials", "1", "--output-dir", str(tmp_path / "runs")],
+        [
+            "start",
+            "--study",
+            "live",
+            "--config",
+            str(spec_file),
+            "--storage",
+            f"sqlite:///{tmp_path / 's.db'}",
+            "--devices",
+            "cpu:1",
+            "--n-trials",
+            "1",
+            "--output-dir",
+            str(tmp_path / "runs"),
+        ],
         cwd=tmp_path,
     )
     assert code == 0, out[-3000:]
@@ -70,14 +88,27 @@ def test_live_display_on_a_terminal(tmp_path: Path, spec_file: Path) -> None:
 
 def test_plain_lines_when_piped_with_trial_logs_and_curves(tmp_path: Path, spec_file: Path) -> None:
     runs = tmp_path / "runs"
-    result = hpsearch("start", "--study", "piped", "--config", str(spec_file), "--storage",
-                      f"sqlite:///{tmp_path / 's.db'}", "--devices", "cpu:1", "--output-dir", str(runs),
-                      cwd=tmp_path)
+    result = hpsearch(
+        "start",
+        "--study",
+        "piped",
+        "--config",
+        str(spec_file),
+        "--storage",
+        f"sqlite:///{tmp_path / 's.db'}",
+        "--devices",
+        "cpu:1",
+        "--output-dir",
+        str(runs),
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "\x1b[" not in result.stderr and "\x1b[" not in result.stdout
     lines = [line for line in result.stderr.splitlines() if " progress: " in line]
     assert any("2/2 trials finished" in line and line.endswith("done") for line in lines), lines
-    assert any("0/2 trials finished" in line or "1/2 trials finished" in line for line in lines), lines
+    assert any("0/2 trials finished" in line or "1/2 trials finished" in line for line in lines), (
+        lines
+    )
 
     for number in (0, 1):
         trial_dir = runs / "piped" / f"trial-{number}"
@@ -91,8 +122,14 @@ def test_plain_lines_when_piped_with_trial_logs_and_curves(tmp_path: Path, spec_
         scalars = read_scalars(files[0])
         steps = [step for step, _ in scalars["train/loss"]]
         assert steps[0] == 5 and steps == sorted(steps) and set(steps) <= {5, 10, 15, 20}
-        for tag in ("train/learning_rate", "train/samples_per_second", "memory/rss_mb", "memory/peak_mb",
-                    "validation/loss", "validation/accuracy"):
+        for tag in (
+            "train/learning_rate",
+            "train/samples_per_second",
+            "memory/rss_mb",
+            "memory/peak_mb",
+            "validation/loss",
+            "validation/accuracy",
+        ):
             assert [s for s, _ in scalars[tag]] == steps, tag
         assert all(v > 0 for _, v in scalars["train/samples_per_second"])
         assert all(0 < v < 2 for _, v in scalars["train/loss"])
@@ -139,8 +176,16 @@ def test_unwritable_curve_folder_does_not_stop_training(tmp_path: Path) -> None:
 
 
 def test_time_left_spreads_remaining_work_over_running_trials() -> None:
-    s = Snapshot(n_trials=10, metric="loss", complete=3, pruned=1, failed=1, running=2,
-                 mean_trial_s=100.0, running_elapsed=[30.0, 150.0])
+    s = Snapshot(
+        n_trials=10,
+        metric="loss",
+        complete=3,
+        pruned=1,
+        failed=1,
+        running=2,
+        mean_trial_s=100.0,
+        running_elapsed=[30.0, 150.0],
+    )
     # 10 - 4 finished - 1 failed - 2 running = 3 not started: 300 s, plus 70 s + 0 s left on
     # the running ones, over 2 parallel trials.
     assert s.time_left_s() == pytest.approx(185.0)
@@ -148,6 +193,7 @@ def test_time_left_spreads_remaining_work_over_running_trials() -> None:
 
 
 # -- an event-file reader independent of the writer ----------------------------------------
+
 
 def _crc32c_bitwise(data: bytes) -> int:
     crc = 0xFFFFFFFF
@@ -204,7 +250,9 @@ def read_scalars(path: Path) -> dict[str, list[tuple[int, float]]]:
         (length,) = struct.unpack("<Q", header)
         assert _unmask(struct.unpack_from("<I", data, i + 8)[0]) == _crc32c_bitwise(header)
         record = data[i + 12 : i + 12 + length]
-        assert _unmask(struct.unpack_from("<I", data, i + 12 + length)[0]) == _crc32c_bitwise(record)
+        assert _unmask(struct.unpack_from("<I", data, i + 12 + length)[0]) == _crc32c_bitwise(
+            record
+        )
         i += 16 + length
         event = _fields(record)
         step = next((v for n, v in event if n == 2), 0)
