@@ -210,8 +210,10 @@ def _unmask(value: int) -> int:
 
 
 def _fields(buf: bytes) -> list[tuple[int, Any]]:
-    out, i = [], 0
+    out: list[tuple[int, Any]] = []
+    i = 0
     while i < len(buf):
+        value: Any
         key, i = _read_varint(buf, i)
         number, wire = key >> 3, key & 7
         if wire == 0:
