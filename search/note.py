@@ -88,7 +88,8 @@ def _spec_table(spec: StudySpec) -> list[str]:
         ("data", f"train `{spec.data.train}`, validation `{spec.data.validation}`"),
         (
             "train",
-            f"batch {t.batch_size} (micro {t.micro_batch_size}), {t.epochs} epochs"
+            f"batch {t.batch_size} (micro {t.micro_batch_size}), {t.epochs} "
+            + ("epoch" if t.epochs == 1 else "epochs")
             + (f", max {t.max_steps} steps" if t.max_steps else "")
             + f", eval every {t.eval_every} steps, precision {t.precision}",
         ),
