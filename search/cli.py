@@ -63,6 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     best.add_argument("--json", action="store_true", help="machine-readable output")
     storage_arg(best)
     best.set_defaults(func=cmd_best)
+
+    dash = sub.add_parser("dashboard", help="serve optuna-dashboard on the study's storage")
+    dash.add_argument("--study", help="open this study's page (default: the list of studies)")
+    storage_arg(dash)
+    dash.add_argument("--host", default="127.0.0.1",
+                      help="address to listen on (default 127.0.0.1: reach it by SSH tunnel)")
+    dash.add_argument("--port", type=int, default=8080,
+                      help="port to listen on (default 8080; 0 = any free port)")
+    dash.set_defaults(func=cmd_dashboard)
     return parser
 
 
@@ -170,6 +179,16 @@ def cmd_best(args: argparse.Namespace) -> int:
 
     print(_render(args.study, urls.resolve(args.storage), as_json=args.json, best_only=True))
     return EXIT_OK
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from hpsearch.search import dashboard
+    from hpsearch.storage import urls
+
+    try:
+        return dashboard.run(urls.resolve(args.storage), args.study, args.host, args.port)
+    except dashboard.DashboardError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _render(name: str, url: str, *, as_json: bool, best_only: bool) -> str:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from hpsearch.search import retry, worker
-from hpsearch.search import study as studies
+
+from hpsearch.search import progress, retry, study as studies, worker
 from hpsearch.search.devices import Device, threads_per_worker
 from hpsearch.storage.open import open_storage
 
@@ -49,10 +49,12 @@ class Supervisor:
         self.stopping = 0
         self.stop_signal = 0
         self.failed_devices: list[str] = []
+        self.progress = progress.for_terminal(study, storage_url, devices)
 
     def run(self) -> int:
         """Run until every worker has finished; 0 if all ended cleanly, 1 if a device gave up."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.progress.start()
         try:
             crashes: dict[str, deque[float]] = {}
             for device in self.devices:
@@ -66,7 +68,9 @@ class Supervisor:
                         child = next((c for c in self.children.values() if c.conn is obj), None)
                         if child is not None:
                             self._receive(child)
+                self.progress.tick(self.children.values())
         finally:
+            self.progress.stop()
             for s, handler in previous.items():
                 signal.signal(s, handler)
         if self.stopping:
@@ -87,7 +91,8 @@ class Supervisor:
         if device.kind == "cuda":
             os.environ["CUDA_VISIBLE_DEVICES"] = str(device.index)
         try:
-            process.start()
+            with self.progress.capture_output():
+                process.start()
         finally:
             if device.kind == "cuda":
                 _restore_env("CUDA_VISIBLE_DEVICES", saved)

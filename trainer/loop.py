@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from hpsearch.trainer import checkpoint as ckpt
 from hpsearch.trainer import precision as prec
 from hpsearch.trainer.config import TrainConfig
+from hpsearch.trainer.curves import Curves
 from hpsearch.trainer.data import collate, micro_batches
 from hpsearch.trainer.dataset import Prepared
 from hpsearch.trainer.evaluate import Metrics, evaluate
@@ -64,6 +65,7 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
         log.info("resumed from %s at optimizer step %d", run.resume_from, step)
     better = (lambda a, b: a < b) if run.metric == "loss" else (lambda a, b: a > b)
     speed = Throughput(device)
+    curves = Curves(run.out_dir, device)  # TensorBoard event files under the trial's folder
     result = TrainResult(status="complete")
     # Loss is accumulated on the device and read with .item() only at validation points:
     # .item() forces a host-device sync that would stall the GPU's queue every step.
@@ -102,6 +104,7 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
         if step % cfg.eval_every == 0 or step == total_steps or stopping:
             train_loss = running_loss.item() / running_steps
             speed.pause()
+            curves.train(step, loss=train_loss, lr=scheduler.get_last_lr()[0], speed=speed)
             running_loss.zero_()
             running_steps = 0
             if not math.isfinite(train_loss):
@@ -113,6 +116,7 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                 result = TrainResult(status="interrupted")
                 break
             metrics = evaluate(model, data.validation, pad_id=data.pad_id, batch_size=micro * 2, device=device, precision=precision)
+            curves.validation(step, metrics)
             value = metrics.objective(run.metric)
             log.info("step %d/%d train_loss %.4f val_loss %.4f val_acc %.4f", step, total_steps, train_loss, metrics.loss, metrics.accuracy)
             # Order of a validation point: evaluate, save if best, report, then ask to prune.

@@ -1,0 +1,143 @@
+"""The study note optuna-dashboard shows on a study's page: spec, budget used, best checkpoint.
+
+Written through optuna-dashboard's own note API (``save_note``), so the dashboard shows it
+without any extra work. Supervisors rewrite it as trials finish; the text depends only on
+finished trials, so it is written only when it changes, not on every poll of every host.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from hpsearch.search import summary
+from hpsearch.search.spec import StudySpec
+
+log = logging.getLogger(__name__)
+# Attributes a worker may record for the device time a trial used; else its wall time counts.
+DEVICE_SECONDS_ATTRS = ("gpu_seconds", "device_seconds")
+
+
+def trial_seconds(trial: FrozenTrial, now: dt.datetime | None = None) -> float:
+    """Device time a trial used: its recorded figure, else start to end (or to ``now``)."""
+    for key in DEVICE_SECONDS_ATTRS:
+        value = trial.user_attrs.get(key)
+        if isinstance(value, (int, float)):
+            return float(value)
+    if trial.datetime_start is None:
+        return 0.0
+    end = trial.datetime_complete or now
+    return max(0.0, (end - trial.datetime_start).total_seconds()) if end else 0.0
+
+
+def device_hours(trials: Iterable[FrozenTrial], now: dt.datetime | None = None) -> float:
+    return sum(trial_seconds(t, now) for t in trials) / 3600
+
+
+def render(study: optuna.Study, spec: StudySpec, n_trials: int) -> str:
+    """The note's markdown; a pure function of the study's finished trials and its spec."""
+    trials = study.get_trials(deepcopy=False)
+    s = summary.status(study, spec, n_trials, "")
+    st = s["states"]
+    finished = [t for t in trials if t.state.is_finished()]
+    lines = [
+        f"## hpsearch study `{study.study_name}`",
+        "",
+        f"**Budget:** {s['finished']} of {n_trials} trials finished ({st['complete']} complete, "
+        f"{st['pruned']} pruned), {st['fail']} failed; {device_hours(finished):.2f} device-hours "
+        "used by finished trials.",
+        "",
+    ]
+    lines += _best(s["best"], spec)
+    lines += ["", "### Spec", "", *_spec_table(spec), "", *_space_table(spec), ""]
+    lines.append(
+        "_Written by hpsearch as trials finish; edits made here are replaced at the next update._"
+    )
+    return "\n".join(lines)
+
+
+def _best(best: dict[str, Any] | None, spec: StudySpec) -> list[str]:
+    if best is None:
+        return ["**Best:** no complete trial yet."]
+    params = ", ".join(f"`{k}` = {_fmt(v)}" for k, v in sorted(best["params"].items()))
+    lines = [
+        f"**Best:** trial {best['number']}: {spec.search.metric} **{best['value']:.4f}** "
+        f"at step {best['best_step']}",
+        "",
+        f"- checkpoint: `{best['best_checkpoint']}`"
+        + (f" on host `{best['host']}`" if best.get("host") else ""),
+    ]
+    if params:
+        lines.append(f"- parameters: {params}")
+    if best.get("train_samples_per_second") is not None:
+        lines.append(
+            f"- {best['train_samples_per_second']} samples/s on {best.get('device') or '?'}"
+        )
+    return lines
+
+
+def _spec_table(spec: StudySpec) -> list[str]:
+    t, s = spec.train, spec.search
+    rows = [
+        ("model", f"`{spec.model.name}` (max_length {spec.model.max_length})"),
+        ("data", f"train `{spec.data.train}`, validation `{spec.data.validation}`"),
+        (
+            "train",
+            f"batch {t.batch_size} (micro {t.micro_batch_size}), {t.epochs} "
+            + ("epoch" if t.epochs == 1 else "epochs")
+            + (f", max {t.max_steps} steps" if t.max_steps else "")
+            + f", eval every {t.eval_every} steps, precision {t.precision}",
+        ),
+        (
+            "search",
+            f"{s.sampler} sampler, {s.pruner} pruner, {s.metric} ({spec.direction}), seed {s.seed}",
+        ),
+    ]
+    return ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
+
+
+def _space_table(spec: StudySpec) -> list[str]:
+    rows = ["| searched | range |", "|---|---|"]
+    for name, p in spec.space.items():
+        if p.type == "categorical":
+            rng = ", ".join(_fmt(c) for c in p.choices or [])
+        else:
+            rng = (
+                f"{_fmt(p.low)} to {_fmt(p.high)}"
+                + (" (log)" if p.log else "")
+                + (f" step {_fmt(p.step)}" if p.step else "")
+            )
+        rows.append(f"| `{name}` | {p.type}: {rng} |")
+    return rows if spec.space else []
+
+
+def update(study: optuna.Study, spec: StudySpec, n_trials: int) -> bool:
+    """Write the note if its text changed; True if written."""
+    from optuna_dashboard import get_note, save_note
+
+    body = render(study, spec, n_trials)
+    if get_note(study) == body:
+        return False
+    save_note(study, body)
+    log.debug("study note of %s updated", study.study_name)
+    return True
+
+
+def finished_key(trials: Iterable[FrozenTrial]) -> tuple[int, ...]:
+    """Changes exactly when a trial finishes (or a retry is queued): when the note may change."""
+    return tuple(
+        sorted(
+            t.number
+            for t in trials
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+        )
+    )
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

@@ -1,0 +1,433 @@
+"""Live progress of a search for `hpsearch start` / `hpsearch worker`.
+
+On a terminal: a few status lines kept at the bottom (trials finished / budget, running,
+pruned, failed, best so far, device-hours, time left, what each local device is doing), with
+every log line, the workers' included, scrolling above them. Not on a terminal (piped, nohup,
+CI): plain log lines, one whenever the numbers change and a heartbeat every few minutes.
+
+The study is read by a background thread, so a slow or restarting database never stalls the
+supervisor, and it holds no connection between reads (NullPool). The same thread keeps the
+study note (note.py) up to date as trials finish.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime as dt
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import optuna
+from optuna.trial import TrialState
+
+from hpsearch.search import note, study as studies, summary
+from hpsearch.search.devices import Device
+from hpsearch.search.retry import RETRY_OF
+from hpsearch.search.spec import StudySpec
+
+log = logging.getLogger(__name__)
+POLL_S = 15.0
+"""Seconds between reads of the study when nothing happened locally."""
+HEARTBEAT_S = 300.0
+"""Plain mode: a progress line at least this often, even when nothing changed."""
+BAR_WIDTH = 24
+
+
+@dataclass
+class Snapshot:
+    """The study's state at one read, across every host."""
+
+    n_trials: int
+    metric: str
+    complete: int = 0
+    pruned: int = 0
+    failed: int = 0
+    """Failed for good: failures that were handed back for a retry are not counted."""
+    running: int = 0
+    best_value: float | None = None
+    best_number: int | None = None
+    device_seconds: float = 0.0
+    mean_trial_s: float | None = None
+    running_elapsed: list[float] = field(default_factory=list)
+    finished_numbers: tuple[int, ...] = ()
+
+    @property
+    def finished(self) -> int:
+        return self.complete + self.pruned
+
+    def time_left_s(self) -> float | None:
+        """Remaining trials x mean trial time, spread over the trials running now."""
+        if self.mean_trial_s is None:
+            return None
+        mean = self.mean_trial_s
+        not_started = max(0, self.n_trials - self.finished - self.failed - self.running)
+        work = not_started * mean + sum(max(mean - e, 0.0) for e in self.running_elapsed)
+        return work / max(1, self.running)
+
+    def key(self) -> tuple[Any, ...]:
+        return (self.finished_numbers, self.running, self.best_number, self.n_trials)
+
+
+def read(study: optuna.Study, spec: StudySpec, now: dt.datetime | None = None) -> Snapshot:
+    now = now or dt.datetime.now()
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.user_attrs.get(RETRY_OF) for t in trials}
+    best = summary.best_trial(study)
+    done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    running = [t for t in trials if t.state == TrialState.RUNNING]
+    return Snapshot(
+        n_trials=studies.n_trials(study, spec),
+        metric=spec.search.metric,
+        complete=sum(t.state == TrialState.COMPLETE for t in trials),
+        pruned=sum(t.state == TrialState.PRUNED for t in trials),
+        failed=sum(t.state == TrialState.FAIL and t.number not in retried for t in trials),
+        running=len(running),
+        best_value=best.value if best else None,
+        best_number=best.number if best else None,
+        device_seconds=note.device_hours(trials, now) * 3600,
+        mean_trial_s=sum(note.trial_seconds(t) for t in done) / len(done) if done else None,
+        running_elapsed=[note.trial_seconds(t, now) for t in running],
+        finished_numbers=note.finished_key(trials),
+    )
+
+
+class Poller(threading.Thread):
+    """Reads the study in the background; rewrites the study note when a trial finished."""
+
+    def __init__(self, study_name: str, storage_url: str) -> None:
+        super().__init__(name="hpsearch-progress", daemon=True)
+        self.study_name, self.storage_url = study_name, storage_url
+        self.latest: Snapshot | None = None
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._study: optuna.Study | None = None
+        self._spec: StudySpec | None = None
+        self._noted: tuple[int, ...] | None = None
+        self._failing = False
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+
+    def run(self) -> None:
+        while not self._stopping.is_set():
+            self.refresh()
+            self._wake.wait(POLL_S)
+            self._wake.clear()
+
+    def refresh(self) -> Snapshot | None:
+        try:
+            study, spec = self._open()
+            snap = read(study, spec)
+            if snap.finished_numbers != self._noted:
+                note.update(study, spec, snap.n_trials)
+                self._noted = snap.finished_numbers
+        except Exception as exc:
+            # Progress is a view: a database hiccup must never stop the search it shows.
+            if not self._failing:
+                log.warning(
+                    "progress: cannot read study %s (%s); will retry",
+                    self.study_name,
+                    str(exc).splitlines()[0],
+                )
+            self._failing = True
+            return None
+        self._failing = False
+        self.latest = snap
+        return snap
+
+    def _open(self) -> tuple[optuna.Study, StudySpec]:
+        if self._study is None or self._spec is None:
+            from sqlalchemy.pool import NullPool
+
+            from hpsearch.storage import urls
+            from hpsearch.storage.db import Database, engine_kwargs
+            from hpsearch.storage.open import Storage
+
+            url = urls.normalize(self.storage_url)
+            kwargs = {
+                k: v
+                for k, v in engine_kwargs(url).items()
+                if k not in ("pool_size", "max_overflow", "pool_recycle")
+            }
+            # No pooled connection stays open between reads: the parent must not hold one
+            # for hours while its children train (connection budget of a shared server).
+            rdb = optuna.storages.RDBStorage(
+                url, engine_kwargs={**kwargs, "poolclass": NullPool}, skip_table_creation=True
+            )
+            storage = Storage(url=url, optuna=rdb, db=Database(rdb.engine))
+            spec = studies.stored_spec(storage, self.study_name)
+            self._study = optuna.load_study(study_name=self.study_name, storage=rdb)
+            self._spec = spec
+        return self._study, self._spec
+
+
+class Progress:
+    """Plain log lines; the base of the live display. The Supervisor calls start, tick and stop."""
+
+    def __init__(self, study_name: str, storage_url: str, devices: list[Device]) -> None:
+        self.study_name = study_name
+        self.poller = Poller(study_name, storage_url)
+        self.unit = "GPU-h" if any(d.kind == "cuda" for d in devices) else "CPU-h"
+        self.started = time.monotonic()
+        self._trials: dict[
+            str, tuple[int | None, float]
+        ] = {}  # device label -> (trial number, since)
+        self._logged_key: tuple[Any, ...] | None = None
+        self._logged_at = 0.0
+
+    def start(self) -> None:
+        self.poller.start()
+
+    def stop(self) -> None:
+        self.poller.stop()
+        self.poller.join(timeout=5)
+        # One last read, so the final line and the study note include the last trial.
+        if not self.poller.is_alive():
+            self.poller.refresh()
+        self.finish()
+
+    @contextmanager
+    def capture_output(self) -> Iterator[None]:
+        """Around a child's start(): where its stdout/stderr go (here: unchanged)."""
+        yield
+
+    def tick(self, children: Iterable[Any]) -> None:
+        """Called by the supervisor's loop about once a second with its children."""
+        now = time.monotonic()
+        changed = False
+        for child in children:
+            number = child.trial[1] if child.trial else None
+            if self._trials.get(child.device.label, (None, 0.0))[0] != number:
+                self._trials[child.device.label] = (number, now)
+                changed = True
+        if changed:
+            self.poller.wake()  # a trial started or ended here: read the study now
+        self.render()
+
+    def render(self) -> None:
+        snap = self.poller.latest
+        if snap is None:
+            return
+        now = time.monotonic()
+        if snap.key() != self._logged_key or now - self._logged_at >= HEARTBEAT_S:
+            self._logged_key, self._logged_at = snap.key(), now
+            log.info("progress: %s", self.line(snap))
+
+    def finish(self) -> None:
+        self.render()
+
+    def line(self, s: Snapshot) -> str:
+        best = (
+            f"best {s.metric} {s.best_value:.4f} (trial {s.best_number})"
+            if s.best_value is not None
+            else "no best yet"
+        )
+        return (
+            f"{s.finished}/{s.n_trials} trials finished, {s.running} running, {s.pruned} pruned, "
+            f"{s.failed} failed, {best}, {s.device_seconds / 3600:.2f} {self.unit} used, "
+            f"{_duration(time.monotonic() - self.started)} elapsed, {_left(s)}"
+        )
+
+    def devices_line(self) -> str:
+        now = time.monotonic()
+        parts = [
+            f"{label}: trial {number} ({_duration(now - since)})"
+            if number is not None
+            else f"{label}: idle"
+            for label, (number, since) in sorted(self._trials.items())
+        ]
+        return "  ".join(parts)
+
+
+class LiveProgress(Progress):
+    """Status lines redrawn at the bottom of the terminal; all output scrolls above them.
+
+    The workers are separate processes writing to the same terminal, which would tear the
+    status lines; so their stdout/stderr are pointed at a pipe while they start (the same
+    trick as CUDA_VISIBLE_DEVICES in dispatch.py), and a thread prints what they write above
+    the status lines. The parent's own log records are routed the same way.
+    """
+
+    def __init__(
+        self, study_name: str, storage_url: str, devices: list[Device], stream: TextIO
+    ) -> None:
+        super().__init__(study_name, storage_url, devices)
+        self.fd = stream.fileno()
+        self._pending: collections.deque[str] = collections.deque()
+        self._lock = threading.Lock()
+        self._drawn = 0
+        self._block: list[str] = []
+        self._read_fd, self._write_fd = os.pipe()
+        self._reader = threading.Thread(
+            target=self._read_children, name="hpsearch-output", daemon=True
+        )
+        self._handlers: list[tuple[logging.StreamHandler[Any], Any]] = []
+
+    def start(self) -> None:
+        self._reader.start()
+        # Route the parent's console log records through the display (restored on exit).
+        line_stream = _LineStream(self)
+        for handler in logging.getLogger().handlers:
+            if type(handler) is logging.StreamHandler and handler.stream in (
+                sys.stderr,
+                sys.stdout,
+            ):
+                self._handlers.append((handler, handler.setStream(line_stream)))
+        self._write(b"\x1b[?25l")  # hide the cursor while redrawing
+        super().start()
+
+    def finish(self) -> None:
+        os.close(self._write_fd)  # the reader sees EOF once every child has exited
+        self._reader.join(timeout=2)
+        self.render()
+        self._write(b"\x1b[?25h")
+        for handler, stream in self._handlers:
+            handler.setStream(stream)
+
+    @contextmanager
+    def capture_output(self) -> Iterator[None]:
+        targets = [fd for fd in (1, 2) if os.isatty(fd)]
+        saved = [(fd, os.dup(fd)) for fd in targets]
+        try:
+            for fd in targets:
+                os.dup2(self._write_fd, fd)
+            yield
+        finally:
+            for fd, copy in saved:
+                os.dup2(copy, fd)
+                os.close(copy)
+
+    def render(self) -> None:
+        snap = self.poller.latest
+        width = max(20, shutil.get_terminal_size((100, 20)).columns - 1)
+        if snap is None:
+            block = [f"hpsearch {self.study_name}: reading the study..."]
+        else:
+            done = min(BAR_WIDTH, round(BAR_WIDTH * snap.finished / max(1, snap.n_trials)))
+            bar = "#" * done + "-" * (BAR_WIDTH - done)
+            block = [f"hpsearch {self.study_name} [{bar}] {self.line(snap)}"]
+        devices = self.devices_line()
+        if devices:
+            block.append(devices)
+        self._block = [_fit(line, width) for line in _wrap(block, width)]
+        self.flush()
+
+    def add_line(self, text: str) -> None:
+        self._pending.append(text)
+        self.flush()
+
+    def flush(self) -> None:
+        # Never wait for the lock: a signal handler that logs while the main thread is
+        # drawing would deadlock. Whoever holds the lock drains what others queued.
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            out = []
+            if self._drawn:
+                out.append(f"\r\x1b[{self._drawn}A\x1b[J")
+            while self._pending:
+                out.append(self._pending.popleft() + "\n")
+            out += [line + "\n" for line in self._block]
+            self._drawn = len(self._block)
+            self._write("".join(out).encode(errors="replace"))
+        finally:
+            self._lock.release()
+
+    def _read_children(self) -> None:
+        partial = b""
+        while True:
+            try:
+                chunk = os.read(self._read_fd, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            partial += chunk
+            *lines, partial = partial.split(b"\n")
+            for line in lines:
+                # A carriage return means "overwrite this line" (progress bars): keep the last.
+                self.add_line(line.decode(errors="replace").rstrip("\r").rsplit("\r", 1)[-1])
+        if partial:
+            self.add_line(partial.decode(errors="replace"))
+        os.close(self._read_fd)
+
+    def _write(self, data: bytes) -> None:
+        # The terminal may go away (closed ssh session): keep searching regardless.
+        with contextlib.suppress(OSError):
+            os.write(self.fd, data)
+
+
+class _LineStream:
+    """A file-like target for logging handlers that prints whole lines above the display."""
+
+    def __init__(self, live: LiveProgress) -> None:
+        self.live = live
+
+    def write(self, text: str) -> int:
+        for line in text.rstrip("\n").split("\n"):
+            self.live.add_line(line)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def for_terminal(
+    study_name: str, storage_url: str, devices: list[Device], stream: TextIO | None = None
+) -> Progress:
+    """A live display when ``stream`` (stderr) is a terminal, plain log lines otherwise."""
+    stream = stream or sys.stderr
+    if _is_terminal(stream):
+        return LiveProgress(study_name, storage_url, devices, stream)
+    return Progress(study_name, storage_url, devices)
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty() and os.environ.get("TERM", "") != "dumb"
+    except (AttributeError, ValueError):
+        return False
+
+
+def _left(s: Snapshot) -> str:
+    if s.finished + s.failed >= s.n_trials and not s.running:
+        return "done"
+    left = s.time_left_s()
+    return f"~{_duration(left)} left" if left is not None else "time left: after the first trial"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def _wrap(lines: list[str], width: int) -> list[str]:
+    """Split the long status line at its commas so it fits narrow terminals."""
+    out = []
+    for line in lines:
+        while len(line) > width and ", " in line[:width]:
+            cut = line[:width].rindex(", ")
+            out.append(line[: cut + 1])
+            line = "  " + line[cut + 2 :]
+        out.append(line)
+    return out
+
+
+def _fit(line: str, width: int) -> str:
+    # A wrapped line would break the count of lines to redraw.
+    return line if len(line) <= width else line[: width - 1] + "~"
