@@ -6,7 +6,31 @@ from pathlib import Path
 
 import pytest
 
+from hpsearch.search.cli import main
 from tests.conftest import hpsearch, spec_text
+
+
+class Result:
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """The CLI's own main() in-process (fast); the subprocess path is covered by other tests."""
+
+    def run(*argv: str, cwd: Path) -> Result:
+        monkeypatch.chdir(cwd)
+        monkeypatch.delenv("HPSEARCH_STORAGE", raising=False)
+        capsys.readouterr()
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:  # argparse usage errors
+            code = int(exc.code or 0)
+        out, err = capsys.readouterr()
+        return Result(code, out, err)
+
+    return run
 
 # (name, how to break the spec text, expected words in the message)
 SPEC_CASES = [
@@ -30,11 +54,11 @@ SPEC_CASES = [
 
 
 @pytest.mark.parametrize("name,mutate,expected", SPEC_CASES, ids=[c[0] for c in SPEC_CASES])
-def test_bad_spec(tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], name: str, mutate, expected: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_spec(cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], name: str, mutate, expected: str) -> None:  # type: ignore[no-untyped-def]
     spec = tmp_path / "bad.toml"
     spec.write_text(mutate(spec_text(tiny_model, *demo_files)))
     db = tmp_path / "study.db"
-    result = hpsearch("start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{db}", "--devices", "cpu:1", cwd=tmp_path)
+    result = cli("start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{db}", "--devices", "cpu:1", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert expected in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
@@ -59,27 +83,27 @@ DATA_CASES = [
 
 
 @pytest.mark.parametrize("name,make,expected", DATA_CASES, ids=[c[0] for c in DATA_CASES])
-def test_bad_train_data(tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], name: str, make, expected: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_train_data(cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], name: str, make, expected: str) -> None:  # type: ignore[no-untyped-def]
     spec = tmp_path / "s.toml"
     spec.write_text(spec_text(tiny_model, make(tmp_path), demo_files[1]))
     db = tmp_path / "study.db"
-    result = hpsearch("start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{db}", "--devices", "cpu:1", cwd=tmp_path)
+    result = cli("start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{db}", "--devices", "cpu:1", cwd=tmp_path)
     assert result.returncode == 2 and expected in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not db.exists()
 
 
-def test_validation_label_unseen_in_training(tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> None:
+def test_validation_label_unseen_in_training(cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> None:
     dev = _write(tmp_path / "dev.jsonl", '{"text": "the movie was fine", "label": "neutral"}\n')
     spec = tmp_path / "s.toml"
     spec.write_text(spec_text(tiny_model, demo_files[0], dev))
-    result = hpsearch("start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{tmp_path / 'db'}", cwd=tmp_path)
+    result = cli("start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{tmp_path / 'db'}", cwd=tmp_path)
     assert result.returncode == 2 and "label 'neutral', never seen in the training" in result.stderr
 
 
-def test_missing_model_folder(tmp_path: Path, demo_files: tuple[Path, Path]) -> None:
+def test_missing_model_folder(cli, tmp_path: Path, demo_files: tuple[Path, Path]) -> None:
     spec = tmp_path / "s.toml"
     spec.write_text(spec_text(tmp_path / "no-model", *demo_files))
-    result = hpsearch("start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{tmp_path / 'db'}", cwd=tmp_path)
+    result = cli("start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{tmp_path / 'db'}", cwd=tmp_path)
     assert result.returncode == 2 and "model.name" in result.stderr and "does not exist" in result.stderr, result.stderr
 
 
@@ -104,8 +128,8 @@ CLI_CASES = [
 
 
 @pytest.mark.parametrize("argv,expected", CLI_CASES, ids=[" ".join(c[0]) for c in CLI_CASES])
-def test_bad_cli(tmp_path: Path, argv: list[str], expected: str) -> None:
-    result = hpsearch(*argv, cwd=tmp_path)
+def test_bad_cli(cli, tmp_path: Path, argv: list[str], expected: str) -> None:  # type: ignore[no-untyped-def]
+    result = cli(*argv, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert expected in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
@@ -126,3 +150,12 @@ def test_existing_study_with_other_spec_is_refused(tmp_path: Path, spec_file: Pa
     import optuna
 
     assert len(optuna.load_study(study_name="s", storage=url).trials) == 1
+
+
+def test_bad_input_through_the_installed_entry_point(tmp_path: Path) -> None:
+    """The real process: exit status 2 and one line on stderr, no traceback."""
+    result = hpsearch("start", "--study", "x", "--storage", "mysql://u:secretpw@h/db", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "hpsearch start: error: storage URL 'mysql://u:***@h/db' uses 'mysql'; hpsearch supports postgresql://... and sqlite:///..."
+    ]
