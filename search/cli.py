@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     storage_arg(wk)
     wk.set_defaults(func=cmd_worker)
 
-    st = sub.add_parser("status", help="trials by state, best value, parameters and checkpoint")
+    st = sub.add_parser("status", help="trials by state, best trial, and every worker on every host")
     st.add_argument("--study", required=True)
     st.add_argument("--json", action="store_true", help="machine-readable output")
     storage_arg(st)
@@ -173,7 +173,7 @@ def cmd_best(args: argparse.Namespace) -> int:
 def _render(name: str, url: str, *, as_json: bool, best_only: bool) -> str:
     import optuna
 
-    from hpsearch.search import study as studies, summary
+    from hpsearch.search import fleet, study as studies, summary
     from hpsearch.storage.open import open_storage
 
     storage = open_storage(url, create=False)
@@ -181,11 +181,15 @@ def _render(name: str, url: str, *, as_json: bool, best_only: bool) -> str:
         spec = studies.stored_spec(storage, name)
         study = optuna.load_study(study_name=name, storage=storage.optuna)
         s = summary.status(study, spec, studies.n_trials(study, spec), storage.display)
+        if not best_only:
+            s.update(fleet.summary(storage.db, name))
     finally:
         storage.close()
     if best_only:
         return json.dumps(s["best"], indent=2) if as_json else summary.format_best(s["best"], s["metric"])
-    return json.dumps(s, indent=2) if as_json else summary.format_status(s)
+    if as_json:
+        return json.dumps(s, indent=2)
+    return summary.format_status(s) + "\n" + fleet.format_workers(s)
 
 
 # -- helpers ----------------------------------------------------------------------------------

@@ -17,9 +17,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import sqlalchemy
+from sqlalchemy import Float
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import QueuePool
+from sqlalchemy.sql.elements import ColumnElement
 
 from hpsearch.storage import urls
 from hpsearch.storage.errors import StorageError, StorageUrlError
@@ -63,7 +66,9 @@ def engine_kwargs(url: str, *, pool_size: int = 1) -> dict[str, Any]:
         "pool_pre_ping": True,
         "pool_size": pool_size,
         # One spare for the rare moment two threads of a process (trainer + heartbeat) both
-        # hold a session; a pool of one would make them wait on each other instead.
+        # need a session. The heartbeat waits for the pooled connection to be idle first
+        # (Database.pooled_connection_idle), so the spare opens only when the trainer holds
+        # the connection for longer than the heartbeat's patience, and closes on return.
         "max_overflow": 1,
         "pool_recycle": 1800,
         "connect_args": {
@@ -187,14 +192,30 @@ class Database:
         """The database clock, as a Unix timestamp: staleness is judged by it, not by hosts."""
 
         def read(s: Session) -> float:
-            if self.engine.dialect.name == "sqlite":
-                value = s.execute(
-                    sqlalchemy.text("SELECT (julianday('now') - 2440587.5) * 86400.0")
-                ).scalar_one()
-            else:
-                value = s.execute(
-                    sqlalchemy.text("SELECT EXTRACT(EPOCH FROM clock_timestamp())")
-                ).scalar_one()
-            return float(value)
+            return float(s.execute(sqlalchemy.select(self.clock())).scalar_one())
 
         return self.run(read, what="read database clock")
+
+    def clock(self) -> ColumnElement[float]:
+        """The database clock as a SQL expression, so a write can stamp a row with it in the
+        same statement (no extra round trip, no trust in the writing host's clock)."""
+        return db_clock(self.engine.dialect.name)
+
+    def pooled_connection_idle(self) -> bool:
+        """True when this process's pooled connection is free (or none is open yet).
+
+        A background thread (the heartbeat) checks this before it writes, so it borrows the
+        connection the trainer is not using instead of opening an overflow one: that is what
+        keeps a worker process at one connection.
+        """
+        pool = self.engine.pool
+        if not isinstance(pool, QueuePool):
+            return True
+        return pool.checkedout() < pool.size()
+
+
+def db_clock(dialect: str) -> ColumnElement[float]:
+    if dialect == "sqlite":
+        return sqlalchemy.literal_column("((julianday('now') - 2440587.5) * 86400.0)", Float)
+    # clock_timestamp(), not now(): now() is frozen at the start of the transaction.
+    return sqlalchemy.literal_column("EXTRACT(EPOCH FROM clock_timestamp())", Float)
