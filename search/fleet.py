@@ -38,7 +38,8 @@ def format_workers(s: dict[str, Any]) -> str:
             doing = "done"
         elif w["state"] == "lost":
             doing = f"no heartbeat for {_duration(w['heartbeat_age_s'])}" + (
-                f" (was on trial {w['current_trial']})" if w["current_trial"] is not None else "")
+                f" (was on trial {w['current_trial']})" if w["current_trial"] is not None else ""
+            )
         lines.append(
             f"  {w['state']:<8} {w['host']:<20} {w['device']:<8} pid {w['pid']:<7} {doing:<24} "
             f"trials {w['trials_finished']:<4} {w['device_seconds'] / 3600:.3f} h"

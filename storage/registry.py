@@ -51,22 +51,41 @@ def heartbeat_interval() -> float:
     except ValueError:
         value = -1.0
     if value <= 0:
-        log.warning("%s=%r is not a positive number of seconds; using %g",
-                    HEARTBEAT_ENV, text, DEFAULT_HEARTBEAT_S)
+        log.warning(
+            "%s=%r is not a positive number of seconds; using %g",
+            HEARTBEAT_ENV,
+            text,
+            DEFAULT_HEARTBEAT_S,
+        )
         return DEFAULT_HEARTBEAT_S
     return value
 
 
-def register(db: Database, study: str, name: str, device: str, *, host: str | None = None,
-             pid: int | None = None, heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> int:
+def register(
+    db: Database,
+    study: str,
+    name: str,
+    device: str,
+    *,
+    host: str | None = None,
+    pid: int | None = None,
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+) -> int:
     """Add this worker process to the study's registry; returns its row id."""
 
     def add(s: Session) -> int:
         now = s.execute(select(db.clock())).scalar_one()
         row = WorkerRecord(
-            study_name=study, name=name, host=host or this_host(), device=device,
-            pid=os.getpid() if pid is None else pid, started_at=now, heartbeat_at=now,
-            heartbeat_s=heartbeat_s, trials_finished=0, device_seconds=0.0,
+            study_name=study,
+            name=name,
+            host=host or this_host(),
+            device=device,
+            pid=os.getpid() if pid is None else pid,
+            started_at=now,
+            heartbeat_at=now,
+            heartbeat_s=heartbeat_s,
+            trials_finished=0,
+            device_seconds=0.0,
         )
         s.add(row)
         s.flush()
@@ -81,27 +100,46 @@ def beat(db: Database, worker_id: int) -> None:
 
 def trial_started(db: Database, worker_id: int, trial_number: int) -> None:
     clock = db.clock()
-    _update(db, worker_id, "record trial start", current_trial=trial_number,
-            trial_started_at=clock, heartbeat_at=clock)
+    _update(
+        db,
+        worker_id,
+        "record trial start",
+        current_trial=trial_number,
+        trial_started_at=clock,
+        heartbeat_at=clock,
+    )
 
 
 def trial_ended(db: Database, worker_id: int, *, finished: bool = True) -> None:
     """The current trial ended: add its device time; ``finished=False`` for a handed-back one."""
     clock = db.clock()
     elapsed = func.coalesce(clock - WorkerRecord.trial_started_at, 0.0)
-    _update(db, worker_id, "record trial end",
-            device_seconds=WorkerRecord.device_seconds + elapsed,
-            trials_finished=WorkerRecord.trials_finished + (1 if finished else 0),
-            current_trial=None, trial_started_at=None, heartbeat_at=clock)
+    _update(
+        db,
+        worker_id,
+        "record trial end",
+        device_seconds=WorkerRecord.device_seconds + elapsed,
+        trials_finished=WorkerRecord.trials_finished + (1 if finished else 0),
+        current_trial=None,
+        trial_started_at=None,
+        heartbeat_at=clock,
+    )
 
 
 def end(db: Database, worker_id: int) -> None:
     """The worker stops cleanly; a trial still marked current counts its time, not as finished."""
     clock = db.clock()
     elapsed = func.coalesce(clock - WorkerRecord.trial_started_at, 0.0)
-    _update(db, worker_id, "record worker end",
-            device_seconds=WorkerRecord.device_seconds + elapsed,
-            current_trial=None, trial_started_at=None, heartbeat_at=clock, ended_at=clock)
+    _update(
+        db,
+        worker_id,
+        "record worker end",
+        device_seconds=WorkerRecord.device_seconds + elapsed,
+        current_trial=None,
+        trial_started_at=None,
+        heartbeat_at=clock,
+        ended_at=clock,
+    )
 
 
 def _update(db: Database, worker_id: int, what: str, **values: Any) -> None:
@@ -140,9 +178,15 @@ def list_workers(db: Database, study: str) -> list[WorkerView]:
 
     def read(s: Session) -> list[WorkerView]:
         now = s.execute(select(db.clock())).scalar_one()
-        rows = s.execute(
-            select(WorkerRecord).where(WorkerRecord.study_name == study).order_by(WorkerRecord.id)
-        ).scalars().all()
+        rows = (
+            s.execute(
+                select(WorkerRecord)
+                .where(WorkerRecord.study_name == study)
+                .order_by(WorkerRecord.id)
+            )
+            .scalars()
+            .all()
+        )
         return [_view(r, float(now)) for r in rows]
 
     return db.run(read, what="read worker registry")
@@ -161,15 +205,21 @@ def _view(r: WorkerRecord, now: float) -> WorkerView:
         # A lost worker stopped using its device at its last heartbeat, as far as anyone knows.
         seconds += max(0.0, (now if state == "live" else r.heartbeat_at) - r.trial_started_at)
     return WorkerView(
-        name=r.name, host=r.host, device=r.device, pid=r.pid, state=state, started_at=r.started_at,
-        heartbeat_age_s=age, current_trial=r.current_trial, trials_finished=r.trials_finished,
+        name=r.name,
+        host=r.host,
+        device=r.device,
+        pid=r.pid,
+        state=state,
+        started_at=r.started_at,
+        heartbeat_age_s=age,
+        current_trial=r.current_trial,
+        trials_finished=r.trials_finished,
         device_seconds=seconds,
     )
 
 
 def device_hours(workers: list[WorkerView], *, gpu_only: bool = True) -> float:
     return sum(w.device_seconds for w in workers if w.is_gpu or not gpu_only) / 3600.0
-
 
 
 class Registration:
@@ -180,8 +230,16 @@ class Registration:
     block stops beating and shows as lost after ``MISSED_BEATS`` intervals.
     """
 
-    def __init__(self, db: Database, study: str, name: str, device: str, *,
-                 interval_s: float | None = None, patience_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        db: Database,
+        study: str,
+        name: str,
+        device: str,
+        *,
+        interval_s: float | None = None,
+        patience_s: float = 5.0,
+    ) -> None:
         self.db, self.study, self.name, self.device = db, study, name, device
         self.interval_s = heartbeat_interval() if interval_s is None else interval_s
         self.patience_s = patience_s
@@ -192,13 +250,18 @@ class Registration:
 
     def __enter__(self) -> Registration:
         self.id = register(self.db, self.study, self.name, self.device, heartbeat_s=self.interval_s)
-        self._thread = threading.Thread(target=self._beat_loop, name="hpsearch-heartbeat",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._beat_loop, name="hpsearch-heartbeat", daemon=True
+        )
         self._thread.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + self.patience_s + 5)
