@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import sqlalchemy
@@ -62,12 +62,12 @@ class TestRegistryContract:
         self, storage: Storage
     ) -> None:
         db = storage.db
-        wid = registry.register(db, "s", "w", "cuda:1", heartbeat_s=0.1)
+        wid = registry.register(db, "s", "w", "cuda:1", heartbeat_s=0.2)
         registry.trial_started(db, wid, 0)
-        time.sleep(0.6)  # more than MISSED_BEATS x 0.1 s without a beat
+        time.sleep(1.0)  # more than MISSED_BEATS x 0.2 s without a beat
         w = _only(db, "s")
         assert w.state == "lost" and w.current_trial == 0
-        assert w.heartbeat_age_s >= 0.5
+        assert w.heartbeat_age_s >= 0.9
         assert w.device_seconds < 0.3, "a lost worker's trial is counted up to its last heartbeat"
         registry.beat(db, wid)
         assert _only(db, "s").state == "live"
@@ -85,8 +85,7 @@ class TestRegistryContract:
 
     def test_registration_beats_in_background_and_ends_cleanly(self, storage: Storage) -> None:
         with registry.Registration(storage.db, "s", "w", "cuda:0", interval_s=0.05) as reg:
-            time.sleep(0.5)
-            assert reg.beats >= 3
+            assert _eventually(lambda: reg.beats >= 3)
             assert _only(storage.db, "s").state == "live"
             reg.trial_started(3)
             reg.trial_ended(finished=False)
@@ -124,20 +123,30 @@ def test_heartbeat_borrows_the_one_pooled_connection(pg_url: str) -> None:
         with registry.Registration(
             storage.db, "s", "w", "cuda:0", interval_s=0.05, patience_s=30
         ) as reg:
-            time.sleep(0.2)
-            beats = reg.beats
-            assert beats >= 1
+            assert _eventually(lambda: reg.beats >= 1)
+            # Take the connection between two beats, as a trainer's storage call would.
+            assert _eventually(storage.db.pooled_connection_idle)
             peak = 0
             with storage.db.session() as s:  # the "trainer" holds the connection for 0.6 s
                 s.execute(sqlalchemy.text("SELECT 1"))
-                for _ in range(6):
+                time.sleep(0.1)  # a beat that was already under way has finished by now
+                beats = reg.beats
+                for _ in range(5):
                     time.sleep(0.1)
                     peak = max(peak, connections())
                 assert reg.beats == beats, "the heartbeat must wait for the pooled connection"
-            time.sleep(0.3)
-            assert reg.beats > beats
+            assert _eventually(lambda: reg.beats > beats)
             peak = max(peak, connections())
         assert peak == 1
     finally:
         probe.dispose()
         storage.close()
+
+
+def _eventually(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
