@@ -112,8 +112,10 @@ _CONNECT_HINTS: list[tuple[str, str]] = [
 ]
 
 
-def describe_connect_error(engine: Engine, exc: BaseException) -> str:
-    where = urls.mask(engine.url.render_as_string(hide_password=False))
+def describe_connect_error(target: Engine | str, exc: BaseException) -> str:
+    """One fixable line for a failed connection to ``target`` (an engine or a URL)."""
+    url = target if isinstance(target, str) else target.url.render_as_string(hide_password=False)
+    where = urls.mask(url)
     text = str(getattr(exc, "orig", exc) or exc)
     for pattern, hint in _CONNECT_HINTS:
         match = re.search(pattern, text)

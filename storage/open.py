@@ -7,10 +7,10 @@ import sqlite3
 from dataclasses import dataclass
 
 import optuna
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from hpsearch.storage import urls
-from hpsearch.storage.db import Database, RetryPolicy, check_connection, create_engine, engine_kwargs
+from hpsearch.storage.db import Database, RetryPolicy, describe_connect_error, engine_kwargs
 from hpsearch.storage.errors import StorageError, StorageUrlError, StudyNotFoundError
 from hpsearch.storage.tables import Base
 
@@ -38,20 +38,35 @@ def open_storage(url: str, *, create: bool, retry: RetryPolicy | None = None) ->
     path = urls.sqlite_path(normalized)
     if path is not None:
         _prepare_sqlite(path, create=create, display=urls.mask(url))
-    else:
-        # Fail fast with a fixable message before Optuna creates tables or logs a traceback.
-        probe = create_engine(normalized)
-        try:
-            check_connection(probe)
-        finally:
-            probe.dispose()
     try:
-        rdb = optuna.storages.RDBStorage(normalized, engine_kwargs=engine_kwargs(normalized))
+        # Optuna's own schema check reads the version inside an open session on a second
+        # connection; with 64 workers starting at once that doubles the connections a server
+        # must take. The same check, one query after the other, needs one.
+        rdb = optuna.storages.RDBStorage(
+            normalized, engine_kwargs=engine_kwargs(normalized), skip_compatibility_check=True
+        )
+        _check_schema_version(rdb, urls.mask(url))
         Base.metadata.create_all(rdb.engine)
+    except OperationalError as exc:
+        # The first connection failed: a fixable one-line message (bad host, password, ...).
+        # No separate probe connection first: its backend lingers for a moment after close,
+        # and 64 workers starting together would briefly hold two connections each.
+        if path is None:
+            raise StorageUrlError(describe_connect_error(normalized, exc)) from None
+        raise StorageError(f"cannot open storage {urls.mask(url)}: {str(exc).splitlines()[0]}") from exc
     except SQLAlchemyError as exc:
         raise StorageError(f"cannot open storage {urls.mask(url)}: {str(exc).splitlines()[0]}") from exc
     db = Database(rdb.engine, retry=retry) if retry else Database(rdb.engine)
     return Storage(url=normalized, optuna=rdb, db=db)
+
+
+def _check_schema_version(rdb: optuna.storages.RDBStorage, display: str) -> None:
+    current, head = rdb.get_current_version(), rdb.get_head_version()
+    if current != head:
+        raise StorageError(
+            f"storage {display} has Optuna schema {current}, this Optuna needs {head}; run "
+            f"`optuna storage upgrade --storage URL` (or use the Optuna that created it)"
+        )
 
 
 def _prepare_sqlite(path, *, create: bool, display: str) -> None:  # type: ignore[no-untyped-def]

@@ -10,6 +10,7 @@ so the registry adds no connection per worker (the issue's target: <= 1.25 per p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -19,7 +20,7 @@ from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import event, func, select, update
 from sqlalchemy.orm import Session
 
 from hpsearch.storage.db import Database
@@ -223,11 +224,21 @@ def device_hours(workers: list[WorkerView], *, gpu_only: bool = True) -> float:
 
 
 class Registration:
-    """A worker process's registry row and the heartbeat thread that keeps it live.
+    """A worker process's registry row and the heartbeat that keeps it live.
 
     Use as a context manager around the worker loop: it registers on entry and, on exit,
     stops the heartbeat and records a clean end. A process that dies without exiting the
     block stops beating and shows as lost after ``MISSED_BEATS`` intervals.
+
+    The heartbeat must not cost a connection. A worker process has one pooled connection,
+    and whichever thread finds it taken opens an overflow one, so the beat avoids taking it
+    while the trainer may want it:
+
+    * when a beat is due and the trainer is using storage, the beat rides along: it is
+      written on the trainer's own connection as that connection goes back to the pool
+      (a ``checkin`` event, one short UPDATE);
+    * when the trainer leaves storage alone (a long training stretch between validations),
+      the heartbeat thread writes the beat itself on the idle pooled connection.
     """
 
     def __init__(
@@ -245,11 +256,28 @@ class Registration:
         self.patience_s = patience_s
         self.id: int | None = None
         self.beats = 0
+        self._due = threading.Event()
+        self._writing = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._beat_sql = ""
+        self._piggyback = False
 
     def __enter__(self) -> Registration:
         self.id = register(self.db, self.study, self.name, self.device, heartbeat_s=self.interval_s)
+        stmt = (
+            update(WorkerRecord)
+            .where(WorkerRecord.id == self.id)
+            .values(heartbeat_at=self.db.clock())
+        )
+        self._beat_sql = str(
+            stmt.compile(dialect=self.db.engine.dialect, compile_kwargs={"literal_binds": True})
+        )
+        # SQLite is one host's file: connections cost nothing there, and a beat written at
+        # check-in could make the trainer wait on the file's write lock.
+        self._piggyback = self.db.engine.dialect.name != "sqlite"
+        if self._piggyback:
+            event.listen(self.db.engine, "checkin", self._on_checkin)
         self._thread = threading.Thread(
             target=self._beat_loop, name="hpsearch-heartbeat", daemon=True
         )
@@ -265,6 +293,8 @@ class Registration:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + self.patience_s + 5)
+        if self._piggyback:
+            event.remove(self.db.engine, "checkin", self._on_checkin)
         if self.id is None:
             return
         try:
@@ -282,24 +312,58 @@ class Registration:
         assert self.id is not None, "use Registration as a context manager"
         trial_ended(self.db, self.id, finished=finished)
 
+    def _on_checkin(self, dbapi_connection: Any, _record: Any) -> None:
+        """Write a due beat on a connection going back to the pool (any thread)."""
+        if dbapi_connection is None or not self._due.is_set():
+            return
+        if not self._writing.acquire(blocking=False):
+            return
+        try:
+            cursor = dbapi_connection.cursor()
+            try:
+                cursor.execute(self._beat_sql)
+            finally:
+                cursor.close()
+            dbapi_connection.commit()
+            self._due.clear()
+            self.beats += 1
+        except Exception as err:  # a broken connection is the pool's business, not ours
+            log.debug("heartbeat on check-in failed (%s); the heartbeat thread retries", err)
+            with contextlib.suppress(Exception):
+                dbapi_connection.rollback()
+        finally:
+            self._writing.release()
+
     def _beat_loop(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self._wait_for_idle_connection()
-            try:
-                assert self.id is not None
-                beat(self.db, self.id)
-                self.beats += 1
-            except StorageError as err:
-                # Retries already happened inside; keep beating, the next one may get through.
-                log.warning("heartbeat of worker %s failed: %s", self.name, err)
+            self._due.set()
+            if not self._wait_for_quiet_connection():
+                continue  # the trainer's next check-in carried the beat, or we are stopping
+            with self._writing:
+                if not self._due.is_set():
+                    continue
+                try:
+                    assert self.id is not None
+                    beat(self.db, self.id)
+                    self._due.clear()
+                    self.beats += 1
+                except StorageError as err:
+                    # Retries already happened inside; the next beat may get through.
+                    log.warning("heartbeat of worker %s failed: %s", self.name, err)
 
-    def _wait_for_idle_connection(self) -> None:
-        """Let the trainer's storage call finish rather than open a second connection.
+    def _wait_for_quiet_connection(self) -> bool:
+        """True when the heartbeat should write the beat itself.
 
-        Trainer sessions last milliseconds, so the pooled connection is almost always free
-        within a few polls; after ``patience_s`` the beat goes ahead on the overflow slot.
+        That is when the pooled connection stays idle for a few polls in a row (the trainer is
+        busy computing, not storing), or when ``patience_s`` runs out; False when a check-in
+        carried the beat meanwhile or the worker is stopping.
         """
         deadline = time.monotonic() + self.patience_s
-        while not self.db.pooled_connection_idle() and time.monotonic() < deadline:
+        quiet = 0
+        while self._due.is_set() and time.monotonic() < deadline:
+            quiet = quiet + 1 if self.db.pooled_connection_idle() else 0
+            if quiet >= 3:
+                return True
             if self._stop.wait(0.02):
-                return
+                return False
+        return self._due.is_set()
