@@ -262,6 +262,7 @@ class Registration:
         self._thread: threading.Thread | None = None
         self._beat_sql = ""
         self._piggyback = False
+        self._last_write = 0.0
 
     def __enter__(self) -> Registration:
         self.id = register(self.db, self.study, self.name, self.device, heartbeat_s=self.interval_s)
@@ -307,10 +308,12 @@ class Registration:
     def trial_started(self, number: int) -> None:
         assert self.id is not None, "use Registration as a context manager"
         trial_started(self.db, self.id, number)
+        self._last_write = time.monotonic()
 
     def trial_ended(self, *, finished: bool = True) -> None:
         assert self.id is not None, "use Registration as a context manager"
         trial_ended(self.db, self.id, finished=finished)
+        self._last_write = time.monotonic()
 
     def _on_checkin(self, dbapi_connection: Any, _record: Any) -> None:
         """Write a due beat on a connection going back to the pool (any thread)."""
@@ -327,6 +330,7 @@ class Registration:
             dbapi_connection.commit()
             self._due.clear()
             self.beats += 1
+            self._last_write = time.monotonic()
         except Exception as err:  # a broken connection is the pool's business, not ours
             log.debug("heartbeat on check-in failed (%s); the heartbeat thread retries", err)
             with contextlib.suppress(Exception):
@@ -336,6 +340,9 @@ class Registration:
 
     def _beat_loop(self) -> None:
         while not self._stop.wait(self.interval_s):
+            if time.monotonic() - self._last_write < self.interval_s:
+                # A trial start or end just stamped the row: that was this interval's beat.
+                continue
             self._due.set()
             if not self._wait_for_quiet_connection():
                 continue  # the trainer's next check-in carried the beat, or we are stopping
@@ -347,6 +354,7 @@ class Registration:
                     beat(self.db, self.id)
                     self._due.clear()
                     self.beats += 1
+                    self._last_write = time.monotonic()
                 except StorageError as err:
                     # Retries already happened inside; the next beat may get through.
                     log.warning("heartbeat of worker %s failed: %s", self.name, err)
