@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,7 +22,8 @@ from sqlalchemy import Float
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.pool import QueuePool
+from sqlalchemy.pool import ConnectionPoolEntry, QueuePool
+from sqlalchemy.util import queue as sqla_queue
 from sqlalchemy.sql.elements import ColumnElement
 
 from hpsearch.storage import urls
@@ -56,6 +58,42 @@ DEFAULT_RETRY = RetryPolicy()
 PATIENT_RETRY = RetryPolicy(attempts=40, base_delay_s=0.5, max_delay_s=15.0)
 
 
+class ThreadSharedPool(QueuePool):
+    """A QueuePool whose overflow connection is only for the thread that already holds one.
+
+    A worker process has one pooled connection and two threads that use it (the trainer and
+    the heartbeat). With a plain QueuePool, whichever thread finds the connection taken opens
+    an overflow one, so at 64 workers the server sees up to 128. Here another thread waits
+    for the pooled connection to come back (sessions last milliseconds), while a thread that
+    nests a second session inside its first (Optuna does, creating its tables) still gets
+    the overflow connection instead of waiting on itself forever.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._held = threading.local()
+
+    def _do_get(self) -> ConnectionPoolEntry:
+        held = getattr(self._held, "n", 0)
+        if held == 0 and self.overflow() >= 0:
+            # Every connection the pool keeps exists (overflow counts up from -pool_size) and
+            # this thread holds none: wait for one to come back instead of opening another.
+            try:
+                record = self._pool.get(True, self._timeout)
+            except sqla_queue.Empty:
+                raise sqlalchemy.exc.TimeoutError(
+                    f"waited {self._timeout:.0f}s for this process's database connection"
+                ) from None
+        else:
+            record = super()._do_get()
+        self._held.n = held + 1
+        return record
+
+    def _do_return_conn(self, record: ConnectionPoolEntry) -> None:
+        self._held.n = max(0, getattr(self._held, "n", 0) - 1)
+        super()._do_return_conn(record)
+
+
 def engine_kwargs(url: str, *, pool_size: int = 1) -> dict[str, Any]:
     """Engine settings for ``url``: few connections, pre-ping, keepalives, lock patience."""
     if urls.is_sqlite(url):
@@ -63,12 +101,11 @@ def engine_kwargs(url: str, *, pool_size: int = 1) -> dict[str, Any]:
         # failing with "database is locked".
         return {"connect_args": {"timeout": 120}}
     return {
+        "poolclass": ThreadSharedPool,
         "pool_pre_ping": True,
         "pool_size": pool_size,
-        # One spare for the rare moment two threads of a process (trainer + heartbeat) both
-        # need a session. The heartbeat waits for the pooled connection to be idle first
-        # (Database.pooled_connection_idle), so the spare opens only when the trainer holds
-        # the connection for longer than the heartbeat's patience, and closes on return.
+        # The spare is only for a thread nesting a session in its own (see ThreadSharedPool);
+        # it is closed as soon as it is returned.
         "max_overflow": 1,
         "pool_recycle": 1800,
         "connect_args": {
@@ -129,7 +166,8 @@ def is_transient(exc: BaseException) -> bool:
     """Errors worth retrying: lost connections, server restarts, deadlocks, lock timeouts."""
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
-    if isinstance(exc, OperationalError):
+    if isinstance(exc, (OperationalError, sqlalchemy.exc.TimeoutError)):
+        # TimeoutError: the other thread of this process held the connection too long.
         return True
     orig = getattr(exc, "orig", None)
     code = getattr(orig, "pgcode", None)

@@ -150,3 +150,38 @@ def _eventually(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def test_second_thread_waits_for_the_connection_but_nesting_still_works(pg_url: str) -> None:
+    """The pool never gives another thread a second connection, and a thread that nests a
+    session in its own (Optuna creating its tables) is not deadlocked by that rule."""
+    import threading
+
+    storage = open_storage(pg_url, create=True)
+    seen: list[int] = []
+    try:
+        with storage.db.session() as outer:
+            outer.execute(sqlalchemy.text("SELECT 1"))
+            with storage.db.session() as inner:  # same thread: gets the overflow connection
+                inner.execute(sqlalchemy.text("SELECT 1"))
+                seen.append(storage.db.engine.pool.checkedout())
+        seen.append(storage.db.engine.pool.checkedout())
+
+        waited = threading.Event()
+
+        def other() -> None:
+            storage.db.now()  # another thread: must wait for the trainer's session to end
+            waited.set()
+
+        with storage.db.session() as trainer:
+            trainer.execute(sqlalchemy.text("SELECT 1"))
+            t = threading.Thread(target=other)
+            t.start()
+            time.sleep(0.5)
+            assert not waited.is_set(), "the other thread must not open its own connection"
+            seen.append(storage.db.engine.pool.checkedout())
+        t.join(timeout=10)
+        assert waited.is_set()
+        assert seen == [2, 0, 1]
+    finally:
+        storage.close()
