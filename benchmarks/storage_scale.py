@@ -93,13 +93,40 @@ def throwaway_cluster(port: int, os_user: str | None) -> Iterator[Cluster]:
         as_user = ["runuser", "-u", name, "--"]
     env = {**os.environ, "LC_ALL": "C"}
     try:
-        subprocess.run([*as_user, f"{bindir}/initdb", "-D", str(data), "-U", "postgres",
-                        "--auth-local=trust", "--auth-host=scram-sha-256"],
-                       check=True, capture_output=True, env=env)
+        subprocess.run(
+            [
+                *as_user,
+                f"{bindir}/initdb",
+                "-D",
+                str(data),
+                "-U",
+                "postgres",
+                "--auth-local=trust",
+                "--auth-host=scram-sha-256",
+            ],
+            check=True,
+            capture_output=True,
+            env=env,
+        )
         # Only where it listens changes; max_connections and the rest stay at initdb's defaults.
         opts = f"-p {port} -k {sock} -c listen_addresses=127.0.0.1"
-        subprocess.run([*as_user, f"{bindir}/pg_ctl", "-D", str(data), "-o", opts, "-l",
-                        str(root / "server.log"), "-w", "start"], check=True, capture_output=True, env=env)
+        subprocess.run(
+            [
+                *as_user,
+                f"{bindir}/pg_ctl",
+                "-D",
+                str(data),
+                "-o",
+                opts,
+                "-l",
+                str(root / "server.log"),
+                "-w",
+                "start",
+            ],
+            check=True,
+            capture_output=True,
+            env=env,
+        )
         admin_dsn = f"host={sock} port={port} user=postgres dbname=postgres"
         conn = psycopg2.connect(admin_dsn)
         conn.autocommit = True
@@ -112,8 +139,11 @@ def throwaway_cluster(port: int, os_user: str | None) -> Iterator[Cluster]:
         url = f"postgresql+psycopg2://hp:{BENCH_PASSWORD}@127.0.0.1:{port}/bench"
         yield Cluster(url, admin_dsn, "bench")
     finally:
-        subprocess.run([*as_user, f"{bindir}/pg_ctl", "-D", str(data), "-m", "immediate", "stop"],
-                       capture_output=True, env=env)
+        subprocess.run(
+            [*as_user, f"{bindir}/pg_ctl", "-D", str(data), "-m", "immediate", "stop"],
+            capture_output=True,
+            env=env,
+        )
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -164,7 +194,9 @@ class _Counter(logging.Handler):
         self.messages.append(record.getMessage()[:200])
 
 
-def hpsearch_worker(url: str, study: str, index: int, go: Any, results: Any, heartbeat_s: float) -> None:
+def hpsearch_worker(
+    url: str, study: str, index: int, go: Any, results: Any, heartbeat_s: float
+) -> None:
     """One worker process, step for step as search/worker.py runs it, with a synthetic objective."""
     counter = _Counter()
     logging.getLogger("hpsearch").addHandler(counter)
@@ -176,11 +208,14 @@ def hpsearch_worker(url: str, study: str, index: int, go: Any, results: Any, hea
             spec = specs.resolved(studies.stored_spec(storage, study))
             name = f"bench-host-{index // 8}/cpu:{index % 8}/{os.getpid()}"
             study_obj = optuna.load_study(
-                study_name=study, storage=storage.optuna,
+                study_name=study,
+                storage=storage.optuna,
                 sampler=studies.make_sampler(spec, studies.worker_seed(spec, name)),
                 pruner=studies.make_pruner(spec),
             )
-            with registry.Registration(storage.db, study, name, f"cpu:{index % 8}", interval_s=heartbeat_s) as reg:
+            with registry.Registration(
+                storage.db, study, name, f"cpu:{index % 8}", interval_s=heartbeat_s
+            ) as reg:
                 while True:
                     n_trials = studies.n_trials(study_obj, spec)
                     slot = budget.claim_slot(storage.db, study, n_trials, name)
@@ -200,20 +235,22 @@ def hpsearch_worker(url: str, study: str, index: int, go: Any, results: Any, hea
         finally:
             storage.close()
     except Exception as exc:  # counted and reported, never hidden
-        out["errors"].append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+        out["errors"].append(_describe(exc))
     out["retries"], out["retry_messages"] = counter.retries, counter.messages[:3]
     results.put(out)
 
 
-def optuna_worker(url: str, study: str, index: int, go: Any, results: Any, spec: specs.StudySpec,
-                  per_worker: int) -> None:
+def optuna_worker(
+    url: str, study: str, index: int, go: Any, results: Any, spec: specs.StudySpec, per_worker: int
+) -> None:
     """Plain Optuna as its documentation shows it: a URL, ``study.optimize``, same sampler."""
     out: dict[str, Any] = {"index": index, "finished": 0, "errors": [], "beats": 0, "retries": 0}
     go.wait()
     try:
         name = f"plain-{index}"
         study_obj = optuna.load_study(
-            study_name=study, storage=url,
+            study_name=study,
+            storage=url,
             sampler=studies.make_sampler(spec, studies.worker_seed(spec, name)),
             pruner=studies.make_pruner(spec),
         )
@@ -230,10 +267,21 @@ def optuna_worker(url: str, study: str, index: int, go: Any, results: Any, spec:
                 study_obj.optimize(objective, n_trials=1)
                 out["finished"] += 1
             except Exception as exc:
-                out["errors"].append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                out["errors"].append(_describe(exc))
     except Exception as exc:
-        out["errors"].append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+        out["errors"].append(_describe(exc))
     results.put(out)
+
+
+def _describe(exc: BaseException) -> str:
+    """The error and, when Optuna wrapped a driver error, the driver's first line too."""
+    text = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None and (cause.__cause__ or cause.__context__) is not None:
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None and str(cause):
+        text += f" <- {type(cause).__name__}: {str(cause).strip().splitlines()[-1][:160]}"
+    return text
 
 
 # -- measuring -------------------------------------------------------------------------------
@@ -295,8 +343,15 @@ class Row:
         return self.finished / self.seconds if self.seconds else 0.0
 
 
-def run_row(kind: str, n: int, per_worker: int, url: str, cluster: Cluster, spec: specs.StudySpec,
-            heartbeat_s: float) -> Row:
+def run_row(
+    kind: str,
+    n: int,
+    per_worker: int,
+    url: str,
+    cluster: Cluster,
+    spec: specs.StudySpec,
+    heartbeat_s: float,
+) -> Row:
     study = f"{kind}-{n}-{uuid.uuid4().hex[:6]}"
     spec = replace(spec, search=replace(spec.search, n_trials=n * per_worker))
     if kind == "hpsearch":
@@ -312,9 +367,15 @@ def run_row(kind: str, n: int, per_worker: int, url: str, cluster: Cluster, spec
     ctx = mp.get_context("fork")
     go, results = ctx.Event(), ctx.Queue()
     if kind == "hpsearch":
-        procs = [ctx.Process(target=hpsearch_worker, args=(url, study, i, go, results, heartbeat_s)) for i in range(n)]
+        procs = [
+            ctx.Process(target=hpsearch_worker, args=(url, study, i, go, results, heartbeat_s))
+            for i in range(n)
+        ]
     else:
-        procs = [ctx.Process(target=optuna_worker, args=(url, study, i, go, results, spec, per_worker)) for i in range(n)]
+        procs = [
+            ctx.Process(target=optuna_worker, args=(url, study, i, go, results, spec, per_worker))
+            for i in range(n)
+        ]
     for p in procs:
         p.start()
     row = Row(kind, n, n * per_worker)
@@ -345,16 +406,23 @@ def run_row(kind: str, n: int, per_worker: int, url: str, cluster: Cluster, spec
 def _count_trials(row: Row, url: str, study: str) -> None:
     storage = open_storage(url, create=False)
     try:
-        trials = optuna.load_study(study_name=study, storage=storage.optuna).get_trials(deepcopy=False)
+        trials = optuna.load_study(study_name=study, storage=storage.optuna).get_trials(
+            deepcopy=False
+        )
         done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
         row.finished = len(done)
         row.lost = max(0, row.expected - len(done))
         row.duplicated = max(0, len(done) - row.expected)
         if row.storage == "hpsearch":
             # Every budget slot is bound to its own trial: a slot run twice would show here.
-            bound = storage.db.run(lambda s: s.execute(
-                select(func.count(BudgetSlot.trial_number.distinct())).where(BudgetSlot.study_name == study)
-            ).scalar_one(), what="count bound slots")
+            bound = storage.db.run(
+                lambda s: s.execute(
+                    select(func.count(BudgetSlot.trial_number.distinct())).where(
+                        BudgetSlot.study_name == study
+                    )
+                ).scalar_one(),
+                what="count bound slots",
+            )
             row.duplicated += max(0, len(trials) - bound)
     finally:
         storage.close()
@@ -364,12 +432,16 @@ def _count_trials(row: Row, url: str, study: str) -> None:
 
 
 def print_rows(rows: list[Row]) -> None:
-    print(f"{'workers':>7} {'storage':<9} {'trials':>7} {'s':>7} {'trials/s':>9} {'errors':>6} "
-          f"{'retries':>7} {'lost':>5} {'dup':>4} {'peak conn':>9} {'conn/proc':>9} {'at s':>6} {'beats':>6}")
+    print(
+        f"{'workers':>7} {'storage':<9} {'trials':>7} {'s':>7} {'trials/s':>9} {'errors':>6} "
+        f"{'retries':>7} {'lost':>5} {'dup':>4} {'peak conn':>9} {'conn/proc':>9} {'at s':>6} {'beats':>6}"
+    )
     for r in rows:
-        print(f"{r.workers:>7} {r.storage:<9} {r.finished:>4}/{r.expected:<3}{r.seconds:>6.1f} {r.rate:>9.2f} "
-              f"{len(r.errors):>6} {r.retries:>7} {r.lost:>5} {r.duplicated:>4} {r.peak:>9} "
-              f"{r.peak / r.workers:>9.2f} {r.peak_at:>6.1f} {r.beats:>6}")
+        print(
+            f"{r.workers:>7} {r.storage:<9} {r.finished:>4}/{r.expected:<3}{r.seconds:>6.1f} {r.rate:>9.2f} "
+            f"{len(r.errors):>6} {r.retries:>7} {r.lost:>5} {r.duplicated:>4} {r.peak:>9} "
+            f"{r.peak / r.workers:>9.2f} {r.peak_at:>6.1f} {r.beats:>6}"
+        )
 
 
 def verdict(rows: list[Row]) -> bool:
@@ -380,9 +452,13 @@ def verdict(rows: list[Row]) -> bool:
         if plain is not None:
             if plain.errors:
                 first = next((e for e in plain.errors if "too many clients" in e), plain.errors[0])
-                print(f"{n:>3} workers: plain optuna FAILED ({len(plain.errors)} errors, e.g. {first})")
+                print(
+                    f"{n:>3} workers: plain optuna FAILED ({len(plain.errors)} errors, e.g. {first})"
+                )
             else:
-                print(f"{n:>3} workers: plain optuna ran ({plain.rate:.2f} trials/s, peak {plain.peak} connections)")
+                print(
+                    f"{n:>3} workers: plain optuna ran ({plain.rate:.2f} trials/s, peak {plain.peak} connections)"
+                )
         if ours is None:
             continue
         checks = {
@@ -405,10 +481,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--trials-per-worker", type=int, default=3)
-    parser.add_argument("--heartbeat-s", type=float, default=1.0,
-                        help="heartbeat interval (default 1 s: 30x the production default, to stress it)")
+    parser.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=1.0,
+        help="heartbeat interval (default 1 s: 30x the production default, to stress it)",
+    )
     parser.add_argument("--port", type=int, default=55432, help="port of the throwaway cluster")
-    parser.add_argument("--pg-os-user", help="unprivileged OS user to run the throwaway cluster (as root)")
+    parser.add_argument(
+        "--pg-os-user", help="unprivileged OS user to run the throwaway cluster (as root)"
+    )
     parser.add_argument("--skip-optuna", action="store_true", help="only the hpsearch rows")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
@@ -425,14 +507,18 @@ def main() -> int:
             cur.execute("SHOW server_version")
             version = cur.fetchone()[0]
         conn.close()
-        print(f"PostgreSQL {version}, max_connections = {max_conn} (defaults); {os.cpu_count()} CPUs; "
-              f"{args.trials_per_worker} trials per worker, {STEPS} reports per trial, "
-              f"heartbeat every {args.heartbeat_s:g} s")
+        print(
+            f"PostgreSQL {version}, max_connections = {max_conn} (defaults); {os.cpu_count()} CPUs; "
+            f"{args.trials_per_worker} trials per worker, {STEPS} reports per trial, "
+            f"heartbeat every {args.heartbeat_s:g} s"
+        )
         rows: list[Row] = []
         for n in args.workers:
             kinds = ["hpsearch"] if args.skip_optuna else ["optuna", "hpsearch"]
             for kind in kinds:
-                row = run_row(kind, n, args.trials_per_worker, cluster.url, cluster, spec, args.heartbeat_s)
+                row = run_row(
+                    kind, n, args.trials_per_worker, cluster.url, cluster, spec, args.heartbeat_s
+                )
                 rows.append(row)
                 print_rows([row])
     print()
