@@ -94,6 +94,11 @@ class ThreadSharedPool(QueuePool):
         super()._do_return_conn(record)
 
 
+# SQLAlchemy names a pool's logger after its class and quiets only loggers under
+# "sqlalchemy"; keep ours as quiet as the QueuePool it extends (no "Pool disposed" lines).
+logging.getLogger(f"{ThreadSharedPool.__module__}.{ThreadSharedPool.__name__}").setLevel(logging.WARNING)
+
+
 def engine_kwargs(url: str, *, pool_size: int = 1) -> dict[str, Any]:
     """Engine settings for ``url``: few connections, pre-ping, keepalives, lock patience."""
     if urls.is_sqlite(url):
