@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     storage_arg(wk)
     wk.set_defaults(func=cmd_worker)
 
-    st = sub.add_parser("status", help="trials by state, best value, parameters and checkpoint")
+    st = sub.add_parser("status", help="trials by state, best trial, and every worker on every host")
     st.add_argument("--study", required=True)
     st.add_argument("--json", action="store_true", help="machine-readable output")
     storage_arg(st)
@@ -114,8 +114,7 @@ def _is_user_error(exc: BaseException) -> bool:
 # -- commands ---------------------------------------------------------------------------------
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from hpsearch.search import devices
-    from hpsearch.search import study as studies
+    from hpsearch.search import devices, study as studies
     from hpsearch.storage import urls
     from hpsearch.storage.open import open_storage
 
@@ -141,8 +140,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from hpsearch.search import devices
-    from hpsearch.search import study as studies
+    from hpsearch.search import devices, study as studies
     from hpsearch.search.spec import resolved
     from hpsearch.storage import urls
     from hpsearch.storage.open import open_storage
@@ -193,8 +191,8 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 def _render(name: str, url: str, *, as_json: bool, best_only: bool) -> str:
     import optuna
-    from hpsearch.search import study as studies
-    from hpsearch.search import summary
+
+    from hpsearch.search import fleet, study as studies, summary
     from hpsearch.storage.open import open_storage
 
     storage = open_storage(url, create=False)
@@ -202,19 +200,22 @@ def _render(name: str, url: str, *, as_json: bool, best_only: bool) -> str:
         spec = studies.stored_spec(storage, name)
         study = optuna.load_study(study_name=name, storage=storage.optuna)
         s = summary.status(study, spec, studies.n_trials(study, spec), storage.display)
+        if not best_only:
+            s.update(fleet.summary(storage.db, name))
     finally:
         storage.close()
     if best_only:
         return json.dumps(s["best"], indent=2) if as_json else summary.format_best(s["best"], s["metric"])
-    return json.dumps(s, indent=2) if as_json else summary.format_status(s)
+    if as_json:
+        return json.dumps(s, indent=2)
+    return summary.format_status(s) + "\n" + fleet.format_workers(s)
 
 
 # -- helpers ----------------------------------------------------------------------------------
 
 def _spec_for_start(args: argparse.Namespace, url: str) -> Any:
     """--config, else ./STUDY.toml, else the stored spec of an existing study, else a preset."""
-    from hpsearch.search import spec as specs
-    from hpsearch.search import study as studies
+    from hpsearch.search import spec as specs, study as studies
     from hpsearch.storage.errors import StudyNotFoundError
     from hpsearch.storage.open import open_storage
 

@@ -10,7 +10,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import optuna
 
 from hpsearch.search import progress, retry, study as studies, worker
 from hpsearch.search.devices import Device, threads_per_worker
+from hpsearch.storage import registry
 from hpsearch.storage.open import open_storage
 
 log = logging.getLogger(__name__)
@@ -78,10 +78,11 @@ class Supervisor:
         return 1 if self.failed_devices else 0
 
     def _spawn(self, device: Device, crashes: deque[float]) -> None:
-        name = f"{socket.gethostname()}/{device.label}/{os.getpid()}"
+        name = f"{registry.this_host()}/{device.label}/{os.getpid()}"
         args = worker.WorkerArgs(
             study=self.study, storage_url=self.storage_url, device=device.kind, name=name,
             output_dir=str(self.output_dir), threads=self.threads, log_level=self.log_level,
+            device_label=device.label,
         )
         parent_conn, child_conn = self.ctx.Pipe(duplex=False)
         process = self.ctx.Process(target=worker.main, args=(args, child_conn), name=f"hpsearch-{device.label}")

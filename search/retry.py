@@ -10,9 +10,10 @@ import logging
 from pathlib import Path
 
 import optuna
+from optuna.trial import TrialState
+
 from hpsearch.storage import budget
 from hpsearch.storage.open import Storage
-from optuna.trial import TrialState
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
+
 from hpsearch.trainer.config import ConfigError, DataConfig, ModelConfig, TrainConfig, from_dict
 
 SPEC_ATTR = "hpsearch_spec"

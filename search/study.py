@@ -8,6 +8,7 @@ import zlib
 from typing import Any
 
 import optuna
+
 from hpsearch.search.spec import SPEC_ATTR, SpecError, StudySpec, difference
 from hpsearch.storage.open import Storage, require_study
 

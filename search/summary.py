@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import socket
 from collections import Counter
 from typing import Any
 
 import optuna
-from hpsearch.search.spec import StudySpec
 from optuna.trial import FrozenTrial, TrialState
+
+from hpsearch.search.spec import StudySpec
+from hpsearch.storage import registry
 
 
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
@@ -71,7 +72,7 @@ def format_best(best: dict[str, Any] | None, metric: str) -> str:
     lines += [f"  {k} = {_fmt(v)}" for k, v in sorted(best["params"].items())]
     lines.append(f"  checkpoint: {best['best_checkpoint']}")
     host = best.get("host")
-    if host and host != socket.gethostname():
+    if host and host != registry.this_host():
         lines.append(f"  warning: the checkpoint lives on host {host}, not on this host")
     return "\n".join(lines)
 

@@ -10,7 +10,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import traceback
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
@@ -18,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from hpsearch.search import retry
-from hpsearch.search import study as studies
+from optuna.trial import TrialState
+
+from hpsearch.search import retry, study as studies
 from hpsearch.search.spec import StudySpec, resolved
-from hpsearch.storage import budget
+from hpsearch.storage import budget, registry
 from hpsearch.storage.db import PATIENT_RETRY
 from hpsearch.storage.open import Storage, open_storage
-from optuna.trial import TrialState
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +39,8 @@ class WorkerArgs:
     output_dir: str
     threads: int | None = None
     log_level: int = logging.INFO
+    device_label: str = ""
+    """The device as the registry shows it ("cuda:1", "cpu:0"); defaults to ``device``."""
 
 
 class TrialReporter:
@@ -97,7 +98,10 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         torch.backends.cudnn.allow_tf32 = True
     storage = open_storage(args.storage_url, create=False, retry=PATIENT_RETRY)
     try:
-        Worker(args, storage, stop, conn).run()
+        # Registered (and heartbeating) from the start, so status shows a worker still loading.
+        device = args.device_label or args.device
+        with registry.Registration(storage.db, args.study, args.name, device) as reg:
+            Worker(args, storage, stop, conn, registration=reg).run()
     finally:
         storage.close()
     if stop.requested:
@@ -107,11 +111,14 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
 
 
 class Worker:
-    def __init__(self, args: WorkerArgs, storage: Storage, stop: StopFlag, conn: Connection | None) -> None:
+    def __init__(self, args: WorkerArgs, storage: Storage, stop: StopFlag, conn: Connection | None,
+                 registration: registry.Registration | None = None) -> None:
         import torch
+
         from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 
         self.args, self.storage, self.stop, self.conn = args, storage, stop, conn
+        self.registration = registration
         self.spec: StudySpec = resolved(studies.stored_spec(storage, args.study))
         place = args.name.rsplit("/", 1)[0]  # host/device, without the pid
         n_existing = len(storage.optuna.get_all_trials(storage.optuna.get_study_id_from_name(args.study), deepcopy=False))
@@ -146,7 +153,12 @@ class Worker:
             trial = self.study.ask()
             budget.bind_slot(self.storage.db, self.args.study, slot, trial.number)
             self._notify("trial", trial._trial_id, trial.number)
+            if self.registration:
+                self.registration.trial_started(trial.number)
             self.run_trial(trial)
+            if self.registration:
+                # A trial cut short by a stop request is handed back, not finished here.
+                self.registration.trial_ended(finished=not self.stop())
             self._notify("idle", trial._trial_id, trial.number)
             finished += 1
 
@@ -159,7 +171,7 @@ class Worker:
         out_dir = self.root / f"trial-{trial.number}"
         out_dir.mkdir(parents=True, exist_ok=True)
         reporter = TrialReporter(trial)
-        reporter.set_attrs({"device": self._device_name(), "host": socket.gethostname(), "worker": self.args.name})
+        reporter.set_attrs({"device": self._device_name(), "host": registry.this_host(), "worker": self.args.name})
         resume = self._resume_point(trial, out_dir)
         handler = _trial_log(out_dir)
         log.info("trial %d starts: %s", trial.number, params)

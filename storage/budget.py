@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from hpsearch.storage.db import Database
-from hpsearch.storage.errors import StorageError
-from hpsearch.storage.tables import BudgetSlot
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+
+from hpsearch.storage.db import Database
+from hpsearch.storage.errors import StorageError
+from hpsearch.storage.tables import BudgetSlot
 
 
 def claim_slot(db: Database, study_name: str, n_trials: int, worker: str) -> int | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,11 +18,16 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import sqlalchemy
-from hpsearch.storage import urls
-from hpsearch.storage.errors import StorageError, StorageUrlError
+from sqlalchemy import Float
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import ConnectionPoolEntry, QueuePool
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.util import queue as sqla_queue
+
+from hpsearch.storage import urls
+from hpsearch.storage.errors import StorageError, StorageUrlError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,6 +58,47 @@ DEFAULT_RETRY = RetryPolicy()
 PATIENT_RETRY = RetryPolicy(attempts=40, base_delay_s=0.5, max_delay_s=15.0)
 
 
+class ThreadSharedPool(QueuePool):
+    """A QueuePool whose overflow connection is only for the thread that already holds one.
+
+    A worker process has one pooled connection and two threads that use it (the trainer and
+    the heartbeat). With a plain QueuePool, whichever thread finds the connection taken opens
+    an overflow one, so at 64 workers the server sees up to 128. Here another thread waits
+    for the pooled connection to come back (sessions last milliseconds), while a thread that
+    nests a second session inside its first (Optuna does, creating its tables) still gets
+    the overflow connection instead of waiting on itself forever.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._held = threading.local()
+
+    def _do_get(self) -> ConnectionPoolEntry:
+        held = getattr(self._held, "n", 0)
+        if held == 0 and self.overflow() >= 0:
+            # Every connection the pool keeps exists (overflow counts up from -pool_size) and
+            # this thread holds none: wait for one to come back instead of opening another.
+            try:
+                record = self._pool.get(True, self._timeout)
+            except sqla_queue.Empty:
+                raise sqlalchemy.exc.TimeoutError(
+                    f"waited {self._timeout:.0f}s for this process's database connection"
+                ) from None
+        else:
+            record = super()._do_get()
+        self._held.n = held + 1
+        return record
+
+    def _do_return_conn(self, record: ConnectionPoolEntry) -> None:
+        self._held.n = max(0, getattr(self._held, "n", 0) - 1)
+        super()._do_return_conn(record)
+
+
+# SQLAlchemy names a pool's logger after its class and quiets only loggers under
+# "sqlalchemy"; keep ours as quiet as the QueuePool it extends (no "Pool disposed" lines).
+logging.getLogger(f"{ThreadSharedPool.__module__}.{ThreadSharedPool.__name__}").setLevel(logging.WARNING)
+
+
 def engine_kwargs(url: str, *, pool_size: int = 1) -> dict[str, Any]:
     """Engine settings for ``url``: few connections, pre-ping, keepalives, lock patience."""
     if urls.is_sqlite(url):
@@ -59,10 +106,11 @@ def engine_kwargs(url: str, *, pool_size: int = 1) -> dict[str, Any]:
         # failing with "database is locked".
         return {"connect_args": {"timeout": 120}}
     return {
+        "poolclass": ThreadSharedPool,
         "pool_pre_ping": True,
         "pool_size": pool_size,
-        # One spare for the rare moment two threads of a process (trainer + heartbeat) both
-        # hold a session; a pool of one would make them wait on each other instead.
+        # The spare is only for a thread nesting a session in its own (see ThreadSharedPool);
+        # it is closed as soon as it is returned.
         "max_overflow": 1,
         "pool_recycle": 1800,
         "connect_args": {
@@ -106,8 +154,10 @@ _CONNECT_HINTS: list[tuple[str, str]] = [
 ]
 
 
-def describe_connect_error(engine: Engine, exc: BaseException) -> str:
-    where = urls.mask(engine.url.render_as_string(hide_password=False))
+def describe_connect_error(target: Engine | str, exc: BaseException) -> str:
+    """One fixable line for a failed connection to ``target`` (an engine or a URL)."""
+    url = target if isinstance(target, str) else target.url.render_as_string(hide_password=False)
+    where = urls.mask(url)
     text = str(getattr(exc, "orig", exc) or exc)
     for pattern, hint in _CONNECT_HINTS:
         match = re.search(pattern, text)
@@ -121,7 +171,8 @@ def is_transient(exc: BaseException) -> bool:
     """Errors worth retrying: lost connections, server restarts, deadlocks, lock timeouts."""
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
-    if isinstance(exc, OperationalError):
+    if isinstance(exc, (OperationalError, sqlalchemy.exc.TimeoutError)):
+        # TimeoutError: the other thread of this process held the connection too long.
         return True
     orig = getattr(exc, "orig", None)
     code = getattr(orig, "pgcode", None)
@@ -186,14 +237,30 @@ class Database:
         """The database clock, as a Unix timestamp: staleness is judged by it, not by hosts."""
 
         def read(s: Session) -> float:
-            if self.engine.dialect.name == "sqlite":
-                value = s.execute(
-                    sqlalchemy.text("SELECT (julianday('now') - 2440587.5) * 86400.0")
-                ).scalar_one()
-            else:
-                value = s.execute(
-                    sqlalchemy.text("SELECT EXTRACT(EPOCH FROM clock_timestamp())")
-                ).scalar_one()
-            return float(value)
+            return float(s.execute(sqlalchemy.select(self.clock())).scalar_one())
 
         return self.run(read, what="read database clock")
+
+    def clock(self) -> ColumnElement[float]:
+        """The database clock as a SQL expression, so a write can stamp a row with it in the
+        same statement (no extra round trip, no trust in the writing host's clock)."""
+        return db_clock(self.engine.dialect.name)
+
+    def pooled_connection_idle(self) -> bool:
+        """True when this process's pooled connection is free (or none is open yet).
+
+        A background thread (the heartbeat) checks this before it writes, so it borrows the
+        connection the trainer is not using instead of opening an overflow one: that is what
+        keeps a worker process at one connection.
+        """
+        pool = self.engine.pool
+        if not isinstance(pool, QueuePool):
+            return True
+        return pool.checkedout() < pool.size()
+
+
+def db_clock(dialect: str) -> ColumnElement[float]:
+    if dialect == "sqlite":
+        return sqlalchemy.literal_column("((julianday('now') - 2440587.5) * 86400.0)", Float)
+    # clock_timestamp(), not now(): now() is frozen at the start of the transaction.
+    return sqlalchemy.literal_column("EXTRACT(EPOCH FROM clock_timestamp())", Float)

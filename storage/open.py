@@ -9,11 +9,12 @@ from pathlib import Path
 
 import optuna
 import sqlalchemy
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
+
 from hpsearch.storage import urls
-from hpsearch.storage.db import Database, RetryPolicy, check_connection, create_engine, engine_kwargs
+from hpsearch.storage.db import Database, RetryPolicy, describe_connect_error, engine_kwargs
 from hpsearch.storage.errors import StorageError, StorageUrlError, StudyNotFoundError
 from hpsearch.storage.tables import Base
-from sqlalchemy.exc import SQLAlchemyError
 
 log = logging.getLogger(__name__)
 
@@ -39,29 +40,60 @@ def open_storage(url: str, *, create: bool, retry: RetryPolicy | None = None) ->
     path = urls.sqlite_path(normalized)
     if path is not None:
         _prepare_sqlite(path, create=create, display=urls.mask(url))
-    # Fail fast with a fixable message before Optuna creates tables or logs a traceback.
-    probe = create_engine(normalized)
     try:
-        check_connection(probe)
-        has_tables = sqlalchemy.inspect(probe).has_table("studies")
-    finally:
-        probe.dispose()
-    if not create and not has_tables:
-        # Read-only commands must not turn a wrong database into an Optuna one.
-        raise StudyNotFoundError(
-            f"storage {urls.mask(url)} holds no studies; check --storage / HPSEARCH_STORAGE, or "
-            "create a study with `hpsearch start`"
-        )
-    try:
+        # Optuna's own schema check reads the version inside an open session on a second
+        # connection; with 64 workers starting at once that doubles the connections a server
+        # must take. The same check, one query after the other, needs one.
         rdb = optuna.storages.RDBStorage(
-            normalized, engine_kwargs=engine_kwargs(normalized), skip_table_creation=not create
+            normalized, engine_kwargs=engine_kwargs(normalized),
+            skip_compatibility_check=True, skip_table_creation=not create,
         )
+        if not create and not sqlalchemy.inspect(rdb.engine).has_table("studies"):
+            rdb.engine.dispose()
+            raise _no_studies(url)
+        _check_schema_version(rdb, urls.mask(url))
         if create:
             Base.metadata.create_all(rdb.engine)
+    except (OperationalError, optuna.exceptions.StorageInternalError) as exc:
+        # The first connection failed: a fixable one-line message (bad host, password, ...).
+        # No separate probe connection first: its backend lingers for a moment after close,
+        # and 64 workers starting together would briefly hold two connections each.
+        # (Optuna wraps the driver's error when its version table is read first.)
+        cause = exc if isinstance(exc, OperationalError) else exc.__cause__
+        if not create and _missing_tables(cause):
+            raise _no_studies(url) from None
+        if path is None and isinstance(cause, OperationalError):
+            raise StorageUrlError(describe_connect_error(normalized, cause)) from None
+        raise StorageError(f"cannot open storage {urls.mask(url)}: {str(cause or exc).splitlines()[0]}") from exc
     except SQLAlchemyError as exc:
+        if not create and _missing_tables(exc):
+            raise _no_studies(url) from None
         raise StorageError(f"cannot open storage {urls.mask(url)}: {str(exc).splitlines()[0]}") from exc
     db = Database(rdb.engine, retry=retry) if retry else Database(rdb.engine)
     return Storage(url=normalized, optuna=rdb, db=db)
+
+
+def _missing_tables(exc: BaseException | None) -> bool:
+    """Optuna's tables are absent: the URL names a database hpsearch never wrote to."""
+    text = str(exc or "")
+    return "UndefinedTable" in text or "no such table" in text or ("relation" in text and "does not exist" in text)
+
+
+def _no_studies(url: str) -> StudyNotFoundError:
+    # Read-only commands must not turn a wrong database into an Optuna one.
+    return StudyNotFoundError(
+        f"storage {urls.mask(url)} holds no studies; check --storage / HPSEARCH_STORAGE, or "
+        "create a study with `hpsearch start`"
+    )
+
+
+def _check_schema_version(rdb: optuna.storages.RDBStorage, display: str) -> None:
+    current, head = rdb.get_current_version(), rdb.get_head_version()
+    if current != head:
+        raise StorageError(
+            f"storage {display} has Optuna schema {current}, this Optuna needs {head}; run "
+            f"`optuna storage upgrade --storage URL` (or use the Optuna that created it)"
+        )
 
 
 def _prepare_sqlite(path: Path, *, create: bool, display: str) -> None:

@@ -25,3 +25,32 @@ class BudgetSlot(Base):
     trial_number: Mapped[int | None] = mapped_column(Integer, nullable=True)
     worker: Mapped[str | None] = mapped_column(String(256), nullable=True)
     claimed_at: Mapped[float] = mapped_column(Float)
+
+
+class WorkerRecord(Base):
+    """One worker process of a study, on any host: the registry behind `hpsearch status`.
+
+    Every time is the database clock (Unix seconds), so hosts with drifting clocks agree on
+    which worker is alive. A worker is *live* while its heartbeat is recent, *finished* once
+    it ended cleanly, and *lost* when its heartbeat went stale without a clean end (killed,
+    host gone, network cut). A restarted process registers a new row.
+    """
+
+    __tablename__ = "hpsearch_workers"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    study_name: Mapped[str] = mapped_column(String(512), index=True)
+    name: Mapped[str] = mapped_column(String(256))
+    host: Mapped[str] = mapped_column(String(256))
+    device: Mapped[str] = mapped_column(String(256))
+    pid: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[float] = mapped_column(Float)
+    heartbeat_at: Mapped[float] = mapped_column(Float)
+    heartbeat_s: Mapped[float] = mapped_column(Float)
+    """The worker's heartbeat interval: it is lost after missing a few of its own beats."""
+    ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    current_trial: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    trial_started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    trials_finished: Mapped[int] = mapped_column(Integer, default=0)
+    device_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    """Seconds this worker's device spent in finished trials (the running one is added live)."""

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hpsearch.storage.errors import StorageUrlError
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
+
+from hpsearch.storage.errors import StorageUrlError
 
 ENV_VAR = "HPSEARCH_STORAGE"
 DEFAULT_SQLITE_FILE = "hpsearch.db"

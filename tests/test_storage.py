@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from hpsearch.storage import budget, urls
 from hpsearch.storage.errors import StorageUrlError, StudyNotFoundError
 from hpsearch.storage.open import open_storage, require_study

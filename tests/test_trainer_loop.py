@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE, load_resume
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 from hpsearch.trainer.report import NullReporter
-
 from tests.tiny import build_tiny_bert
 
 CPU = torch.device("cpu")

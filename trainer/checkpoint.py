@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from hpsearch.trainer.model import unwrap
 
 BEST = "best"

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from hpsearch.trainer import precision as prec
 from hpsearch.trainer.data import Encoded, collate, eval_batches
 

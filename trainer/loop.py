@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from hpsearch.trainer import checkpoint as ckpt
-from hpsearch.trainer import precision as prec
+
+from hpsearch.trainer import checkpoint as ckpt, precision as prec
 from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.curves import Curves
 from hpsearch.trainer.data import collate, micro_batches

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from hpsearch.trainer.errors import ModelError
 
 log = logging.getLogger(__name__)
