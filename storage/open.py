@@ -12,8 +12,9 @@ import sqlalchemy
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from hpsearch.storage import urls
-from hpsearch.storage.db import Database, RetryPolicy, describe_connect_error, engine_kwargs
+from hpsearch.storage.db import DEFAULT_RETRY, Database, RetryPolicy, describe_connect_error, engine_kwargs
 from hpsearch.storage.errors import StorageError, StorageUrlError, StudyNotFoundError
+from hpsearch.storage.patient import PatientRDBStorage
 from hpsearch.storage.tables import Base
 
 log = logging.getLogger(__name__)
@@ -44,10 +45,11 @@ def open_storage(url: str, *, create: bool, retry: RetryPolicy | None = None) ->
         # Optuna's own schema check reads the version inside an open session on a second
         # connection; with 64 workers starting at once that doubles the connections a server
         # must take. The same check, one query after the other, needs one.
-        rdb = optuna.storages.RDBStorage(
+        rdb = PatientRDBStorage(
             normalized, engine_kwargs=engine_kwargs(normalized),
             skip_compatibility_check=True, skip_table_creation=not create,
         )
+        rdb.retry_policy = retry or DEFAULT_RETRY
         if not create and not sqlalchemy.inspect(rdb.engine).has_table("studies"):
             rdb.engine.dispose()
             raise _no_studies(url)

@@ -121,3 +121,32 @@ def test_sigterm_of_start_hands_back_and_next_start_resumes(
     _, err = again.communicate(timeout=600)
     assert again.returncode == 0, err[-3000:]
     _assert_recovered(sqlite_url, 1, "interrupted")
+
+
+def test_database_restart_under_a_running_worker_loses_nothing(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
+    from tests.pgcluster import Cluster
+
+    cluster = Cluster(port=55433)
+    try:
+        cluster.start()
+        url = cluster.url
+        proc = _start(tmp_path, _slow_spec(tmp_path, tiny_model, demo_files, n_trials=2), url)
+        try:
+            _wait_for_report(_sa_url(url), min_step=5)
+            cluster.stop("fast")  # every connection of the worker is cut
+            time.sleep(15)  # the worker trains on while the server is away
+            cluster.start()
+            _, err = proc.communicate(timeout=900)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, err[-3000:]
+        assert "database unreachable" in err or "transient database error" in err, "the outage was seen"
+        trials = optuna.load_study(study_name="f", storage=_sa_url(url)).get_trials()
+        assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.COMPLETE], [(t.state, t.user_attrs) for t in trials]
+        for t in trials:
+            # 320 examples / 32 = 10 steps per epoch x 4 epochs, validation every 5: nothing lost.
+            assert sorted(t.intermediate_values) == [5, 10, 15, 20, 25, 30, 35, 40]
+    finally:
+        cluster.destroy()

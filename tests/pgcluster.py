@@ -1,0 +1,57 @@
+"""A throwaway PostgreSQL cluster on its own port, for tests that restart the server.
+
+Never the machine's shared server: fault tests stop and start this one at will.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+OS_USER = "hpsearch-pg"
+
+
+class Cluster:
+    def __init__(self, port: int) -> None:
+        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+        if not found:
+            raise RuntimeError("initdb not found (install the postgresql package)")
+        self.bindir = Path(found[-1]).parent
+        self.port = port
+        self.root = Path(tempfile.mkdtemp(prefix="hpsearch-test-pg-"))
+        self.data = self.root / "data"
+        self.as_user: list[str] = []
+        if os.geteuid() == 0:
+            # initdb refuses to run as root: the cluster runs as an unprivileged user.
+            try:
+                pwd.getpwnam(OS_USER)
+            except KeyError:
+                subprocess.run(["useradd", "--system", "--no-create-home", OS_USER], check=True)
+            entry = pwd.getpwnam(OS_USER)
+            os.chown(self.root, entry.pw_uid, entry.pw_gid)
+            self.as_user = ["runuser", "-u", OS_USER, "--"]
+        self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust")
+        self.url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+
+    def _run(self, tool: str, *args: str) -> None:
+        subprocess.run([*self.as_user, str(self.bindir / tool), *args], check=True, capture_output=True,
+                       env={**os.environ, "LC_ALL": "C"})
+
+    def start(self) -> None:
+        opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1"
+        self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "server.log"), "-w", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")
+
+    def destroy(self) -> None:
+        try:
+            self.stop("immediate")
+        except subprocess.CalledProcessError:
+            pass
+        shutil.rmtree(self.root, ignore_errors=True)
