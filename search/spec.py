@@ -145,7 +145,7 @@ class Param:
                 f"search.space.{self.name}: the grid sampler needs a step (or choices) for every float parameter"
             )
         low, high, step = float(self.low or 0), float(self.high or 0), float(self.step or 1)
-        n = int(math.floor((high - low) / step + 1e-9)) + 1
+        n = math.floor((high - low) / step + 1e-9) + 1
         values = [low + i * step for i in range(n)]
         return [int(v) for v in values] if self.type == "int" else [round(v, 12) for v in values]
 
