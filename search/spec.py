@@ -167,7 +167,7 @@ class Param:
         if self.type == "categorical":
             return list(self.choices or [])
         cast = int if self.type == "int" else float
-        return [cast(self.low), cast(self.high)]
+        return [cast(self.low or 0), cast(self.high or 0)]
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None and k != "name" and v is not False}

@@ -176,11 +176,13 @@ def suggest(trial: optuna.trial.BaseTrial, spec: StudySpec) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for name, p in spec.space.items():
         if p.type == "categorical":
-            params[name] = trial.suggest_categorical(name, p.choices)  # type: ignore[arg-type]
+            params[name] = trial.suggest_categorical(name, list(p.choices or []))
         elif p.type == "int":
-            params[name] = trial.suggest_int(name, int(p.low), int(p.high), log=p.log, step=int(p.step or 1))  # type: ignore[arg-type]
+            low, high = int(p.low or 0), int(p.high or 0)
+            params[name] = trial.suggest_int(name, low, high, log=p.log, step=int(p.step or 1))
         else:
-            params[name] = trial.suggest_float(name, p.low, p.high, log=p.log, step=p.step)  # type: ignore[arg-type]
+            low_f, high_f = float(p.low or 0), float(p.high or 0)
+            params[name] = trial.suggest_float(name, low_f, high_f, log=p.log, step=p.step)
     return params
 
 
