@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     best = sub.add_parser("best", help="the best trial and its checkpoint path")
     best.add_argument("--study", required=True)
     best.add_argument("--json", action="store_true", help="machine-readable output")
+    best.add_argument("--export", type=Path, metavar="DIR",
+                      help="copy the best model and tokenizer to DIR (loadable with from_pretrained)")
     storage_arg(best)
     best.set_defaults(func=cmd_best)
 
@@ -175,7 +177,15 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_best(args: argparse.Namespace) -> int:
     from hpsearch.storage import urls
 
-    print(_render(args.study, urls.resolve(args.storage), as_json=args.json, best_only=True))
+    url = urls.resolve(args.storage)
+    if args.export is not None:
+        from hpsearch.search.export import export_best
+
+        best = json.loads(_render(args.study, url, as_json=True, best_only=True))
+        export_best(best, args.study, args.export.resolve())
+    print(_render(args.study, url, as_json=args.json, best_only=True))
+    if args.export is not None and not args.json:
+        print(f"exported to {args.export.resolve()}")
     return EXIT_OK
 
 

@@ -20,7 +20,7 @@ from hpsearch.trainer.config import ConfigError, DataConfig, ModelConfig, TrainC
 SPEC_ATTR = "hpsearch_spec"
 PRESETS = ("bert-lr",)
 # Values that may change between runs of one study: raising the budget is not a new study.
-BUDGET_KEYS = ("n_trials", "timeout_minutes", "gpu_hours")
+BUDGET_KEYS = ("n_trials", "timeout_minutes", "gpu_hours", "keep_top_k", "max_disk_gb")
 PKG_SCHEME = "pkg://"
 
 
@@ -28,37 +28,62 @@ class SpecError(ConfigError):
     """The spec is invalid; the message names the field and the rule."""
 
 
+SAMPLERS = ("tpe", "random", "gp", "cmaes", "grid")
+PRUNERS = ("none", "median", "percentile", "asha", "hyperband")
+
+
 @dataclass
 class SearchConfig:
     n_trials: int = 20
     """Trials to finish, counted across every worker of the study."""
-    sampler: Literal["tpe", "random"] = "tpe"
-    """How parameters are proposed."""
-    pruner: Literal["none", "median", "asha", "hyperband"] = "median"
+    sampler: Literal["tpe", "random", "gp", "cmaes", "grid"] = "tpe"
+    """How parameters are proposed: tpe (multivariate, constant liar for parallel workers),
+    random, gp (Gaussian process), cmaes (CMA-ES; floats and ints only), grid (every
+    parameter needs choices or a step)."""
+    pruner: Literal["none", "median", "percentile", "asha", "hyperband"] = "asha"
     """How hopeless trials are stopped early (resource unit: optimizer steps)."""
-    metric: Literal["loss", "accuracy"] = "loss"
-    """Objective on the validation split: loss (minimised) or accuracy (maximised)."""
+    metric: Literal["loss", "accuracy", "f1"] = "loss"
+    """Objective on the validation split: loss (minimised), accuracy or macro F1 (maximised)."""
     seed: int = 0
     """Seed of the sampler; each worker derives its own from it."""
     max_retries: int = 2
     """Times a trial whose worker crashed or was stopped is retried (resuming its checkpoint)."""
     pruner_warmup_steps: int = 0
-    """Optimizer steps before the median pruner may stop a trial."""
+    """median/percentile: optimizer steps before a trial may be pruned."""
+    pruner_startup_trials: int = 2
+    """median/percentile: finished trials needed before any trial is pruned."""
+    pruner_percentile: float = 25.0
+    """percentile: a trial is pruned below this percentile of the others at the same step."""
+    pruner_min_resource: int = 0
+    """asha/hyperband: optimizer steps of the first rung (0 = train.eval_every, the first
+    validation point)."""
+    pruner_reduction_factor: int = 3
+    """asha/hyperband: 1 in this many trials is promoted to the next rung."""
     timeout_minutes: float = 0.0
     """Stop starting new trials after this many minutes of the study (0 = no limit)."""
     gpu_hours: float = 0.0
-    """Stop starting new trials once the study used this much device time (0 = no limit)."""
+    """Stop starting new trials once the study's trials used this much device time, summed
+    over every worker (0 = no limit)."""
+    keep_top_k: int = 3
+    """Keep the best checkpoints of this many top trials, study-wide; others are deleted."""
+    max_disk_gb: float = 0.0
+    """Cap on the kept best checkpoints (GB); the worst are deleted first (0 = no cap)."""
 
     def validate(self, where: str = "search") -> None:
-        if self.n_trials < 1:
-            raise SpecError(f"{where}.n_trials: {self.n_trials} must be >= 1")
-        if self.max_retries < 0:
-            raise SpecError(f"{where}.max_retries: {self.max_retries} must be >= 0")
-        if self.pruner_warmup_steps < 0:
-            raise SpecError(f"{where}.pruner_warmup_steps: {self.pruner_warmup_steps} must be >= 0")
-        for name in ("timeout_minutes", "gpu_hours"):
-            if getattr(self, name) < 0:
-                raise SpecError(f"{where}.{name}: {getattr(self, name)} must be >= 0 (0 = no limit)")
+        def rule(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise SpecError(f"{where}.{name}: {getattr(self, name)!r} {msg}")
+
+        rule(self.n_trials >= 1, "n_trials", "must be >= 1")
+        rule(self.max_retries >= 0, "max_retries", "must be >= 0")
+        rule(self.pruner_warmup_steps >= 0, "pruner_warmup_steps", "must be >= 0")
+        rule(self.pruner_startup_trials >= 0, "pruner_startup_trials", "must be >= 0")
+        rule(0 < self.pruner_percentile < 100, "pruner_percentile", "must be between 0 and 100 (exclusive)")
+        rule(self.pruner_min_resource >= 0, "pruner_min_resource", "must be >= 0 (0 = train.eval_every)")
+        rule(self.pruner_reduction_factor >= 2, "pruner_reduction_factor", "must be >= 2")
+        rule(self.keep_top_k >= 1, "keep_top_k", "must be >= 1 (the best trial's checkpoint is always kept)")
+        for name in ("timeout_minutes", "gpu_hours", "max_disk_gb"):
+            rule(getattr(self, name) >= 0, name, "must be >= 0 (0 = no limit)")
 
 
 @dataclass
@@ -112,6 +137,33 @@ class Param:
             raise SpecError(f"{where}: low and high must be integers for type = \"int\"")
         return cls(name, kind, low=low, high=high, log=log, step=step)
 
+    def grid(self) -> list[Any]:
+        """Every value of the parameter, for the grid sampler (needs choices, an int range or a step)."""
+        if self.type == "categorical":
+            return list(self.choices or [])
+        if self.step is None and self.type == "float":
+            raise SpecError(
+                f"search.space.{self.name}: the grid sampler needs a step (or choices) for every float parameter"
+            )
+        low, high, step = float(self.low or 0), float(self.high or 0), float(self.step or 1)
+        n = math.floor((high - low) / step + 1e-9) + 1
+        values = [low + i * step for i in range(n)]
+        return [int(v) for v in values] if self.type == "int" else [round(v, 12) for v in values]
+
+    def check_value(self, value: Any, where: str) -> Any:
+        """A fixed value for this parameter (an enqueued trial), checked against its range."""
+        if self.type == "categorical":
+            if value not in (self.choices or []):
+                raise SpecError(f"{where}: {value!r} is not one of the choices {self.choices!r}")
+            return value
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise SpecError(f"{where}: {value!r} must be a number")
+        if self.type == "int" and not float(value).is_integer():
+            raise SpecError(f"{where}: {value!r} must be an integer")
+        if not float(self.low or 0) <= value <= float(self.high or 0):
+            raise SpecError(f"{where}: {value!r} is outside the search range [{self.low:g}, {self.high:g}]")
+        return int(value) if self.type == "int" else float(value)
+
     def extremes(self) -> list[Any]:
         if self.type == "categorical":
             return list(self.choices or [])
@@ -131,6 +183,8 @@ class StudySpec:
     train: TrainConfig
     search: SearchConfig
     space: dict[str, Param] = field(default_factory=dict)
+    enqueue: list[dict[str, Any]] = field(default_factory=list)
+    """``[[search.enqueue]]``: known-good parameter sets tried first, in order."""
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -141,6 +195,7 @@ class StudySpec:
                 raise SpecError(f"{key}: unknown table; a spec has [model], [data], [train] and [search]")
         search_raw = dict(raw.get("search", {}))
         space_raw = search_raw.pop("space", {})
+        enqueue_raw = search_raw.pop("enqueue", [])
         try:
             model = from_dict(ModelConfig, raw.get("model", {}), "model")
             data = from_dict(DataConfig, raw.get("data", {}), "data")
@@ -151,10 +206,11 @@ class StudySpec:
         if not isinstance(space_raw, dict):
             raise SpecError("search.space: must be a table of parameters")
         space = {name: Param.parse(name, value) for name, value in space_raw.items()}
+        enqueue = _parse_enqueue(enqueue_raw, space)
         if base_dir is not None:
             data = replace(data, train=_resolve(data.train, base_dir), validation=_resolve(data.validation, base_dir))
             model = replace(model, name=_resolve_model(model.name, base_dir))
-        spec = cls(model, data, train, search, space)
+        spec = cls(model, data, train, search, space, enqueue)
         spec.validate()
         return spec
 
@@ -166,6 +222,7 @@ class StudySpec:
         except ConfigError as exc:
             raise SpecError(str(exc)) from None
         self.search.validate()
+        self._validate_sampler()
         train_keys = {f.name for f in fields(TrainConfig)}
         for name, param in self.space.items():
             if name not in train_keys:
@@ -180,10 +237,27 @@ class StudySpec:
                 except ConfigError as exc:
                     raise SpecError(f"search.space.{name}: value {value!r} gives an invalid trial: {exc}") from None
 
+    def _validate_sampler(self) -> None:
+        sampler = self.search.sampler
+        if sampler == "grid":
+            if not self.space:
+                raise SpecError("search.sampler: \"grid\" needs at least one parameter in [search.space]")
+            for p in self.space.values():
+                p.grid()
+        if sampler == "cmaes":
+            for p in self.space.values():
+                if p.type == "categorical":
+                    raise SpecError(
+                        f"search.space.{p.name}: cmaes samples only float and int parameters; "
+                        'use sampler = "tpe" or give the parameter low/high'
+                    )
+
     # -- persistence ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         search = asdict(self.search)
         search["space"] = {name: p.to_dict() for name, p in self.space.items()}
+        if self.enqueue:
+            search["enqueue"] = [dict(e) for e in self.enqueue]
         return {"model": asdict(self.model), "data": asdict(self.data), "train": asdict(self.train), "search": search}
 
     def identity(self) -> dict[str, Any]:
@@ -210,6 +284,24 @@ def difference(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str | 
         elif va != vb:
             return f"{path}: stored {va!r}, given {vb!r}"
     return None
+
+
+def _parse_enqueue(raw: Any, space: dict[str, Param]) -> list[dict[str, Any]]:
+    if not isinstance(raw, list):
+        raise SpecError("search.enqueue: must be an array of tables, written [[search.enqueue]]")
+    entries = []
+    for i, entry in enumerate(raw):
+        where = f"search.enqueue[{i}]"
+        if not isinstance(entry, dict) or not entry:
+            raise SpecError(f"{where}: must be a non-empty table of parameters, like learning_rate = 3e-5")
+        params = {}
+        for key, value in entry.items():
+            if key not in space:
+                known = ", ".join(sorted(space)) or "none"
+                raise SpecError(f"{where}.{key}: not a parameter of [search.space] (parameters: {known})")
+            params[key] = space[key].check_value(value, f"{where}.{key}")
+        entries.append(params)
+    return entries
 
 
 def load_file(path: Path) -> StudySpec:

@@ -14,6 +14,8 @@ from hpsearch.storage.open import Storage, require_study
 
 log = logging.getLogger(__name__)
 N_TRIALS_ATTR = "hpsearch_n_trials"
+DEADLINE_ATTR = "hpsearch_deadline"
+DEVICE_SECONDS = "device_seconds"
 
 
 class SpecMismatchError(SpecError):
@@ -27,12 +29,19 @@ def create_or_resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Stu
     )
     stored = study.user_attrs.get(SPEC_ATTR)
     if stored is None:
-        study.set_user_attr(SPEC_ATTR, spec.to_dict())
-        log.info("created study %s in %s", name, storage.display)
+        # Known-good configurations run first: queued now, the first ask() of any worker gets one.
+        for params in spec.enqueue:
+            study.enqueue_trial(params, user_attrs={"enqueued": True})
+        log.info("created study %s in %s (%d queued trials)", name, storage.display, len(spec.enqueue))
     else:
         check_same(name, StudySpec.from_dict(stored), spec)
         log.info("resuming study %s (%d trials so far)", name, len(study.trials))
+    # Stored again on resume: the budget keys (n_trials, timeout, gpu_hours, retention) may change.
+    study.set_user_attr(SPEC_ATTR, spec.to_dict())
     study.set_user_attr(N_TRIALS_ATTR, spec.search.n_trials)
+    # The timeout counts from this start, on the database clock that every worker shares.
+    timeout = spec.search.timeout_minutes
+    study.set_user_attr(DEADLINE_ATTR, storage.db.now() + timeout * 60 if timeout > 0 else None)
     return study
 
 
@@ -71,6 +80,34 @@ def n_trials(study: optuna.Study, spec: StudySpec) -> int:
     return int(study.user_attrs.get(N_TRIALS_ATTR, spec.search.n_trials))
 
 
+def budget_left(study: optuna.Study, spec: StudySpec, now: float) -> str | None:
+    """Why no new trial may start (timeout reached, device hours used), or None.
+
+    ``now`` is the database clock. Device time is the sum over the study's trials of their
+    ``device_seconds`` (training wall time on their device), running trials counted so far.
+    """
+    deadline = study.user_attrs.get(DEADLINE_ATTR)
+    if deadline is not None and now >= float(deadline):
+        return f"timeout of {spec.search.timeout_minutes:g} minutes reached"
+    if spec.search.gpu_hours > 0:
+        used = device_seconds(study)
+        if used >= spec.search.gpu_hours * 3600:
+            return f"device time budget used ({used / 3600:.3f} of {spec.search.gpu_hours:g} GPU hours)"
+    return None
+
+
+def device_seconds(study: optuna.Study) -> float:
+    import datetime as dt
+
+    total = 0.0
+    for t in study.get_trials(deepcopy=False):
+        total += float(t.user_attrs.get(DEVICE_SECONDS, 0.0))
+        if t.state == optuna.trial.TrialState.RUNNING and t.datetime_start is not None:
+            # The attempt in progress has not recorded its time yet.
+            total += max(0.0, (dt.datetime.now() - t.datetime_start).total_seconds())
+    return total
+
+
 def worker_seed(spec: StudySpec, place: str, n_existing: int) -> int:
     """A sampler seed per worker: with one shared seed, parallel workers (and a resumed run)
     would draw the same random start-up trials. Mixing in the host/device and the study's
@@ -79,30 +116,60 @@ def worker_seed(spec: StudySpec, place: str, n_existing: int) -> int:
 
 
 def make_sampler(spec: StudySpec, seed: int) -> optuna.samplers.BaseSampler:
-    if spec.search.sampler == "random":
+    kind = spec.search.sampler
+    if kind == "random":
         return optuna.samplers.RandomSampler(seed=seed)
+    if kind == "grid":
+        # Each worker walks the same grid; optuna skips points another worker already ran.
+        return optuna.samplers.GridSampler(grid_space(spec), seed=seed)
+    n_startup = max(3, min(10, spec.search.n_trials // 3))
+    if kind == "gp":
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=n_startup)
+    if kind == "cmaes":
+        # Pruned trials carry their last value: CMA-ES learns from them too (consider_pruned_trials).
+        return optuna.samplers.CmaEsSampler(
+            seed=seed, n_startup_trials=n_startup, consider_pruned_trials=True, warn_independent_sampling=False
+        )
     # multivariate TPE models the interaction of parameters (lr x warmup); the constant liar
     # treats running trials as bad so parallel workers do not pile onto the same region.
-    n_startup = max(3, min(10, spec.search.n_trials // 3))
     return optuna.samplers.TPESampler(
         seed=seed, multivariate=True, constant_liar=True, n_startup_trials=n_startup
     )
 
 
+def grid_space(spec: StudySpec) -> dict[str, list[Any]]:
+    """Every point of every parameter (spec validation guarantees choices or a step)."""
+    grid: dict[str, list[Any]] = {}
+    for name, p in spec.space.items():
+        grid[name] = p.grid()
+    return grid
+
+
 def make_pruner(spec: StudySpec, total_steps_hint: int | None = None) -> optuna.pruners.BasePruner:
-    kind = spec.search.pruner
+    """The spec's pruner; its resource unit is the optimizer step the trainer reports at.
+
+    Defaults suit short fine-tunes, where a trial has a handful of validation points: pruning
+    may start after 2 finished trials (not optuna's 5), and the first rung of asha/hyperband is
+    the first validation point (``train.eval_every``), not optuna's guess from the first trial.
+    """
+    s = spec.search
+    kind = s.pruner
     if kind == "none":
         return optuna.pruners.NopPruner()
     if kind == "median":
-        # Few validation points per fine-tune: judge after 2 finished trials, not optuna's 5.
-        return optuna.pruners.MedianPruner(
-            n_startup_trials=2, n_warmup_steps=spec.search.pruner_warmup_steps
+        return optuna.pruners.MedianPruner(n_startup_trials=s.pruner_startup_trials, n_warmup_steps=s.pruner_warmup_steps)
+    if kind == "percentile":
+        return optuna.pruners.PercentilePruner(
+            s.pruner_percentile, n_startup_trials=s.pruner_startup_trials, n_warmup_steps=s.pruner_warmup_steps
         )
-    min_resource = max(1, spec.train.eval_every)
+    min_resource = s.pruner_min_resource or max(1, spec.train.eval_every)
     if kind == "asha":
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=min_resource, reduction_factor=3)
+        return optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=min_resource, reduction_factor=s.pruner_reduction_factor
+        )
     return optuna.pruners.HyperbandPruner(
-        min_resource=min_resource, max_resource=total_steps_hint or "auto", reduction_factor=3
+        min_resource=min_resource, max_resource=total_steps_hint or "auto",
+        reduction_factor=s.pruner_reduction_factor,
     )
 
 
@@ -110,11 +177,13 @@ def suggest(trial: optuna.trial.BaseTrial, spec: StudySpec) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for name, p in spec.space.items():
         if p.type == "categorical":
-            params[name] = trial.suggest_categorical(name, p.choices)  # type: ignore[arg-type]
+            params[name] = trial.suggest_categorical(name, list(p.choices or []))
         elif p.type == "int":
-            params[name] = trial.suggest_int(name, int(p.low), int(p.high), log=p.log, step=int(p.step or 1))  # type: ignore[arg-type]
+            low, high = int(p.low or 0), int(p.high or 0)
+            params[name] = trial.suggest_int(name, low, high, log=p.log, step=int(p.step or 1))
         else:
-            params[name] = trial.suggest_float(name, p.low, p.high, log=p.log, step=p.step)  # type: ignore[arg-type]
+            low_f, high_f = float(p.low or 0), float(p.high or 0)
+            params[name] = trial.suggest_float(name, low_f, high_f, log=p.log, step=p.step)
     return params
 
 

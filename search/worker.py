@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import signal
+import time
 import traceback
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
@@ -21,7 +22,7 @@ from optuna.trial import TrialState
 
 from hpsearch.search import retry, study as studies
 from hpsearch.search.spec import StudySpec, resolved
-from hpsearch.storage import budget, registry
+from hpsearch.storage import budget, checkpoints as retention, registry
 from hpsearch.storage.db import PATIENT_RETRY
 from hpsearch.storage.open import Storage, open_storage
 
@@ -145,6 +146,10 @@ class Worker:
     def run(self) -> None:
         finished = 0
         while not self.stop():
+            stop_reason = studies.budget_left(self.study, self.spec, self.storage.db.now())
+            if stop_reason is not None:
+                log.info("no new trial: %s; %d run here", stop_reason, finished)
+                return
             n_trials = studies.n_trials(self.study, self.spec)
             slot = budget.claim_slot(self.storage.db, self.args.study, n_trials, self.args.name)
             if slot is None:
@@ -163,7 +168,7 @@ class Worker:
             finished += 1
 
     def run_trial(self, trial: optuna.Trial) -> None:
-        from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE, CheckpointError
+        from hpsearch.trainer.checkpoint import BEST, RESUME, RESUME_FILE, CheckpointError
         from hpsearch.trainer.loop import Run, fit
 
         params = studies.suggest(trial, self.spec)
@@ -175,6 +180,7 @@ class Worker:
         resume = self._resume_point(trial, out_dir)
         handler = _trial_log(out_dir)
         log.info("trial %d starts: %s", trial.number, params)
+        started = time.monotonic()
         try:
             data = self.data()
             model = self.models.fresh(self.spec.model.name, data.labels.num_labels, data.labels.id2label(), cfg.seed)
@@ -195,6 +201,14 @@ class Worker:
         finally:
             logging.getLogger().removeHandler(handler)
             handler.close()
+            # Device time of this attempt, added to earlier attempts': the gpu_hours budget.
+            spent = trial.user_attrs.get(studies.DEVICE_SECONDS, 0.0) + time.monotonic() - started
+            trial.set_user_attr(studies.DEVICE_SECONDS, round(spent, 3))
+        if result.status in ("pruned", "failed"):
+            # Never in the top k: only complete trials compete for a kept checkpoint.
+            retention.delete_own(out_dir / BEST)
+            if result.best_step is not None:
+                trial.set_user_attr(retention.BEST_CHECKPOINT_ATTR, f"{retention.DELETED_PREFIX} (trial {result.status})")
         if result.status != "interrupted":
             # The resumable state is only for a retry of this attempt; the best model stays.
             shutil.rmtree(out_dir / RESUME, ignore_errors=True)
@@ -213,6 +227,21 @@ class Worker:
             )
         else:
             self._fail(trial, result.fail_reason or "no validation point reached")
+        if result.status != "interrupted":
+            self._retain()
+
+    def _retain(self) -> None:
+        """Keep only the best checkpoints of the study's top trials (see storage/checkpoints.py)."""
+        search = self.spec.search
+        candidates = [
+            retention.Candidate(t._trial_id, t.number, float(t.value), Path(t.user_attrs["best_checkpoint"]))
+            for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            # Deleted ones stay in the ranking (their path no longer exists): a trial deleted for
+            # the disk cap keeps its place, so a worse one is not kept instead.
+            if t.value is not None and t.user_attrs.get("best_checkpoint")
+        ]
+        retention.retain(self.storage.db, candidates, keep_top_k=search.keep_top_k,
+                         minimize=self.spec.direction == "minimize", max_disk_gb=search.max_disk_gb)
 
     def _resume_point(self, trial: optuna.Trial, out_dir: Path) -> Path | None:
         source = trial.user_attrs.get(retry.RESUME_FROM)

@@ -33,7 +33,7 @@ class Run:
     tokenizer: Any
     data: Prepared
     cfg: TrainConfig
-    metric: str  # "loss" (minimise) or "accuracy" (maximise)
+    metric: str  # "loss" (minimise), "accuracy" or "f1" (maximise)
     device: torch.device
     out_dir: Path
     resume_from: Path | None = None
@@ -163,4 +163,4 @@ def _meta(run: Run, metrics: Metrics, step: int) -> dict[str, Any]:
 
 
 def _metric_attrs(metrics: Metrics) -> dict[str, float]:
-    return {"best_val_loss": metrics.loss, "best_val_accuracy": metrics.accuracy}
+    return {"best_val_loss": metrics.loss, "best_val_accuracy": metrics.accuracy, "best_val_f1": metrics.f1}

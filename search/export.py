@@ -1,0 +1,57 @@
+"""`hpsearch best --export DIR`: copy the best trial's model and tokenizer where a user wants them.
+
+The best checkpoint is already a ``save_pretrained`` folder (model, tokenizer, config with the
+label names, and hpsearch.json saying which trial and step it came from), so exporting is a
+checked copy plus a record of the trial's value and parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from hpsearch.search.spec import SpecError
+from hpsearch.storage.checkpoints import is_deleted
+
+log = logging.getLogger(__name__)
+REQUIRED = ("config.json",)
+
+
+class ExportError(SpecError):
+    """The best model cannot be exported; the message says why and what to do."""
+
+
+def export_best(best: dict[str, Any] | None, study: str, target: Path) -> Path:
+    """Copy the best trial's checkpoint (as ``summary.trial_dict`` describes it) to ``target``."""
+    if best is None:
+        raise ExportError(f"study {study!r} has no complete trial yet; nothing to export")
+    source_text = best.get("best_checkpoint")
+    if not source_text or is_deleted(source_text):
+        raise ExportError(f"trial {best['number']}'s checkpoint is gone ({source_text}); nothing to export")
+    source = Path(source_text)
+    if not source.is_dir():
+        host = best.get("host") or "another host"
+        raise ExportError(
+            f"checkpoint {source} of trial {best['number']} is not on this host; run the export on {host}"
+        )
+    missing = [name for name in REQUIRED if not (source / name).exists()]
+    if missing:
+        raise ExportError(f"checkpoint {source} is incomplete (no {', '.join(missing)})")
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ExportError(f"--export {target}: exists and is not an empty folder; choose a new folder")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Copy into a sibling, then rename: an interrupted export never looks complete.
+    tmp = target.parent / f".{target.name}.exporting"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    record = {"study": study, "trial": best["number"], "value": best["value"],
+              "best_step": best.get("best_step"), "params": best.get("params", {})}
+    (tmp / "hpsearch_best.json").write_text(json.dumps(record, indent=2, sort_keys=True))
+    if target.exists():
+        target.rmdir()
+    tmp.rename(target)
+    log.info("exported trial %d of %s to %s", best["number"], study, target)
+    return target

@@ -1,0 +1,127 @@
+"""Study-wide checkpoint retention: only the best checkpoints of the top k trials stay on disk.
+
+A search of 100 trials would otherwise leave 100 full models behind (hundreds of MB each for
+BERT-sized models). After every trial, the worker that ran it calls :func:`retain` with the
+study's finished trials; the checkpoints of trials that fell out of the top ``keep_top_k``
+(or that push the kept set over ``max_disk_gb``) are deleted, and :func:`mark_deleted` rewrites
+their ``best_checkpoint`` attribute so that nobody goes looking for them.
+
+Every host holds only its own trials' checkpoints, so each worker deletes only paths that
+exist on its host; the ranking is study-wide, so a trial is deleted on whichever host it ran.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import column, table, update
+
+from hpsearch.storage.db import Database
+
+log = logging.getLogger(__name__)
+DELETED_PREFIX = "deleted"
+BEST_CHECKPOINT_ATTR = "best_checkpoint"
+# Optuna's own table of trial user attributes: a finished trial's attributes cannot be changed
+# through Optuna's API (it refuses to update finished trials), so the one we own is rewritten here.
+_USER_ATTRS = table("trial_user_attributes", column("trial_id"), column("key"), column("value_json"))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A finished trial whose best checkpoint may be on this host's disk."""
+
+    trial_id: int
+    number: int
+    value: float
+    path: Path
+
+
+@dataclass(frozen=True)
+class Deletion:
+    candidate: Candidate
+    reason: str
+
+    @property
+    def note(self) -> str:
+        """What the trial's ``best_checkpoint`` attribute says afterwards."""
+        return f"{DELETED_PREFIX} ({self.reason}; was {self.candidate.path})"
+
+
+def is_deleted(value: object) -> bool:
+    return isinstance(value, str) and value.startswith(DELETED_PREFIX)
+
+
+def disk_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 if it does not exist)."""
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += (Path(root) / name).stat().st_size
+            except FileNotFoundError:  # another worker deleted it meanwhile
+                continue
+    return total
+
+
+def plan(candidates: Iterable[Candidate], *, keep_top_k: int, minimize: bool,
+         max_disk_bytes: int = 0, sizes: dict[Path, int] | None = None) -> list[Deletion]:
+    """Which checkpoints to delete: all but the top ``keep_top_k``, then the worst kept ones
+    while the kept set is over ``max_disk_bytes`` (0 = no cap). The best is never deleted."""
+    ranked = sorted(candidates, key=lambda c: (c.value if minimize else -c.value, c.number))
+    kept, deletions = ranked[:keep_top_k], [
+        Deletion(c, f"not in the study's top {keep_top_k}") for c in ranked[keep_top_k:]
+    ]
+    if max_disk_bytes > 0:
+        sizes = sizes if sizes is not None else {c.path: disk_bytes(c.path) for c in kept}
+        total = sum(sizes.get(c.path, 0) for c in kept)
+        while len(kept) > 1 and total > max_disk_bytes:
+            worst = kept.pop()
+            total -= sizes.get(worst.path, 0)
+            deletions.append(Deletion(worst, f"max_disk_gb cap of {max_disk_bytes / 1e9:g} GB"))
+    return deletions
+
+
+def retain(db: Database, candidates: list[Candidate], *, keep_top_k: int, minimize: bool,
+           max_disk_gb: float = 0.0) -> list[Deletion]:
+    """Delete the checkpoints :func:`plan` picks that exist here and mark their trials.
+
+    ``candidates`` are every finished trial of the study (other hosts' too): the ranking is
+    study-wide, but only checkpoints on this host's disk are deleted here."""
+    local = [c for c in candidates if c.path.exists()]
+    deletions = plan(candidates, keep_top_k=keep_top_k, minimize=minimize,
+                     max_disk_bytes=int(max_disk_gb * 1e9),
+                     sizes={c.path: disk_bytes(c.path) for c in local})
+    done: list[Deletion] = []
+    local_paths = {c.path for c in local}
+    for d in deletions:
+        if d.candidate.path not in local_paths:
+            continue
+        shutil.rmtree(d.candidate.path, ignore_errors=True)
+        mark_deleted(db, d.candidate.trial_id, d.note)
+        log.info("deleted the checkpoint of trial %d (%s)", d.candidate.number, d.reason)
+        done.append(d)
+    return done
+
+
+def mark_deleted(db: Database, trial_id: int, note: str) -> None:
+    db.run(
+        lambda s: s.execute(
+            update(_USER_ATTRS)
+            .where(_USER_ATTRS.c.trial_id == trial_id, _USER_ATTRS.c.key == BEST_CHECKPOINT_ATTR)
+            .values(value_json=json.dumps(note))
+        ),
+        what="mark a deleted checkpoint",
+    )
+
+
+def delete_own(path: Path) -> None:
+    """Delete a checkpoint folder of the running trial (pruned or failed: never in the top k)."""
+    shutil.rmtree(path, ignore_errors=True)

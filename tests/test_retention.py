@@ -1,0 +1,82 @@
+"""Study-wide checkpoint retention: top-k best checkpoints stay, the rest go, and `best --export`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from hpsearch.storage.checkpoints import Candidate, disk_bytes, is_deleted, plan
+from tests.conftest import hpsearch, spec_text
+
+
+def c(number: int, value: float) -> Candidate:
+    return Candidate(trial_id=100 + number, number=number, value=value, path=Path(f"/runs/trial-{number}/best"))
+
+
+def test_plan_keeps_the_top_k_by_direction() -> None:
+    trials = [c(0, 0.5), c(1, 0.2), c(2, 0.9), c(3, 0.4)]
+    assert sorted(d.candidate.number for d in plan(trials, keep_top_k=2, minimize=True)) == [0, 2]
+    assert sorted(d.candidate.number for d in plan(trials, keep_top_k=2, minimize=False)) == [1, 3]
+    assert plan(trials, keep_top_k=4, minimize=True) == []
+
+
+def test_plan_respects_the_disk_cap_but_never_deletes_the_best() -> None:
+    trials = [c(0, 0.1), c(1, 0.2), c(2, 0.3)]
+    sizes = {t.path: 400 for t in trials}
+    deleted = plan(trials, keep_top_k=3, minimize=True, max_disk_bytes=900, sizes=sizes)
+    assert [d.candidate.number for d in deleted] == [2]
+    assert "max_disk_gb" in deleted[0].reason
+    # A cap smaller than one checkpoint still keeps the best one.
+    deleted = plan(trials, keep_top_k=3, minimize=True, max_disk_bytes=1, sizes=sizes)
+    assert [d.candidate.number for d in deleted] == [2, 1]
+
+
+def test_search_keeps_only_top_k_checkpoints_and_exports_the_best(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], storage_url: str
+) -> None:
+    spec = tmp_path / "spec.toml"
+    # No pruning: every trial completes and competes for the two kept checkpoints.
+    spec.write_text(spec_text(tiny_model, *demo_files, n_trials=5, search="keep_top_k = 2")
+                    .replace('pruner = "median"', 'pruner = "none"'))
+    runs = tmp_path / "runs"
+    result = hpsearch("start", "--study", "keep", "--config", str(spec), "--storage", storage_url,
+                      "--devices", "cpu:1", "--output-dir", str(runs), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    url = storage_url.replace("postgresql://", "postgresql+psycopg2://")
+    trials = optuna.load_study(study_name="keep", storage=url).get_trials()
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(complete) == 5
+    ranked = sorted(complete, key=lambda t: t.value)  # metric = loss
+    for t in ranked[:2]:
+        assert Path(t.user_attrs["best_checkpoint"]).is_dir()
+    for t in ranked[2:]:
+        note = t.user_attrs["best_checkpoint"]
+        assert is_deleted(note) and "top 2" in note, note
+        assert not (runs / "keep" / f"trial-{t.number}" / "best").exists()
+    # On disk: exactly the two best checkpoints, and no resumable state of finished trials.
+    assert sorted(p.parent.name for p in (runs / "keep").glob("trial-*/best")) == sorted(
+        f"trial-{t.number}" for t in ranked[:2])
+    assert not list((runs / "keep").glob("trial-*/resume"))
+    for t in complete:
+        assert t.user_attrs["device_seconds"] > 0
+
+    export = tmp_path / "exported"
+    out = hpsearch("best", "--study", "keep", "--storage", storage_url, "--export", str(export), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    record = json.loads((export / "hpsearch_best.json").read_text())
+    assert record["trial"] == ranked[0].number and record["value"] == pytest.approx(ranked[0].value)
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(export)
+    model = AutoModelForSequenceClassification.from_pretrained(export)
+    assert model(**tok(["a fine film"], return_tensors="pt")).logits.shape == (1, 2)
+    assert disk_bytes(export) > 0
+
+    again = hpsearch("best", "--study", "keep", "--storage", storage_url, "--export", str(export), cwd=tmp_path)
+    assert again.returncode == 2
+    assert "exists and is not an empty folder" in again.stderr and "Traceback" not in again.stderr
