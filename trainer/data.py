@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import random
 from collections.abc import Iterator, Sequence
@@ -165,12 +166,20 @@ class Encoded:
     def __len__(self) -> int:
         return len(self.labels)
 
-    @property
+    @functools.cached_property
     def lengths(self) -> list[int]:
+        # Cached: the loop asks for it every epoch and it is O(dataset) to rebuild.
         return [len(ids) for ids in self.input_ids]
 
     def real_tokens(self, indices: Sequence[int]) -> int:
-        return sum(len(self.input_ids[i]) for i in indices)
+        """Tokens that carry text (special tokens included), padding excluded."""
+        lengths = self.lengths
+        return sum(lengths[i] for i in indices)
+
+    def padded_tokens(self, indices: Sequence[int]) -> int:
+        """Tokens the model processes for this batch once padded to its longest sequence."""
+        lengths = self.lengths
+        return len(indices) * max(lengths[i] for i in indices)
 
 
 def micro_batches(
@@ -208,13 +217,12 @@ def collate(data: Encoded, indices: Sequence[int], pad_id: int) -> dict[str, Any
     """Pad to the longest sequence of this batch only; returns CPU tensors (pinned by caller)."""
     import torch
 
-    width = max(len(data.input_ids[i]) for i in indices)
-    ids = torch.full((len(indices), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(indices), width), dtype=torch.long)
-    for row, i in enumerate(indices):
-        seq = data.input_ids[i]
-        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        mask[row, : len(seq)] = 1
+    lengths = data.lengths
+    width = max(lengths[i] for i in indices)
+    # One tensor built from padded Python lists: far cheaper than a tensor per row.
+    rows = [data.input_ids[i] + [pad_id] * (width - lengths[i]) for i in indices]
+    ids = torch.tensor(rows, dtype=torch.long)
+    mask = torch.tensor([[1] * lengths[i] + [0] * (width - lengths[i]) for i in indices], dtype=torch.long)
     labels = torch.tensor([data.labels[i] for i in indices], dtype=torch.long)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import pickle
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from hpsearch.trainer.config import DataConfig
 from hpsearch.trainer.data import DataError, Encoded, LabelMap, Rows, read_rows
 
 log = logging.getLogger(__name__)
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclass
@@ -43,26 +45,71 @@ class Prepared:
 
 
 def prepare(cfg: DataConfig, tokenizer: Any, max_length: int, cache_dir: Path | None) -> Prepared:
-    """Tokenised splits; read from ``cache_dir`` when the same files were tokenised before."""
+    """Tokenised splits; read from ``cache_dir`` when the same files were tokenised before.
+
+    The cache is keyed by the files' contents, the tokenizer and ``max_length``, so every
+    trial and every worker pointing at the same folder shares one tokenisation.
+    """
+    if cache_dir is None:
+        return _tokenise(cfg, tokenizer, max_length)
     key = _cache_key(cfg, tokenizer, max_length)
-    path = cache_dir / f"tokens-{key}.pkl" if cache_dir else None
-    if path and path.exists():
-        try:
-            with path.open("rb") as f:
-                cached: Prepared = pickle.load(f)
+    path = cache_dir / f"tokens-{key}.pkl"
+    cached = _load(path)
+    if cached is not None:
+        return cached
+    # Concurrent first use (several workers start at once): one tokenises under an exclusive
+    # lock, the others wait on the lock and then read its file instead of repeating the work.
+    with _exclusive(cache_dir / f"tokens-{key}.lock"):
+        cached = _load(path)
+        if cached is not None:
             return cached
-        except (OSError, pickle.UnpicklingError, EOFError):
-            log.warning("token cache %s is unreadable; tokenising again", path)
+        prepared = _tokenise(cfg, tokenizer, max_length)
+        _write_atomic(path, prepared)
+    return prepared
+
+
+def _tokenise(cfg: DataConfig, tokenizer: Any, max_length: int) -> Prepared:
     splits = read_splits(cfg)
-    prepared = Prepared(
+    log.info("tokenising %s and %s (max_length %d)", cfg.train, cfg.validation, max_length)
+    return Prepared(
         train=_encode(splits.train, splits.labels, tokenizer, max_length),
         validation=_encode(splits.validation, splits.labels, tokenizer, max_length),
         labels=splits.labels,
         pad_id=int(tokenizer.pad_token_id or 0),
     )
-    if path:
-        _write_atomic(path, prepared)
-    return prepared
+
+
+def _load(path: Path) -> Prepared | None:
+    if not path.exists():
+        return None
+    try:
+        with path.open("rb") as f:
+            cached: Prepared = pickle.load(f)
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError):
+        log.warning("token cache %s is unreadable; tokenising again", path)
+        return None
+    log.info("token cache hit: %s", path)
+    return cached
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """An advisory lock between processes on this host; a no-op where flock is unavailable."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: fall back to atomic writes alone (duplicate work, still safe)
+        yield
+        return
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        handle = lock_path.open("a")
+    except OSError as exc:
+        log.warning("cannot create lock %s (%s); tokenising without it", lock_path, exc)
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file is closed
+        yield
 
 
 def _encode(rows: Rows, labels: LabelMap, tokenizer: Any, max_length: int) -> Encoded:
