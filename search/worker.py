@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.trial import TrialState
-
-from hpsearch.search import retry, study as studies
+from hpsearch.search import retry
+from hpsearch.search import study as studies
 from hpsearch.search.spec import StudySpec, resolved
 from hpsearch.storage import budget
 from hpsearch.storage.db import PATIENT_RETRY
 from hpsearch.storage.open import Storage, open_storage
+from optuna.trial import TrialState
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,6 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
 class Worker:
     def __init__(self, args: WorkerArgs, storage: Storage, stop: StopFlag, conn: Connection | None) -> None:
         import torch
-
         from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 
         self.args, self.storage, self.stop, self.conn = args, storage, stop, conn

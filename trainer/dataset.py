@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import pickle
@@ -113,23 +114,39 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 
 
 def _encode(rows: Rows, labels: LabelMap, tokenizer: Any, max_length: int) -> Encoded:
-    ids = tokenizer(rows.texts, truncation=True, max_length=max_length, return_attention_mask=False)[
-        "input_ids"
-    ]
+    ids = tokenizer(
+        rows.texts, truncation=True, max_length=max_length, return_attention_mask=False
+    )["input_ids"]
     if any(len(x) == 0 for x in ids):
         raise DataError(f"data file {rows.path}: some texts tokenise to nothing")
     return Encoded(input_ids=[list(x) for x in ids], labels=labels.encode(rows.labels, rows.path))
 
 
 def _cache_key(cfg: DataConfig, tokenizer: Any, max_length: int) -> str:
-    h = hashlib.sha256(f"v{CACHE_VERSION}|{max_length}|{cfg.text_column}|{cfg.label_column}".encode())
+    h = hashlib.sha256(
+        f"v{CACHE_VERSION}|{max_length}|{cfg.text_column}|{cfg.label_column}".encode()
+    )
     for name in (cfg.train, cfg.validation):
         with open(name, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    h.update(backend.to_str().encode() if backend is not None else repr(tokenizer).encode())
+    h.update(_tokenizer_identity(tokenizer).encode())
     return h.hexdigest()[:24]
+
+
+def _tokenizer_identity(tokenizer: Any) -> str:
+    """The tokenizer's vocabulary and rules, without its call-time state.
+
+    A fast tokenizer's serialisation also holds the truncation/padding settings of its last
+    call, so keying on it raw would give a different key once it has tokenised anything.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return repr(tokenizer)
+    state = json.loads(backend.to_str())
+    state.pop("truncation", None)
+    state.pop("padding", None)
+    return json.dumps(state, sort_keys=True)
 
 
 def _write_atomic(path: Path, value: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,7 +13,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from hpsearch.trainer import checkpoint as ckpt
 from hpsearch.trainer import precision as prec
 from hpsearch.trainer.config import TrainConfig
@@ -54,7 +54,9 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     model = compile_model(run.model) if cfg.compile else run.model
     micro = cfg.batch_size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
     accum = cfg.batch_size // micro
-    total_steps, steps_per_epoch = plan_steps(len(data.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
+    total_steps, steps_per_epoch = plan_steps(
+        len(data.train), cfg.batch_size, cfg.epochs, cfg.max_steps
+    )
     optimizer = build_optimizer(run.model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg, total_steps)
     scaler = prec.grad_scaler(precision, device)
@@ -83,7 +85,10 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
         epoch, group_in_epoch = divmod(step, steps_per_epoch)
         if epoch != batches_epoch:  # the epoch's order is drawn once, not every step
             batches = micro_batches(
-                data.train.lengths, micro, seed=cfg.seed, epoch=epoch,
+                data.train.lengths,
+                micro,
+                seed=cfg.seed,
+                epoch=epoch,
                 group_by_length=cfg.group_by_length,
             )
             batches_epoch = epoch
@@ -98,11 +103,17 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
         for indices in group:
             batch = _to_device(collate(data.train, indices, data.pad_id), device)
             with prec.autocast(precision, device):
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                logits = model(
+                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+                ).logits
             loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum") / step_examples
             scaler.scale(loss).backward()
             running_loss += loss.detach()
-            speed.add(examples=len(indices), tokens=data.train.real_tokens(indices))
+            speed.add(
+                examples=len(indices),
+                tokens=data.train.real_tokens(indices),
+                padded=data.train.padded_tokens(indices),
+            )
         if cfg.max_grad_norm > 0:
             scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
             # Returns the norm as a device tensor: no host sync.
@@ -128,14 +139,34 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                 _save_resume(run, model, optimizer, scheduler, scaler, step, best_value, best_step)
                 result = TrainResult(status="interrupted")
                 break
-            metrics = evaluate(model, data.validation, pad_id=data.pad_id, batch_size=micro * 2, device=device, precision=precision)
+            metrics = evaluate(
+                model,
+                data.validation,
+                pad_id=data.pad_id,
+                batch_size=micro * 2,
+                device=device,
+                precision=precision,
+            )
             value = metrics.objective(run.metric)
-            log.info("step %d/%d train_loss %.4f val_loss %.4f val_acc %.4f", step, total_steps, train_loss, metrics.loss, metrics.accuracy)
+            log.info(
+                "step %d/%d train_loss %.4f val_loss %.4f val_acc %.4f",
+                step,
+                total_steps,
+                train_loss,
+                metrics.loss,
+                metrics.accuracy,
+            )
             # Order of a validation point: evaluate, save if best, report, then ask to prune.
             if best_value is None or better(value, best_value):
                 best_value, best_step = value, step
                 path = ckpt.save_best(model, run.tokenizer, run.out_dir, _meta(run, metrics, step))
-                reporter.set_attrs({"best_checkpoint": str(path.resolve()), "best_step": step, **_metric_attrs(metrics)})
+                reporter.set_attrs(
+                    {
+                        "best_checkpoint": str(path.resolve()),
+                        "best_step": step,
+                        **_metric_attrs(metrics),
+                    }
+                )
             if step < total_steps:
                 _save_resume(run, model, optimizer, scheduler, scaler, step, best_value, best_step)
             reporter.report(value, step)
@@ -148,8 +179,11 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     if best_step is not None:
         result.best_checkpoint = str((run.out_dir / ckpt.BEST).resolve())
     result.attrs = {
-        **speed.attrs(), "precision": precision, "micro_batch_size": micro,
-        "accumulation_steps": accum, "compiled": cfg.compile,
+        **speed.attrs(),
+        "precision": precision,
+        "micro_batch_size": micro,
+        "accumulation_steps": accum,
+        "compiled": cfg.compile,
     }
     if first_step is not None:
         result.attrs["first_step_seconds"] = round(first_step, 3)
@@ -157,10 +191,18 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     return result
 
 
+COMPILE_BACKEND_ENV = "HPSEARCH_COMPILE_BACKEND"
+
+
 def compile_model(model: torch.nn.Module) -> torch.nn.Module:
     """torch.compile with shapes marked dynamic up front: dynamic padding changes the sequence
-    length every batch, and a static graph would be recompiled for each new width."""
-    return torch.compile(model, dynamic=True)  # type: ignore[return-value]
+    length every batch, and a static graph would be recompiled for each new width.
+
+    ``HPSEARCH_COMPILE_BACKEND`` picks another backend than inductor ("aot_eager" to tell a
+    compiler bug from a model bug, "eager" to test the wiring without a C++ build).
+    """
+    backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
+    return torch.compile(model, dynamic=True, backend=backend)  # type: ignore[return-value]
 
 
 def flops_per_token(model: torch.nn.Module) -> float:
@@ -181,19 +223,42 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
     return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def _save_resume(run: Run, model: torch.nn.Module, optimizer: Any, scheduler: Any, scaler: Any, step: int, best_value: float | None, best_step: int | None) -> None:
+def _save_resume(
+    run: Run,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    scaler: Any,
+    step: int,
+    best_value: float | None,
+    best_step: int | None,
+) -> None:
     from hpsearch.trainer.model import unwrap
 
-    ckpt.save_resume(run.out_dir, {
-        "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-        "step": step, "best_value": best_value, "best_step": best_step,
-        "config": vars(run.cfg), "micro_batch_size": run.cfg.micro_batch_size,
-    })
+    ckpt.save_resume(
+        run.out_dir,
+        {
+            "model": unwrap(model).state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(),
+            "step": step,
+            "best_value": best_value,
+            "best_step": best_step,
+            "config": vars(run.cfg),
+            "micro_batch_size": run.cfg.micro_batch_size,
+        },
+    )
 
 
 def _meta(run: Run, metrics: Metrics, step: int) -> dict[str, Any]:
-    return {**run.meta, "step": step, "val_loss": metrics.loss, "val_accuracy": metrics.accuracy, "train": vars(run.cfg)}
+    return {
+        **run.meta,
+        "step": step,
+        "val_loss": metrics.loss,
+        "val_accuracy": metrics.accuracy,
+        "train": vars(run.cfg),
+    }
 
 
 def _metric_attrs(metrics: Metrics) -> dict[str, float]:
