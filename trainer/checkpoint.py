@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from hpsearch.trainer.model import unwrap
 
 BEST = "best"
@@ -32,7 +33,7 @@ def save_best(model: torch.nn.Module, tokenizer: Any, out_dir: Path, meta: dict[
     target = out_dir / BEST
 
     def write(tmp: Path) -> None:
-        unwrap(model).save_pretrained(tmp, safe_serialization=True)
+        unwrap(model).save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
         tokenizer.save_pretrained(tmp)
         (tmp / "hpsearch.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
 
@@ -41,7 +42,7 @@ def save_best(model: torch.nn.Module, tokenizer: Any, out_dir: Path, meta: dict[
 
 
 def save_resume(out_dir: Path, state: dict[str, Any]) -> Path:
-    """All that continuing exactly needs: weights, optimizer, scheduler, scaler, RNG, position."""
+    """Everything needed to continue exactly: weights, optimizer, scheduler, scaler, RNG, position."""
     target = out_dir / RESUME
     state = {**state, "rng": rng_state()}
     _atomic_dir(target, lambda tmp: torch.save(state, tmp / RESUME_FILE))
@@ -83,15 +84,9 @@ def _atomic_dir(target: Path, write: Any) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise CheckpointError(f"disk full while saving {target}: {exc}", "disk_full") from exc
-        raise CheckpointError(
-            f"cannot save checkpoint {target}: {exc}", "checkpoint_error"
-        ) from exc
+        raise CheckpointError(f"cannot save checkpoint {target}: {exc}", "checkpoint_error") from exc
     except RuntimeError as exc:
         # torch.save reports a full disk as a RuntimeError from its zip writer.
         shutil.rmtree(tmp, ignore_errors=True)
-        reason = (
-            "disk_full"
-            if "No space left" in str(exc) or "file write failed" in str(exc)
-            else "checkpoint_error"
-        )
+        reason = "disk_full" if "No space left" in str(exc) or "file write failed" in str(exc) else "checkpoint_error"
         raise CheckpointError(f"cannot save checkpoint {target}: {exc}", reason) from exc

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from hpsearch.trainer import checkpoint as ckpt
 from hpsearch.trainer import precision as prec
 from hpsearch.trainer.config import TrainConfig
@@ -54,9 +55,7 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     model = compile_model(run.model) if cfg.compile else run.model
     micro = cfg.batch_size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
     accum = cfg.batch_size // micro
-    total_steps, steps_per_epoch = plan_steps(
-        len(data.train), cfg.batch_size, cfg.epochs, cfg.max_steps
-    )
+    total_steps, steps_per_epoch = plan_steps(len(data.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
     optimizer = build_optimizer(run.model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg, total_steps)
     scaler = prec.grad_scaler(precision, device)
@@ -85,11 +84,7 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
         epoch, group_in_epoch = divmod(step, steps_per_epoch)
         if epoch != batches_epoch:  # the epoch's order is drawn once, not every step
             batches = micro_batches(
-                data.train.lengths,
-                micro,
-                seed=cfg.seed,
-                epoch=epoch,
-                group_by_length=cfg.group_by_length,
+                data.train.lengths, micro, seed=cfg.seed, epoch=epoch, group_by_length=cfg.group_by_length
             )
             batches_epoch = epoch
         group = batches[group_in_epoch * accum : (group_in_epoch + 1) * accum]
@@ -103,16 +98,12 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
         for indices in group:
             batch = _to_device(collate(data.train, indices, data.pad_id), device)
             with prec.autocast(precision, device):
-                logits = model(
-                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-                ).logits
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum") / step_examples
             scaler.scale(loss).backward()
             running_loss += loss.detach()
             speed.add(
-                examples=len(indices),
-                tokens=data.train.real_tokens(indices),
-                padded=data.train.padded_tokens(indices),
+                examples=len(indices), tokens=data.train.real_tokens(indices), padded=data.train.padded_tokens(indices)
             )
         if cfg.max_grad_norm > 0:
             scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
@@ -139,34 +130,14 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                 _save_resume(run, model, optimizer, scheduler, scaler, step, best_value, best_step)
                 result = TrainResult(status="interrupted")
                 break
-            metrics = evaluate(
-                model,
-                data.validation,
-                pad_id=data.pad_id,
-                batch_size=micro * 2,
-                device=device,
-                precision=precision,
-            )
+            metrics = evaluate(model, data.validation, pad_id=data.pad_id, batch_size=micro * 2, device=device, precision=precision)
             value = metrics.objective(run.metric)
-            log.info(
-                "step %d/%d train_loss %.4f val_loss %.4f val_acc %.4f",
-                step,
-                total_steps,
-                train_loss,
-                metrics.loss,
-                metrics.accuracy,
-            )
+            log.info("step %d/%d train_loss %.4f val_loss %.4f val_acc %.4f", step, total_steps, train_loss, metrics.loss, metrics.accuracy)
             # Order of a validation point: evaluate, save if best, report, then ask to prune.
             if best_value is None or better(value, best_value):
                 best_value, best_step = value, step
                 path = ckpt.save_best(model, run.tokenizer, run.out_dir, _meta(run, metrics, step))
-                reporter.set_attrs(
-                    {
-                        "best_checkpoint": str(path.resolve()),
-                        "best_step": step,
-                        **_metric_attrs(metrics),
-                    }
-                )
+                reporter.set_attrs({"best_checkpoint": str(path.resolve()), "best_step": step, **_metric_attrs(metrics)})
             if step < total_steps:
                 _save_resume(run, model, optimizer, scheduler, scaler, step, best_value, best_step)
             reporter.report(value, step)
@@ -179,11 +150,8 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     if best_step is not None:
         result.best_checkpoint = str((run.out_dir / ckpt.BEST).resolve())
     result.attrs = {
-        **speed.attrs(),
-        "precision": precision,
-        "micro_batch_size": micro,
-        "accumulation_steps": accum,
-        "compiled": cfg.compile,
+        **speed.attrs(), "precision": precision, "micro_batch_size": micro,
+        "accumulation_steps": accum, "compiled": cfg.compile,
     }
     if first_step is not None:
         result.attrs["first_step_seconds"] = round(first_step, 3)
@@ -223,42 +191,19 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
     return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def _save_resume(
-    run: Run,
-    model: torch.nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    scaler: Any,
-    step: int,
-    best_value: float | None,
-    best_step: int | None,
-) -> None:
+def _save_resume(run: Run, model: torch.nn.Module, optimizer: Any, scheduler: Any, scaler: Any, step: int, best_value: float | None, best_step: int | None) -> None:
     from hpsearch.trainer.model import unwrap
 
-    ckpt.save_resume(
-        run.out_dir,
-        {
-            "model": unwrap(model).state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(),
-            "step": step,
-            "best_value": best_value,
-            "best_step": best_step,
-            "config": vars(run.cfg),
-            "micro_batch_size": run.cfg.micro_batch_size,
-        },
-    )
+    ckpt.save_resume(run.out_dir, {
+        "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+        "step": step, "best_value": best_value, "best_step": best_step,
+        "config": vars(run.cfg), "micro_batch_size": run.cfg.micro_batch_size,
+    })
 
 
 def _meta(run: Run, metrics: Metrics, step: int) -> dict[str, Any]:
-    return {
-        **run.meta,
-        "step": step,
-        "val_loss": metrics.loss,
-        "val_accuracy": metrics.accuracy,
-        "train": vars(run.cfg),
-    }
+    return {**run.meta, "step": step, "val_loss": metrics.loss, "val_accuracy": metrics.accuracy, "train": vars(run.cfg)}
 
 
 def _metric_attrs(metrics: Metrics) -> dict[str, float]:

@@ -60,9 +60,7 @@ class PretrainedCache:
     def __init__(self) -> None:
         self._models: dict[tuple[str, int], torch.nn.Module] = {}
 
-    def fresh(
-        self, name: str, num_labels: int, id2label: dict[int, str], seed: int
-    ) -> torch.nn.Module:
+    def fresh(self, name: str, num_labels: int, id2label: dict[int, str], seed: int) -> torch.nn.Module:
         key = (name, num_labels)
         if key not in self._models:
             self._models[key] = load_model(name, num_labels)
@@ -90,7 +88,7 @@ def load_model(name: str, num_labels: int) -> torch.nn.Module:
 
 
 def _reinit_head(model: torch.nn.Module, seed: int) -> None:
-    """Re-draw the new head's weights from ``seed`` as transformers does (body: pre-trained)."""
+    """Re-draw the new head's weights from ``seed`` as transformers does (body stays pre-trained)."""
     std = float(getattr(model.config, "initializer_range", 0.02) or 0.02)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -5,19 +5,18 @@ from __future__ import annotations
 import math
 
 import torch
+
 from hpsearch.trainer.config import TrainConfig
 
 
 def plan_steps(n_examples: int, batch_size: int, epochs: int, max_steps: int) -> tuple[int, int]:
-    """(total optimizer steps, optimizer steps per epoch); an epoch's last step may be short."""
+    """(total optimizer steps, optimizer steps per epoch); the last step of an epoch may be short."""
     per_epoch = max(1, math.ceil(n_examples / batch_size))
     total = per_epoch * epochs
     return (min(total, max_steps) if max_steps else total), per_epoch
 
 
-def build_optimizer(
-    model: torch.nn.Module, cfg: TrainConfig, device: torch.device
-) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     for name, param in model.named_parameters():
@@ -40,10 +39,8 @@ def _torch_at_least(major: int, minor: int) -> bool:
     return (int(parts[0]), int(parts[1])) >= (major, minor)
 
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    warmup = round(cfg.warmup_ratio * total_steps)
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    warmup = int(round(cfg.warmup_ratio * total_steps))
 
     def factor(step: int) -> float:
         if step < warmup:

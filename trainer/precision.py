@@ -27,9 +27,7 @@ def resolve(requested: str, device: torch.device) -> str:
         if requested == "auto":
             return "bf16" if bf16_ok else "fp32"
         if requested == "fp16":
-            raise ValueError(
-                "train.precision: fp16 is not supported on CPU; use bf16, fp32 or auto"
-            )
+            raise ValueError("train.precision: fp16 is not supported on CPU; use bf16, fp32 or auto")
         return requested
     return "fp32" if requested == "auto" else requested
 
