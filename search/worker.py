@@ -140,7 +140,10 @@ class Worker:
         from hpsearch.trainer.dataset import prepare
 
         if self._data is None:
-            self._data = prepare(self.spec.data, self.tokenizer, self.spec.model.max_length, self.root / "cache")
+            # One cache folder for every study under this output folder: same files, same
+            # tokenizer and max_length are tokenised once per host, whatever the study.
+            cache = Path(self.args.output_dir) / "token-cache"
+            self._data = prepare(self.spec.data, self.tokenizer, self.spec.model.max_length, cache)
         return self._data
 
     def run(self) -> None:
@@ -171,6 +174,7 @@ class Worker:
         from hpsearch.trainer.checkpoint import BEST, RESUME, RESUME_FILE, CheckpointError
         from hpsearch.trainer.loop import Run, fit
 
+        started = time.perf_counter()  # first_step_seconds counts from here
         params = studies.suggest(trial, self.spec)
         cfg = replace(self.spec.train, **params)
         out_dir = self.root / f"trial-{trial.number}"
@@ -188,6 +192,7 @@ class Worker:
                 model=model, tokenizer=self.tokenizer, data=data, cfg=cfg, metric=self.spec.search.metric,
                 device=self.device, out_dir=out_dir, resume_from=resume, should_stop=self.stop,
                 meta={"study": self.args.study, "trial": trial.number, "params": params},
+                started=started,
             )
             result = fit(run, reporter)
         except CheckpointError as exc:

@@ -7,6 +7,7 @@ knows nothing of studies or search spaces.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -177,10 +178,14 @@ def field_doc(cls: type, name: str) -> str:
 
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body  # type: ignore[attr-defined]
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == name:
-            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                return str(nxt.value.value)
+    for node, nxt in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and getattr(node.target, "id", None) == name
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
+            return str(nxt.value.value)
     return ""
 
 

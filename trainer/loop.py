@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,24 +41,28 @@ class Run:
     resume_from: Path | None = None
     should_stop: Callable[[], bool] = lambda: False
     meta: dict[str, Any] = field(default_factory=dict)
+    started: float | None = None
+    """time.perf_counter() when the trial began (before the model copy); default: fit's entry."""
 
 
 def fit(run: Run, reporter: Reporter) -> TrainResult:
+    started = run.started if run.started is not None else time.perf_counter()
     cfg, device, data = run.cfg, run.device, run.data
     precision = prec.resolve(cfg.precision, device)
     torch.manual_seed(cfg.seed)
-    model = run.model.to(device)
-    model.train()
+    run.model.to(device).train()
+    # The optimizer and checkpoints hold the plain module; only the forward pass is compiled.
+    model = compile_model(run.model) if cfg.compile else run.model
     micro = cfg.batch_size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
     accum = cfg.batch_size // micro
     total_steps, steps_per_epoch = plan_steps(len(data.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
-    optimizer = build_optimizer(model, cfg, device)
+    optimizer = build_optimizer(run.model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg, total_steps)
     scaler = prec.grad_scaler(precision, device)
     step, best_value, best_step = 0, None, None
     if run.resume_from is not None:
         state = ckpt.load_resume(run.resume_from)
-        model.load_state_dict(state["model"])
+        run.model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
@@ -64,23 +70,31 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
         step, best_value, best_step = state["step"], state["best_value"], state["best_step"]
         log.info("resumed from %s at optimizer step %d", run.resume_from, step)
     better = (lambda a, b: a < b) if run.metric == "loss" else (lambda a, b: a > b)
-    speed = Throughput(device)
+    speed = Throughput(device, flops_per_token=flops_per_token(run.model))
     curves = Curves(run.out_dir, device)  # TensorBoard event files under the trial's folder
+    first_step: float | None = None
     result = TrainResult(status="complete")
     # Loss is accumulated on the device and read with .item() only at validation points:
     # .item() forces a host-device sync that would stall the GPU's queue every step.
     running_loss = torch.zeros((), device=device)
     running_steps = 0
 
+    batches: list[list[int]] = []
+    batches_epoch = -1
     while step < total_steps:
         epoch, group_in_epoch = divmod(step, steps_per_epoch)
-        batches = micro_batches(
-            data.train.lengths, micro, seed=cfg.seed, epoch=epoch, group_by_length=cfg.group_by_length
-        )
+        if epoch != batches_epoch:  # the epoch's order is drawn once, not every step
+            batches = micro_batches(
+                data.train.lengths, micro, seed=cfg.seed, epoch=epoch, group_by_length=cfg.group_by_length
+            )
+            batches_epoch = epoch
         group = batches[group_in_epoch * accum : (group_in_epoch + 1) * accum]
         # Normalise by the examples of the whole optimizer step, not per micro-batch: the
         # summed gradient then equals one big batch's, even when the last micro-batch is short.
         step_examples = sum(len(b) for b in group)
+        if first_step is None:
+            # How long the trial took to get going (model copy, optimizer, data, resume).
+            first_step = time.perf_counter() - started
         speed.resume()
         for indices in group:
             batch = _to_device(collate(data.train, indices, data.pad_id), device)
@@ -89,10 +103,13 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
             loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum") / step_examples
             scaler.scale(loss).backward()
             running_loss += loss.detach()
-            speed.add(examples=len(indices), tokens=data.train.real_tokens(indices))
+            speed.add(
+                examples=len(indices), tokens=data.train.real_tokens(indices), padded=data.train.padded_tokens(indices)
+            )
         if cfg.max_grad_norm > 0:
             scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            # Returns the norm as a device tensor: no host sync.
+            torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -135,9 +152,39 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     result.best_value, result.best_step, result.steps = best_value, best_step, step
     if best_step is not None:
         result.best_checkpoint = str((run.out_dir / ckpt.BEST).resolve())
-    result.attrs = {**speed.attrs(), "precision": precision, "micro_batch_size": micro, "accumulation_steps": accum}
+    result.attrs = {
+        **speed.attrs(), "precision": precision, "micro_batch_size": micro,
+        "accumulation_steps": accum, "compiled": cfg.compile,
+    }
+    if first_step is not None:
+        result.attrs["first_step_seconds"] = round(first_step, 3)
     reporter.set_attrs(result.attrs)
     return result
+
+
+COMPILE_BACKEND_ENV = "HPSEARCH_COMPILE_BACKEND"
+
+
+def compile_model(model: torch.nn.Module) -> torch.nn.Module:
+    """torch.compile with shapes marked dynamic up front: dynamic padding changes the sequence
+    length every batch, and a static graph would be recompiled for each new width.
+
+    ``HPSEARCH_COMPILE_BACKEND`` picks another backend than inductor ("aot_eager" to tell a
+    compiler bug from a model bug, "eager" to test the wiring without a C++ build).
+    """
+    backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
+    return torch.compile(model, dynamic=True, backend=backend)  # type: ignore[return-value]
+
+
+def flops_per_token(model: torch.nn.Module) -> float:
+    """Training FLOPs per real token, 6 x parameters (forward 2, backward 4; Kaplan et al.).
+
+    Embedding tables are left out: a lookup multiplies nothing, and counting its rows would
+    inflate the figure (by ~28% for BERT-base). Attention's own matmuls are left out too.
+    """
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    n = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
+    return 6.0 * n
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

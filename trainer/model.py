@@ -63,8 +63,9 @@ class PretrainedCache:
         if key not in self._models:
             self._models[key] = load_model(name, num_labels)
         model = copy.deepcopy(self._models[key])
-        model.config.id2label = dict(id2label)
-        model.config.label2id = {v: k for k, v in id2label.items()}
+        config: Any = model.config
+        config.id2label = dict(id2label)
+        config.label2id = {v: k for k, v in id2label.items()}
         _reinit_head(model, seed)
         return model
 

@@ -17,7 +17,8 @@ def plan_steps(n_examples: int, batch_size: int, epochs: int, max_steps: int) ->
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -27,8 +28,15 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # The fused CUDA kernel updates all parameters in a few launches instead of one per tensor.
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=device.type == "cuda")
+    # The fused kernel (CUDA, and CPU since torch 2.4) updates all parameters in one pass
+    # instead of a chain of per-tensor ops; elsewhere fall back to the multi-tensor version.
+    fused = device.type == "cuda" or (device.type == "cpu" and _torch_at_least(2, 4))
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=fused)
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    parts = torch.__version__.split("+")[0].split(".")
+    return (int(parts[0]), int(parts[1])) >= (major, minor)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
@@ -9,14 +10,70 @@ from typing import Any
 
 import torch
 
+# Dense (no sparsity) bf16 tensor-core peak, TFLOP/s, from the vendors' data sheets; the first
+# name fragment found in torch.cuda.get_device_name() wins, so longer names come first.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("H800", 989.0),
+    ("H20", 148.0),
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("A30", 165.0),
+    ("A40", 149.7),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("L20", 119.5),
+    ("L4", 121.0),
+    ("RTX 4090 D", 147.0),
+    ("RTX 4090", 165.2),
+    ("RTX 4080", 97.5),
+    ("RTX 3090", 71.0),
+    ("RTX 3080", 59.5),
+    ("RTX A6000", 154.8),
+    ("RTX 6000 Ada", 364.0),
+    ("A5000", 111.0),
+    ("V100", 125.0),
+    ("T4", 65.0),  # no bf16 tensor cores: their fp16 peak (what fp16 runs use)
+)
+PEAK_ENV = "HPSEARCH_PEAK_TFLOPS"
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """The GPU's peak bf16/fp16 rate; ``HPSEARCH_PEAK_TFLOPS`` overrides (unlisted GPUs)."""
+    override = os.environ.get(PEAK_ENV)
+    if override:
+        return float(override)
+    for fragment, tflops in PEAK_BF16_TFLOPS:
+        if fragment.lower() in device_name.lower():
+            return tflops
+    return None
+
+
+def mfu(flops_per_token: float, tokens: int, seconds: float, peak: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak (both in FLOP/s)."""
+    return flops_per_token * tokens / max(seconds, 1e-9) / peak
+
 
 class Throughput:
-    """Counts training examples and real (unpadded) tokens against training time only."""
+    """Counts training examples and real (unpadded) tokens against training time only.
 
-    def __init__(self, device: torch.device) -> None:
+    On CUDA it also reports ``mfu``: 6 x parameters x real tokens per second over the GPU's
+    peak bf16/fp16 rate; padding counts as waste, not work.
+    """
+
+    def __init__(self, device: torch.device, flops_per_token: float = 0.0) -> None:
         self.device = device
+        self.flops_per_token = flops_per_token
         self.examples = 0
         self.tokens = 0
+        self.padded = 0
         self.seconds = 0.0
         self._t0 = 0.0
         if device.type == "cuda":
@@ -28,24 +85,36 @@ class Throughput:
             self._t0 = time.perf_counter()
 
     def pause(self) -> None:
-        """Stop the clock; call right after a host sync (``.item()``) so queued GPU work is counted."""
+        """Stop the clock; call right after a host sync (``.item()``) so queued GPU work counts."""
         if self._t0:
             self.seconds += time.perf_counter() - self._t0
             self._t0 = 0.0
 
-    def add(self, *, examples: int, tokens: int) -> None:
+    def add(self, *, examples: int, tokens: int, padded: int | None = None) -> None:
+        """Count a micro-batch: its examples, real tokens and tokens once padded."""
         self.examples += examples
         self.tokens += tokens
+        self.padded += tokens if padded is None else padded
 
     def attrs(self) -> dict[str, Any]:
         secs = max(self.seconds, 1e-9)
-        return {
+        out: dict[str, Any] = {
             "train_samples_per_second": round(self.examples / secs, 2),
             "train_tokens_per_second": round(self.tokens / secs, 1),
             "train_seconds": round(self.seconds, 2),
             "train_samples": self.examples,
+            "train_tokens": self.tokens,
+            # Tokens processed per real token: 1.0 means no padding at all.
+            "train_padding_ratio": round(self.padded / max(self.tokens, 1), 3),
             "peak_memory_mb": round(peak_memory_mb(self.device), 1),
         }
+        if self.device.type == "cuda" and self.flops_per_token and self.seconds > 0:
+            peak = peak_tflops(torch.cuda.get_device_name(self.device))
+            if peak:
+                out["mfu"] = round(
+                    mfu(self.flops_per_token, self.tokens, self.seconds, peak * 1e12), 4
+                )
+        return out
 
 
 def peak_memory_mb(device: torch.device) -> float:

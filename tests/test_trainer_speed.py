@@ -1,0 +1,418 @@
+"""Issue 4: the trainer's speed features do what they claim (speed itself is in benchmarks/).
+
+Tokenise once (cache reused, one tokeniser under concurrent first use), no wasted padding
+(length-grouped batches, switchable), honest throughput figures (real tokens, MFU maths),
+cheap trial start (pre-trained weights kept in memory), torch.compile wired, fused AdamW.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpsearch.trainer.config import DataConfig, TrainConfig
+from hpsearch.trainer.data import micro_batches
+from hpsearch.trainer.dataset import prepare
+from hpsearch.trainer.loop import COMPILE_BACKEND_ENV, Run, fit, flops_per_token
+from hpsearch.trainer.model import PretrainedCache, load_tokenizer
+from hpsearch.trainer.optim import build_optimizer
+from hpsearch.trainer.report import NullReporter
+from hpsearch.trainer.stats import PEAK_ENV, Throughput, mfu, peak_tflops
+
+WORDS = ["good", "bad", "great", "terrible", "fine"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # A tiny model gains nothing from threads, and on a loaded shared CPU spinning OpenMP
+    # threads make every step many times slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _varied_split(path: Path, n: int, seed: int) -> Path:
+    """Texts of 1 to 24 words (a long tail, like SST-2), label = majority of good/bad words."""
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(n):
+            k = min(24, max(1, int(rng.expovariate(1 / 6))))
+            words = [rng.choice(WORDS) for _ in range(k)]
+            label = (
+                "positive" if words.count("good") + words.count("great") >= k / 2 else "negative"
+            )
+            f.write(json.dumps({"text": " ".join(words), "label": label}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def varied(tmp_path_factory: pytest.TempPathFactory) -> DataConfig:
+    root = tmp_path_factory.mktemp("varied")
+    return DataConfig(
+        train=str(_varied_split(root / "train.jsonl", 256, 1)),
+        validation=str(_varied_split(root / "dev.jsonl", 64, 2)),
+    )
+
+
+def _run(
+    tiny_model: Path, data_cfg: DataConfig, out: Path, **train: object
+) -> tuple[Run, NullReporter]:
+    tokenizer = load_tokenizer(str(tiny_model))
+    data = prepare(data_cfg, tokenizer, 32, None)
+    cfg = TrainConfig(
+        **{
+            "learning_rate": 1e-3,
+            "batch_size": 32,
+            "micro_batch_size": 16,
+            "epochs": 1,
+            "eval_every": 1000,
+            "precision": "fp32",
+            **train,
+        }
+    )
+    model = PretrainedCache().fresh(
+        str(tiny_model), data.labels.num_labels, data.labels.id2label(), cfg.seed
+    )
+    run = Run(
+        model=model,
+        tokenizer=tokenizer,
+        data=data,
+        cfg=cfg,
+        metric="loss",
+        device=torch.device("cpu"),
+        out_dir=out,
+    )
+    return run, NullReporter()
+
+
+# -- tokenise once ------------------------------------------------------------------------
+
+PREPARE_CHILD = textwrap.dedent("""
+    import hashlib, json, sys, time
+    from pathlib import Path
+    from hpsearch.trainer.config import DataConfig
+    from hpsearch.trainer.dataset import prepare
+    from hpsearch.trainer.model import load_tokenizer
+
+    model, train, dev, cache, go = sys.argv[1:6]
+
+    class SlowCounting:
+        # Wraps the real tokenizer: counts calls and widens the race window.
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+        def __call__(self, *args, **kwargs):
+            self.calls += 1
+            time.sleep(1.0)
+            return self.inner(*args, **kwargs)
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    tok = SlowCounting(load_tokenizer(model))
+    Path(go + "." + sys.argv[6]).touch()  # ready
+    while not Path(go).exists():
+        time.sleep(0.01)
+    data = prepare(DataConfig(train=train, validation=dev), tok, 32, Path(cache))
+    ids = [data.train.input_ids, data.validation.input_ids]
+    digest = hashlib.sha256(json.dumps(ids).encode()).hexdigest()
+    print(json.dumps({"calls": tok.calls, "digest": digest}))
+""")
+
+
+def test_token_cache_is_tokenised_once_under_concurrent_first_use(
+    tmp_path: Path, tiny_model: Path, varied: DataConfig
+) -> None:
+    cache, go = tmp_path / "cache", tmp_path / "go"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                PREPARE_CHILD,
+                str(tiny_model),
+                varied.train,
+                varied.validation,
+                str(cache),
+                str(go),
+                str(i),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    deadline = time.monotonic() + 120
+    while not all(Path(f"{go}.{i}").exists() for i in range(2)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
+            "children did not start"
+        )
+        time.sleep(0.05)
+    go.touch()  # both start prepare() at the same moment
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr[-2000:]
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    # One process tokenised (train + validation = 2 calls); the other waited and read its file.
+    assert sorted(o["calls"] for o in outs) == [0, 2]
+    assert outs[0]["digest"] == outs[1]["digest"]
+    assert len(list(cache.glob("tokens-*.pkl"))) == 1
+    assert not list(cache.glob(".tokens-*")), "a temporary file was left behind"
+
+
+def test_token_cache_is_reused_and_keyed_by_contents_and_max_length(
+    tmp_path: Path, tiny_model: Path, varied: DataConfig
+) -> None:
+    tokenizer = load_tokenizer(str(tiny_model))
+    calls = 0
+
+    def counting(*args: object, **kwargs: object) -> object:
+        nonlocal calls
+        calls += 1
+        return tokenizer(*args, **kwargs)
+
+    class Counting:
+        backend_tokenizer = tokenizer.backend_tokenizer
+        pad_token_id = tokenizer.pad_token_id
+        __call__ = staticmethod(counting)
+
+    train = tmp_path / "train.jsonl"
+    shutil.copy(varied.train, train)
+    cfg = DataConfig(train=str(train), validation=varied.validation)
+    cache = tmp_path / "cache"
+    first = prepare(cfg, Counting(), 32, cache)
+    assert calls == 2
+    again = prepare(cfg, Counting(), 32, cache)
+    assert calls == 2, "the second trial tokenised again"
+    assert again.train.input_ids == first.train.input_ids
+    prepare(cfg, Counting(), 8, cache)  # another max_length: another entry
+    assert calls == 4
+    with train.open("a") as f:
+        f.write(json.dumps({"text": "good good", "label": "positive"}) + "\n")
+    changed = prepare(cfg, Counting(), 32, cache)  # same path, new contents: not stale
+    assert calls == 6 and len(changed.train) == len(first.train) + 1
+    assert len(list(cache.glob("tokens-*.pkl"))) == 3
+
+
+# -- no wasted padding --------------------------------------------------------------------
+
+
+def _lengths(n: int = 4096, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [min(64, 3 + int(rng.expovariate(1 / 10))) for _ in range(n)]
+
+
+def _padded(lengths: list[int], batches: list[list[int]]) -> int:
+    return sum(len(b) * max(lengths[i] for i in b) for b in batches)
+
+
+def test_grouped_batches_pad_far_less_than_dataset_max_and_random_batches() -> None:
+    lengths = _lengths()
+    real = sum(lengths)
+    grouped = micro_batches(lengths, 32, seed=0, epoch=0, group_by_length=True)
+    shuffled = micro_batches(lengths, 32, seed=0, epoch=0, group_by_length=False)
+    dataset_max = len(lengths) * max(lengths)
+    assert dataset_max / real > 4  # what padding to the dataset's max would cost
+    assert _padded(lengths, shuffled) / real > 2  # random batches: the transformers default
+    assert _padded(lengths, grouped) / real < 1.15
+    # Every example exactly once per epoch, and batches still random: not one global sort.
+    assert sorted(i for b in grouped for i in b) == list(range(len(lengths)))
+    widths = [max(lengths[i] for i in b) for b in grouped]
+    assert widths != sorted(widths) and widths != sorted(widths, reverse=True)
+    assert grouped != micro_batches(lengths, 32, seed=0, epoch=1, group_by_length=True)
+
+
+def test_group_by_length_off_gives_plain_shuffled_batches() -> None:
+    lengths = _lengths()
+    batches = micro_batches(lengths, 32, seed=3, epoch=0, group_by_length=False)
+    assert batches == micro_batches(
+        lengths, 32, seed=3, epoch=0, group_by_length=False
+    )  # deterministic
+    assert batches != micro_batches(
+        lengths, 32, seed=3, epoch=1, group_by_length=False
+    )  # reshuffled
+    order = [i for b in batches for i in b]
+    assert sorted(order) == list(range(len(lengths))) and order != sorted(order)
+    assert all(len(b) == 32 for b in batches)
+    # Not length-grouped: a batch spans most of the length range, not a narrow band.
+    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(
+        batches
+    )
+    grouped = micro_batches(lengths, 32, seed=3, epoch=0, group_by_length=True)
+    grouped_spread = sum(
+        max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in grouped
+    ) / len(grouped)
+    assert spread > 20 and grouped_spread < 3
+
+
+@pytest.fixture(scope="module")
+def fitted(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, varied: DataConfig
+) -> dict[bool, Run]:
+    """Two real fits of the tiny model: length-grouped (1 epoch) and plain shuffled (2 epochs)."""
+    runs = {}
+    for grouped in (True, False):
+        out = tmp_path_factory.mktemp(f"fit-{grouped}")
+        run, reporter = _run(
+            tiny_model, varied, out, group_by_length=grouped, epochs=1 if grouped else 2
+        )
+        run.started = time.perf_counter() - 5.0  # the trial began 5 s before fit (model copy, say)
+        result = fit(run, reporter)
+        assert result.status == "complete"
+        run.meta["attrs"] = reporter.attrs
+        run.meta["result_attrs"] = result.attrs
+        runs[grouped] = run
+    return runs
+
+
+def test_group_by_length_switch_reaches_the_loop(
+    fitted: dict[bool, Run], tiny_model: Path, varied: DataConfig
+) -> None:
+    from hpsearch.search.spec import StudySpec
+
+    spec = StudySpec.from_dict(
+        {
+            "model": {"name": str(tiny_model)},
+            "data": {"train": varied.train, "validation": varied.validation},
+            "train": {"group_by_length": False},
+        }
+    )
+    assert spec.train.group_by_length is False
+    assert TrainConfig().group_by_length is True  # on by default
+    assert (
+        fitted[True].meta["attrs"]["train_padding_ratio"]
+        < 1.2
+        < fitted[False].meta["attrs"]["train_padding_ratio"]
+    )
+
+
+# -- honest figures -----------------------------------------------------------------------
+
+
+def test_throughput_counts_real_tokens_not_padding(fitted: dict[bool, Run]) -> None:
+    run = fitted[False]
+    attrs = run.meta["attrs"]
+    real = sum(run.data.train.lengths)
+    assert attrs["train_samples"] == 2 * len(run.data.train)
+    assert attrs["train_tokens"] == 2 * real
+    assert attrs["train_padding_ratio"] > 1.2  # random batches of varied lengths do pad
+    tokens_per_s = attrs["train_tokens"] / attrs["train_seconds"]
+    assert attrs["train_tokens_per_second"] == pytest.approx(tokens_per_s, rel=0.02)
+    assert attrs["train_samples_per_second"] == pytest.approx(
+        attrs["train_samples"] / attrs["train_seconds"], rel=0.02
+    )
+    assert "mfu" not in attrs  # CPU: no peak rate to compare against
+    assert run.meta["result_attrs"] == {k: attrs[k] for k in run.meta["result_attrs"]}
+
+
+def test_first_step_seconds_counts_from_the_trial_start(fitted: dict[bool, Run]) -> None:
+    attrs = fitted[True].meta["attrs"]
+    assert 5.0 <= attrs["first_step_seconds"] < 5.0 + attrs["train_seconds"]
+
+
+def test_mfu_arithmetic_and_peak_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PEAK_ENV, raising=False)
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops("NVIDIA GeForce RTX 4090 D") == 147.0
+    assert peak_tflops("NVIDIA GeForce RTX 4090") == 165.2
+    assert peak_tflops("NVIDIA A10G") == 70.0
+    assert peak_tflops("Some Future GPU") is None
+    monkeypatch.setenv(PEAK_ENV, "500")
+    assert peak_tflops("Some Future GPU") == 500.0
+    # 6 x 100M params x 1,000 tokens/s = 0.6 PFLOP/s... of a 1 PFLOP/s chip: 60 %.
+    assert mfu(6 * 100e6, 1000 * 10, 10.0, 1e15) == pytest.approx(6e-4)
+    assert mfu(6 * 100e6, 1_000_000, 1.0, 1e15) == pytest.approx(0.6)
+
+
+def test_flops_per_token_leaves_embedding_tables_out(tiny_model: Path) -> None:
+    model = PretrainedCache().fresh(str(tiny_model), 2, {0: "a", 1: "b"}, 0)
+    total = sum(p.numel() for p in model.parameters())
+    emb = model.bert.embeddings
+    tables = sum(
+        m.weight.numel()
+        for m in (emb.word_embeddings, emb.position_embeddings, emb.token_type_embeddings)
+    )
+    assert flops_per_token(model) == 6 * (total - tables)
+    speed = Throughput(torch.device("cpu"), flops_per_token=flops_per_token(model))
+    speed.add(examples=2, tokens=10, padded=16)
+    assert speed.attrs()["train_padding_ratio"] == 1.6
+
+
+# -- cheap trial start --------------------------------------------------------------------
+
+
+def test_pretrained_weights_stay_in_memory_and_each_trial_gets_a_pristine_copy(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)
+    cache = PretrainedCache()
+    first = cache.fresh(str(folder), 2, {0: "neg", 1: "pos"}, seed=1)
+    with torch.no_grad():
+        for p in first.parameters():
+            p.add_(1.0)  # a trial trains its copy
+    shutil.rmtree(folder)  # no disk read from here on
+    second = cache.fresh(str(folder), 2, {0: "neg", 1: "pos"}, seed=1)
+    third = cache.fresh(str(folder), 2, {0: "neg", 1: "pos"}, seed=2)
+    from transformers import AutoModelForSequenceClassification
+
+    pristine = AutoModelForSequenceClassification.from_pretrained(
+        tiny_model, num_labels=2
+    ).state_dict()
+    body = [k for k in pristine if not k.startswith("classifier.")]
+    assert all(torch.equal(second.state_dict()[k], pristine[k]) for k in body), (
+        "training leaked into the cache"
+    )
+    assert torch.equal(
+        second.classifier.weight,
+        cache.fresh(str(folder), 2, {0: "neg", 1: "pos"}, 1).classifier.weight,
+    )
+    assert not torch.equal(
+        second.classifier.weight, third.classifier.weight
+    )  # head drawn from the seed
+
+
+# -- kernels ------------------------------------------------------------------------------
+
+
+def test_fused_adamw_on_cpu() -> None:
+    model = torch.nn.Linear(4, 2)
+    opt = build_optimizer(model, TrainConfig(), torch.device("cpu"))
+    assert opt.defaults["fused"] is True
+
+
+def test_compile_switch_compiles_and_saves_a_plain_checkpoint(
+    tmp_path: Path, tiny_model: Path, varied: DataConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch._dynamo
+
+    # Dynamo traces the model for real; the "eager" backend skips inductor's C++ build, which
+    # takes minutes on a small CPU (the benchmark and GPU runs use inductor).
+    monkeypatch.setenv(COMPILE_BACKEND_ENV, "eager")
+    torch._dynamo.reset()
+    run, reporter = _run(tiny_model, varied, tmp_path, compile=True, max_steps=1)
+    result = fit(run, reporter)
+    from torch._dynamo.utils import counters
+
+    assert result.status == "complete" and reporter.attrs["compiled"] is True
+    assert counters["stats"]["unique_graphs"] >= 1, "torch.compile never ran"
+    from safetensors.torch import load_file
+
+    keys = load_file(str(tmp_path / "best" / "model.safetensors")).keys()
+    assert keys and not any("_orig_mod" in k for k in keys)
