@@ -36,7 +36,7 @@ def _slow_spec(tmp_path: Path, model: Path, data: tuple[Path, Path], n_trials: i
     spec = tmp_path / "slow.toml"
     # Micro-batches of 4 make steps slow enough to kill a trial between validation points.
     spec.write_text(
-        spec_text(model, *data, n_trials=n_trials, search="max_retries = 2")
+        spec_text(model, *data, n_trials=n_trials, search="max_retries = 2", extra_train="resume_every_minutes = 0")
         .replace("micro_batch_size = 16", "micro_batch_size = 4")
         .replace("epochs = 2", "epochs = 4")
         .replace('pruner = "median"', 'pruner = "none"')

@@ -85,3 +85,14 @@ def test_nan_loss_prunes_with_reason(tiny_model: Path, prepared, tmp_path: Path)
                       precision="fp32", max_grad_norm=0.0)
     _, result, _ = _train(tiny_model, prepared, cfg, tmp_path / "nan")
     assert result.status == "pruned" and result.fail_reason == "nan_loss"
+
+
+@pytest.mark.parametrize("minutes,expected", [(0.0, True), (60.0, False)])
+def test_resumable_state_is_written_at_most_every_resume_every_minutes(
+    tiny_model: Path, prepared, tmp_path: Path, minutes: float, expected: bool  # type: ignore[no-untyped-def]
+) -> None:
+    cfg = TrainConfig(learning_rate=1e-3, batch_size=32, micro_batch_size=32, epochs=1, eval_every=2,
+                      precision="fp32", resume_every_minutes=minutes)
+    _, result, _ = _train(tiny_model, prepared, cfg, tmp_path / "r")
+    assert result.status == "complete"
+    assert (tmp_path / "r" / RESUME / RESUME_FILE).exists() is expected

@@ -82,6 +82,10 @@ class TrainConfig:
     """Batch examples of similar length together (shuffled buckets) to avoid padding."""
     compile: bool = False
     """Wrap the model in torch.compile (worth it for long trials on GPU)."""
+    resume_every_minutes: float = 5.0
+    """Minimum minutes between resumable checkpoints (model + optimizer state, written at a
+    validation point; 0 = at every validation point). A crash loses at most this much work;
+    SIGTERM always checkpoints."""
 
     def validate(self, where: str = "train") -> None:
         def rule(ok: bool, name: str, msg: str) -> None:
@@ -103,6 +107,7 @@ class TrainConfig:
         rule(self.precision in PRECISIONS, "precision", f"must be one of {', '.join(PRECISIONS)}")
         rule(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         rule(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
+        rule(self.resume_every_minutes >= 0, "resume_every_minutes", "must be >= 0 (0 = every validation point)")
         rule(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 = no clipping)")
 
 

@@ -81,6 +81,7 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
 
     batches: list[list[int]] = []
     batches_epoch = -1
+    last_resume = time.monotonic()
     while step < total_steps:
         epoch, group_in_epoch = divmod(step, steps_per_epoch)
         if epoch != batches_epoch:  # the epoch's order is drawn once, not every step
@@ -141,8 +142,12 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                 best_value, best_step = value, step
                 path = ckpt.save_best(model, run.tokenizer, run.out_dir, _meta(run, metrics, step))
                 reporter.set_attrs({"best_checkpoint": str(path.resolve()), "best_step": step, **_metric_attrs(metrics)})
-            if step < total_steps:
+            # The resumable state (weights + optimizer moments, ~3x the model) is costly to
+            # write, so it is refreshed at most every resume_every_minutes.
+            due = time.monotonic() - last_resume >= cfg.resume_every_minutes * 60
+            if step < total_steps and due:
                 _save_resume(run, model, optimizer, scheduler, scaler, step, best_value, best_step)
+                last_resume = time.monotonic()
             reporter.report(value, step)
             if reporter.should_prune():
                 result = TrainResult(status="pruned")
