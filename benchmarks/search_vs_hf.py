@@ -48,8 +48,12 @@ class Side:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data" / "sst2",
-                   help="folder with train.tsv, dev.tsv and glue_dev.tsv (default ../shared/data/sst2)")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=ROOT.parent / "shared" / "data" / "sst2",
+        help="folder with train.tsv, dev.tsv and glue_dev.tsv (default ../shared/data/sst2)",
+    )
     p.add_argument("--train-size", type=int, default=256, help="training examples drawn from train.tsv")
     p.add_argument("--dev-size", type=int, default=128, help="validation examples drawn from dev.tsv")
     p.add_argument("--n-trials", type=int, default=8, help="trial budget of both searches")
@@ -75,6 +79,7 @@ def main() -> None:
 
 
 # -- data -------------------------------------------------------------------------------------
+
 
 def read_tsv(path: Path) -> list[dict[str, Any]]:
     with path.open(newline="", encoding="utf-8") as f:
@@ -118,8 +123,13 @@ def glue_dev_accuracy(checkpoint: Path, args: argparse.Namespace) -> float:
     with torch.inference_mode():
         for i in range(0, len(rows), 64):
             batch = rows[i : i + 64]
-            enc = tok([r["text"] for r in batch], truncation=True, max_length=args.max_length,
-                      padding=True, return_tensors="pt")
+            enc = tok(
+                [r["text"] for r in batch],
+                truncation=True,
+                max_length=args.max_length,
+                padding=True,
+                return_tensors="pt",
+            )
             pred = model(**enc).logits.argmax(-1).tolist()
             correct += sum(label_of[p] == r["label"] for p, r in zip(pred, batch, strict=True))
     return correct / len(rows)
@@ -130,6 +140,7 @@ def du(path: Path) -> int:
 
 
 # -- hpsearch ---------------------------------------------------------------------------------
+
 
 def run_hpsearch(args: argparse.Namespace, train: Path, dev: Path) -> Side:
     import optuna
@@ -161,8 +172,22 @@ weight_decay = {{ type = "float", low = 0.0, high = {MAX_DECAY} }}
 """)
     url = f"sqlite:///{args.work_dir / 'hpsearch.db'}"
     runs = args.work_dir / "hpsearch-runs"
-    cmd = [sys.executable, "-m", "hpsearch.search.cli", "start", "--study", "bench", "--config", str(spec),
-           "--storage", url, "--devices", "cpu:1", "--output-dir", str(runs)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hpsearch.search.cli",
+        "start",
+        "--study",
+        "bench",
+        "--config",
+        str(spec),
+        "--storage",
+        url,
+        "--devices",
+        "cpu:1",
+        "--output-dir",
+        str(runs),
+    ]
     log.info("hpsearch: %s", " ".join(cmd))
     t0 = time.perf_counter()
     done = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
@@ -186,6 +211,7 @@ weight_decay = {{ type = "float", low = 0.0, high = {MAX_DECAY} }}
 
 # -- Hugging Face Trainer ---------------------------------------------------------------------
 
+
 def run_hf(args: argparse.Namespace, train: Path, dev: Path) -> Side:
     import numpy as np
     import optuna
@@ -202,8 +228,10 @@ def run_hf(args: argparse.Namespace, train: Path, dev: Path) -> Side:
     def encode(path: Path) -> list[dict[str, Any]]:
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         enc = tok([r["text"] for r in rows], truncation=True, max_length=args.max_length)
-        return [{"input_ids": ids, "attention_mask": mask, "labels": r["label"]}
-                for ids, mask, r in zip(enc["input_ids"], enc["attention_mask"], rows, strict=True)]
+        return [
+            {"input_ids": ids, "attention_mask": mask, "labels": r["label"]}
+            for ids, mask, r in zip(enc["input_ids"], enc["attention_mask"], rows, strict=True)
+        ]
 
     train_ds, dev_ds = encode(train), encode(dev)
 
@@ -223,17 +251,32 @@ def run_hf(args: argparse.Namespace, train: Path, dev: Path) -> Side:
 
     out = args.work_dir / "hf-runs"
     targs = TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size * 2, num_train_epochs=args.epochs, seed=args.seed,
+        output_dir=str(out),
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size * 2,
+        num_train_epochs=args.epochs,
+        seed=args.seed,
         # A float default: the search casts each value to the default's type (0 -> int -> no warm-up).
-        warmup_steps=0.0, report_to="none", disable_tqdm=True, use_cpu=True,
+        warmup_steps=0.0,
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
     )
-    trainer = Trainer(model_init=model_init, args=targs, train_dataset=train_ds, eval_dataset=dev_ds,
-                      processing_class=tok, compute_metrics=compute_metrics)
+    trainer = Trainer(
+        model_init=model_init,
+        args=targs,
+        train_dataset=train_ds,
+        eval_dataset=dev_ds,
+        processing_class=tok,
+        compute_metrics=compute_metrics,
+    )
     log.info("hf: Trainer.hyperparameter_search(backend='optuna', n_trials=%d)", args.n_trials)
     t0 = time.perf_counter()
     best = trainer.hyperparameter_search(
-        hp_space=hp_space, backend="optuna", n_trials=args.n_trials, direction="maximize",
+        hp_space=hp_space,
+        backend="optuna",
+        n_trials=args.n_trials,
+        direction="maximize",
         sampler=optuna.samplers.TPESampler(seed=args.seed),
     )
     wall = time.perf_counter() - t0
@@ -255,20 +298,27 @@ def run_hf(args: argparse.Namespace, train: Path, dev: Path) -> Side:
 
 # -- report -----------------------------------------------------------------------------------
 
+
 def report(args: argparse.Namespace, sides: list[Side]) -> None:
-    print(f"\nMiniLM on SST-2: {args.train_size} train / {args.dev_size} dev examples, {args.n_trials} trials, "
-          f"{args.epochs} epoch(s), batch {args.batch_size}, seed {args.seed}")
+    print(
+        f"\nMiniLM on SST-2: {args.train_size} train / {args.dev_size} dev examples, {args.n_trials} trials, "
+        f"{args.epochs} epoch(s), batch {args.batch_size}, seed {args.seed}"
+    )
     print(f"{'':10}{'best val acc':>14}{'glue_dev acc':>14}{'train samples':>15}{'wall s':>9}{'ckpt MB':>10}")
     for s in sides:
-        print(f"{s.name:10}{s.best_val_accuracy:>14.4f}{s.glue_dev_accuracy:>14.4f}{s.train_samples:>15}"
-              f"{s.wall_s:>9.1f}{s.checkpoint_bytes / 1e6:>10.1f}")
+        print(
+            f"{s.name:10}{s.best_val_accuracy:>14.4f}{s.glue_dev_accuracy:>14.4f}{s.train_samples:>15}"
+            f"{s.wall_s:>9.1f}{s.checkpoint_bytes / 1e6:>10.1f}"
+        )
     for s in sides:
         print(f"{s.name} trials: {s.trials}")
     if len(sides) == 2:
         hp, hf = sides
         samples, wall = hp.train_samples / hf.train_samples, hp.wall_s / hf.wall_s
-        print(f"ratios hpsearch/hf: samples {samples:.3f} (target <= 0.5), wall time {wall:.3f} (target <= 0.333), "
-              f"glue_dev {hp.glue_dev_accuracy - hf.glue_dev_accuracy:+.4f} (target >= 0)")
+        print(
+            f"ratios hpsearch/hf: samples {samples:.3f} (target <= 0.5), wall time {wall:.3f} (target <= 0.333), "
+            f"glue_dev {hp.glue_dev_accuracy - hf.glue_dev_accuracy:+.4f} (target >= 0)"
+        )
         met = samples <= 0.5 and wall <= 1 / 3 and hp.glue_dev_accuracy >= hf.glue_dev_accuracy
         print(f"target {'MET' if met else 'NOT MET'}")
 

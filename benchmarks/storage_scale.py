@@ -194,9 +194,7 @@ class _Counter(logging.Handler):
         self.messages.append(record.getMessage()[:200])
 
 
-def hpsearch_worker(
-    url: str, study: str, index: int, go: Any, results: Any, heartbeat_s: float
-) -> None:
+def hpsearch_worker(url: str, study: str, index: int, go: Any, results: Any, heartbeat_s: float) -> None:
     """One worker process, step for step as search/worker.py runs it, with a synthetic objective."""
     counter = _Counter()
     logging.getLogger("hpsearch").addHandler(counter)
@@ -213,9 +211,7 @@ def hpsearch_worker(
                 sampler=studies.make_sampler(spec, studies.worker_seed(spec, name)),
                 pruner=studies.make_pruner(spec),
             )
-            with registry.Registration(
-                storage.db, study, name, f"cpu:{index % 8}", interval_s=heartbeat_s
-            ) as reg:
+            with registry.Registration(storage.db, study, name, f"cpu:{index % 8}", interval_s=heartbeat_s) as reg:
                 while True:
                     n_trials = studies.n_trials(study_obj, spec)
                     slot = budget.claim_slot(storage.db, study, n_trials, name)
@@ -367,14 +363,10 @@ def run_row(
     ctx = mp.get_context("fork")
     go, results = ctx.Event(), ctx.Queue()
     if kind == "hpsearch":
-        procs = [
-            ctx.Process(target=hpsearch_worker, args=(url, study, i, go, results, heartbeat_s))
-            for i in range(n)
-        ]
+        procs = [ctx.Process(target=hpsearch_worker, args=(url, study, i, go, results, heartbeat_s)) for i in range(n)]
     else:
         procs = [
-            ctx.Process(target=optuna_worker, args=(url, study, i, go, results, spec, per_worker))
-            for i in range(n)
+            ctx.Process(target=optuna_worker, args=(url, study, i, go, results, spec, per_worker)) for i in range(n)
         ]
     for p in procs:
         p.start()
@@ -406,9 +398,7 @@ def run_row(
 def _count_trials(row: Row, url: str, study: str) -> None:
     storage = open_storage(url, create=False)
     try:
-        trials = optuna.load_study(study_name=study, storage=storage.optuna).get_trials(
-            deepcopy=False
-        )
+        trials = optuna.load_study(study_name=study, storage=storage.optuna).get_trials(deepcopy=False)
         done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
         row.finished = len(done)
         row.lost = max(0, row.expected - len(done))
@@ -417,9 +407,7 @@ def _count_trials(row: Row, url: str, study: str) -> None:
             # Every budget slot is bound to its own trial: a slot run twice would show here.
             bound = storage.db.run(
                 lambda s: s.execute(
-                    select(func.count(BudgetSlot.trial_number.distinct())).where(
-                        BudgetSlot.study_name == study
-                    )
+                    select(func.count(BudgetSlot.trial_number.distinct())).where(BudgetSlot.study_name == study)
                 ).scalar_one(),
                 what="count bound slots",
             )
@@ -452,13 +440,9 @@ def verdict(rows: list[Row]) -> bool:
         if plain is not None:
             if plain.errors:
                 first = next((e for e in plain.errors if "too many clients" in e), plain.errors[0])
-                print(
-                    f"{n:>3} workers: plain optuna FAILED ({len(plain.errors)} errors, e.g. {first})"
-                )
+                print(f"{n:>3} workers: plain optuna FAILED ({len(plain.errors)} errors, e.g. {first})")
             else:
-                print(
-                    f"{n:>3} workers: plain optuna ran ({plain.rate:.2f} trials/s, peak {plain.peak} connections)"
-                )
+                print(f"{n:>3} workers: plain optuna ran ({plain.rate:.2f} trials/s, peak {plain.peak} connections)")
         if ours is None:
             continue
         checks = {
@@ -488,9 +472,7 @@ def main() -> int:
         help="heartbeat interval (default 1 s: 30x the production default, to stress it)",
     )
     parser.add_argument("--port", type=int, default=55432, help="port of the throwaway cluster")
-    parser.add_argument(
-        "--pg-os-user", help="unprivileged OS user to run the throwaway cluster (as root)"
-    )
+    parser.add_argument("--pg-os-user", help="unprivileged OS user to run the throwaway cluster (as root)")
     parser.add_argument("--skip-optuna", action="store_true", help="only the hpsearch rows")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
@@ -516,9 +498,7 @@ def main() -> int:
         for n in args.workers:
             kinds = ["hpsearch"] if args.skip_optuna else ["optuna", "hpsearch"]
             for kind in kinds:
-                row = run_row(
-                    kind, n, args.trials_per_worker, cluster.url, cluster, spec, args.heartbeat_s
-                )
+                row = run_row(kind, n, args.trials_per_worker, cluster.url, cluster, spec, args.heartbeat_s)
                 rows.append(row)
                 print_rows([row])
     print()

@@ -85,12 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=1e-4)
     p.add_argument("--max-length", type=int, default=64)
-    p.add_argument(
-        "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
-    )
-    p.add_argument(
-        "--only", choices=("hpsearch", "transformers"), default=None, help="run one side only"
-    )
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--only", choices=("hpsearch", "transformers"), default=None, help="run one side only")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
@@ -235,18 +231,10 @@ class HpsearchSide:
         seconds = time.perf_counter() - t0
         done = self.study.trials[trial.number]
         if done.value is None:
-            raise RuntimeError(
-                f"hpsearch trial {trial.number} ended {done.state.name}: {done.user_attrs}"
-            )
+            raise RuntimeError(f"hpsearch trial {trial.number} ended {done.state.name}: {done.user_attrs}")
         attrs = done.user_attrs
-        extra = {
-            k: attrs[k]
-            for k in ("first_step_seconds", "train_tokens_per_second", "precision")
-            if k in attrs
-        }
-        return Outcome(
-            "hpsearch", repeat, seconds, float(done.value), self.s.rows * self.s.epochs, extra
-        )
+        extra = {k: attrs[k] for k in ("first_step_seconds", "train_tokens_per_second", "precision") if k in attrs}
+        return Outcome("hpsearch", repeat, seconds, float(done.value), self.s.rows * self.s.epochs, extra)
 
 
 class TrainerSide:
@@ -265,9 +253,7 @@ class TrainerSide:
     def _encode(self, path: Path) -> list[dict[str, Any]]:
         with path.open(encoding="utf-8") as f:
             rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-        enc = self.tokenizer(
-            [r["sentence"] for r in rows], truncation=True, max_length=self.s.max_length
-        )
+        enc = self.tokenizer([r["sentence"] for r in rows], truncation=True, max_length=self.s.max_length)
         return [
             {"input_ids": ids, "attention_mask": mask, "labels": int(r["label"])}
             for ids, mask, r in zip(enc["input_ids"], enc["attention_mask"], rows, strict=True)
@@ -344,9 +330,7 @@ def _summary(results: list[Outcome]) -> None:
         )
     if len(by_side) == 2:
         hp, hf = by_side["hpsearch"], by_side["transformers"]
-        gap = (
-            statistics.mean(r.accuracy for r in hp) - statistics.mean(r.accuracy for r in hf)
-        ) * 100
+        gap = (statistics.mean(r.accuracy for r in hp) - statistics.mean(r.accuracy for r in hf)) * 100
         for label, attr in (("wall", "seconds"), ("cpu", "cpu_seconds")):
             mean_hf = statistics.mean(getattr(r, attr) for r in hf)
             ratio = mean_hf / statistics.mean(getattr(r, attr) for r in hp)

@@ -35,12 +35,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     def storage_arg(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--storage", metavar="URL", help="postgresql://user:pass@host:5432/db or sqlite:///file.db "
-                       "(default: $HPSEARCH_STORAGE, else ./hpsearch.db)")
+        p.add_argument(
+            "--storage",
+            metavar="URL",
+            help="postgresql://user:pass@host:5432/db or sqlite:///file.db "
+            "(default: $HPSEARCH_STORAGE, else ./hpsearch.db)",
+        )
 
     start = sub.add_parser("start", help="create or resume a study and run workers on this host's devices")
     start.add_argument("--study", required=True, help="study name (a built-in preset: bert-lr)")
-    start.add_argument("--config", metavar="FILE", type=Path, help="study spec (.toml); default ./STUDY.toml or a preset")
+    start.add_argument(
+        "--config", metavar="FILE", type=Path, help="study spec (.toml); default ./STUDY.toml or a preset"
+    )
     _worker_args(start)
     start.add_argument("--n-trials", type=int, metavar="N", help="override the spec's search.n_trials budget")
     storage_arg(start)
@@ -61,33 +67,45 @@ def build_parser() -> argparse.ArgumentParser:
     best = sub.add_parser("best", help="the best trial and its checkpoint path")
     best.add_argument("--study", required=True)
     best.add_argument("--json", action="store_true", help="machine-readable output")
-    best.add_argument("--export", type=Path, metavar="DIR",
-                      help="copy the best model and tokenizer to DIR (loadable with from_pretrained)")
+    best.add_argument(
+        "--export",
+        type=Path,
+        metavar="DIR",
+        help="copy the best model and tokenizer to DIR (loadable with from_pretrained)",
+    )
     storage_arg(best)
     best.set_defaults(func=cmd_best)
 
     dash = sub.add_parser("dashboard", help="serve optuna-dashboard on the study's storage")
     dash.add_argument("--study", help="open this study's page (default: the list of studies)")
     storage_arg(dash)
-    dash.add_argument("--host", default="127.0.0.1",
-                      help="address to listen on (default 127.0.0.1: reach it by SSH tunnel)")
-    dash.add_argument("--port", type=int, default=8080,
-                      help="port to listen on (default 8080; 0 = any free port)")
+    dash.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: reach it by SSH tunnel)"
+    )
+    dash.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0 = any free port)")
     dash.set_defaults(func=cmd_dashboard)
     return parser
 
 
 def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", help="GPU indices (0,1) or cpu:N; default: every GPU, else one CPU worker")
-    p.add_argument("--output-dir", type=Path, default=Path("hpsearch-runs"), metavar="DIR",
-                   help="where trial checkpoints go (DIR/STUDY/trial-N); default ./hpsearch-runs")
+    p.add_argument(
+        "--output-dir",
+        type=Path,
+        default=Path("hpsearch-runs"),
+        metavar="DIR",
+        help="where trial checkpoints go (DIR/STUDY/trial-N); default ./hpsearch-runs",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
@@ -110,10 +128,13 @@ def _is_user_error(exc: BaseException) -> bool:
     from hpsearch.trainer.data import DataError
     from hpsearch.trainer.errors import ModelError
 
-    return isinstance(exc, (UsageError, ConfigError, DataError, ModelError, DeviceError, StorageUrlError, StudyNotFoundError))
+    return isinstance(
+        exc, (UsageError, ConfigError, DataError, ModelError, DeviceError, StorageUrlError, StudyNotFoundError)
+    )
 
 
 # -- commands ---------------------------------------------------------------------------------
+
 
 def cmd_start(args: argparse.Namespace) -> int:
     from hpsearch.search import devices, study as studies
@@ -135,8 +156,13 @@ def cmd_start(args: argparse.Namespace) -> int:
         study = studies.create_or_resume(storage, args.study, spec)
     finally:
         storage.close()
-    log.info("study %s: %d trials on %s; storage %s", args.study, spec.search.n_trials,
-             ", ".join(d.label for d in device_list), urls.mask(url))
+    log.info(
+        "study %s: %d trials on %s; storage %s",
+        args.study,
+        spec.search.n_trials,
+        ", ".join(d.label for d in device_list),
+        urls.mask(url),
+    )
     del study
     return _run_and_report(args, url, device_list)
 
@@ -222,6 +248,7 @@ def _render(name: str, url: str, *, as_json: bool, best_only: bool) -> str:
 
 
 # -- helpers ----------------------------------------------------------------------------------
+
 
 def _spec_for_start(args: argparse.Namespace, url: str) -> Any:
     """--config, else ./STUDY.toml, else the stored spec of an existing study, else a preset."""

@@ -66,9 +66,7 @@ class Dashboard:
             self.storage.engine.dispose()
 
 
-def create(
-    storage_url: str, study: str | None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
-) -> Dashboard:
+def create(storage_url: str, study: str | None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> Dashboard:
     """Check the storage and study, refresh the study note, bind the server (not serving yet)."""
     if not 0 <= port <= 65535:
         raise DashboardError(f"--port {port}: must be between 1 and 65535 (0 picks a free port)")
@@ -92,9 +90,7 @@ def create(
     from optuna_dashboard import wsgi
 
     try:
-        server = make_server(
-            host, port, wsgi(rdb), server_class=_Server, handler_class=_QuietHandler
-        )
+        server = make_server(host, port, wsgi(rdb), server_class=_Server, handler_class=_QuietHandler)
     except OSError as exc:
         rdb.engine.dispose()
         raise DashboardError(_bind_error(host, port, exc)) from None
@@ -124,10 +120,7 @@ def _bind_error(host: str, port: int, exc: OSError) -> str:
     if exc.errno in (errno.EACCES, errno.EPERM):
         return f"port {port} needs root here; pass a port above 1023, e.g. --port {DEFAULT_PORT}"
     if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
-        return (
-            f"--host {host}: not an address of this machine; use 127.0.0.1 (SSH tunnel) "
-            "or 0.0.0.0 (every interface)"
-        )
+        return f"--host {host}: not an address of this machine; use 127.0.0.1 (SSH tunnel) or 0.0.0.0 (every interface)"
     return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
 
 
@@ -141,15 +134,11 @@ def how_to_reach(dash: Dashboard, host: str, study: str | None, storage_display:
         "",
         "From your own computer (the search runs on a remote instance, e.g. AutoDL):",
         f"  SSH tunnel:  ssh -CNg -L {port}:127.0.0.1:{port} -p SSH_PORT root@SSH_HOST",
-        "               (SSH_HOST and SSH_PORT: from the instance's login command "
-        "`ssh -p SSH_PORT root@SSH_HOST`),",
+        "               (SSH_HOST and SSH_PORT: from the instance's login command `ssh -p SSH_PORT root@SSH_HOST`),",
         f"               then open http://127.0.0.1:{port}{path}",
     ]
     if port == AUTODL_PORT and host not in ("127.0.0.1", "localhost", "::1"):
-        lines.append(
-            f"  AutoDL custom service (自定义服务): open the console's link for port {port}, "
-            f"then {path}"
-        )
+        lines.append(f"  AutoDL custom service (自定义服务): open the console's link for port {port}, then {path}")
     else:
         lines.append(
             "  AutoDL custom service (自定义服务): restart with "
@@ -164,9 +153,7 @@ def how_to_reach(dash: Dashboard, host: str, study: str | None, storage_display:
     return "\n".join(lines)
 
 
-def run(
-    storage_url: str, study: str | None, host: str, port: int, out: TextIO | None = None
-) -> int:
+def run(storage_url: str, study: str | None, host: str, port: int, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     dash = create(storage_url, study, host, port)
     print(how_to_reach(dash, host, study, urls.mask(storage_url)), file=out, flush=True)

@@ -36,7 +36,9 @@ def parse(value: str | None) -> list[Device]:
     if value == "cpu" or value.startswith("cpu:"):
         count_text = value.partition(":")[2] or "1"
         if not count_text.isdigit() or not 1 <= int(count_text) <= (os.cpu_count() or 1) * 4:
-            raise DeviceError(f"--devices {value}: the CPU worker count must be an integer from 1 to {(os.cpu_count() or 1) * 4}")
+            raise DeviceError(
+                f"--devices {value}: the CPU worker count must be an integer from 1 to {(os.cpu_count() or 1) * 4}"
+            )
         return [Device("cpu", i) for i in range(int(count_text))]
     parts = [p.strip() for p in value.split(",")]
     if not all(p.isdigit() for p in parts):
@@ -48,7 +50,9 @@ def parse(value: str | None) -> list[Device]:
     missing = [i for i in indices if i not in gpus]
     if missing:
         have = ", ".join(map(str, gpus)) or "none"
-        raise DeviceError(f"--devices {value}: no GPU {missing[0]} on this host (GPUs: {have}); use cpu:N to run on CPU")
+        raise DeviceError(
+            f"--devices {value}: no GPU {missing[0]} on this host (GPUs: {have}); use cpu:N to run on CPU"
+        )
     return [Device("cuda", i) for i in indices]
 
 

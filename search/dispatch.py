@@ -40,7 +40,9 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, study: str, storage_url: str, devices: list[Device], output_dir: Path, log_level: int = logging.INFO) -> None:
+    def __init__(
+        self, study: str, storage_url: str, devices: list[Device], output_dir: Path, log_level: int = logging.INFO
+    ) -> None:
         self.study, self.storage_url, self.devices = study, storage_url, devices
         self.output_dir, self.log_level = output_dir, log_level
         self.ctx = mp.get_context("spawn")
@@ -80,8 +82,13 @@ class Supervisor:
     def _spawn(self, device: Device, crashes: deque[float]) -> None:
         name = f"{registry.this_host()}/{device.label}/{os.getpid()}"
         args = worker.WorkerArgs(
-            study=self.study, storage_url=self.storage_url, device=device.kind, name=name,
-            output_dir=str(self.output_dir), threads=self.threads, log_level=self.log_level,
+            study=self.study,
+            storage_url=self.storage_url,
+            device=device.kind,
+            name=name,
+            output_dir=str(self.output_dir),
+            threads=self.threads,
+            log_level=self.log_level,
             device_label=device.label,
         )
         parent_conn, child_conn = self.ctx.Pipe(duplex=False)
@@ -128,7 +135,12 @@ class Supervisor:
                 self._spawn(child.device, child.crashes)
             return
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        log.error("worker %s died unexpectedly (%s)%s", child.name, how, f" during trial {child.trial[1]}" if child.trial else "")
+        log.error(
+            "worker %s died unexpectedly (%s)%s",
+            child.name,
+            how,
+            f" during trial {child.trial[1]}" if child.trial else "",
+        )
         if child.trial is not None:
             self._hand_back(child.trial[0], f"worker_crash ({how})")
         if self.stopping:
@@ -138,7 +150,12 @@ class Supervisor:
         while child.crashes and now - child.crashes[0] > CRASH_WINDOW_S:
             child.crashes.popleft()
         if len(child.crashes) >= CRASH_LIMIT:
-            log.error("worker on %s crashed %d times in %d minutes; giving that device up (see its trial logs)", child.device.label, len(child.crashes), CRASH_WINDOW_S // 60)
+            log.error(
+                "worker on %s crashed %d times in %d minutes; giving that device up (see its trial logs)",
+                child.device.label,
+                len(child.crashes),
+                CRASH_WINDOW_S // 60,
+            )
             self.failed_devices.append(child.device.label)
             return
         self._spawn(child.device, child.crashes)
@@ -152,7 +169,9 @@ class Supervisor:
             study = optuna.load_study(study_name=self.study, storage=storage.optuna)
             number = storage.optuna.get_trial(trial_id).number
             resume = self.output_dir / self.study / f"trial-{number}" / RESUME / RESUME_FILE
-            retry.hand_back(storage, study, trial_id, reason=reason, resume_from=resume, max_retries=spec.search.max_retries)
+            retry.hand_back(
+                storage, study, trial_id, reason=reason, resume_from=resume, max_retries=spec.search.max_retries
+            )
         finally:
             # The parent holds no connection while its children train.
             storage.close()

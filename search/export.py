@@ -47,8 +47,13 @@ def export_best(best: dict[str, Any] | None, study: str, target: Path) -> Path:
     tmp = target.parent / f".{target.name}.exporting"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(source, tmp)
-    record = {"study": study, "trial": best["number"], "value": best["value"],
-              "best_step": best.get("best_step"), "params": best.get("params", {})}
+    record = {
+        "study": study,
+        "trial": best["number"],
+        "value": best["value"],
+        "best_step": best.get("best_step"),
+        "params": best.get("params", {}),
+    }
     (tmp / "hpsearch_best.json").write_text(json.dumps(record, indent=2, sort_keys=True))
     if target.exists():
         target.rmdir()

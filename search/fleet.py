@@ -13,9 +13,7 @@ def summary(db: Database, study: str) -> dict[str, Any]:
     workers = registry.list_workers(db, study)
     return {
         "workers": [w.to_dict() for w in workers],
-        "workers_by_state": {
-            state: sum(w.state == state for w in workers) for state in ("live", "lost", "finished")
-        },
+        "workers_by_state": {state: sum(w.state == state for w in workers) for state in ("live", "lost", "finished")},
         "gpu_hours": registry.device_hours(workers, gpu_only=True),
         "device_hours": registry.device_hours(workers, gpu_only=False),
     }

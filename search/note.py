@@ -55,9 +55,7 @@ def render(study: optuna.Study, spec: StudySpec, n_trials: int) -> str:
     ]
     lines += _best(s["best"], spec)
     lines += ["", "### Spec", "", *_spec_table(spec), "", *_space_table(spec), ""]
-    lines.append(
-        "_Written by hpsearch as trials finish; edits made here are replaced at the next update._"
-    )
+    lines.append("_Written by hpsearch as trials finish; edits made here are replaced at the next update._")
     return "\n".join(lines)
 
 
@@ -66,18 +64,14 @@ def _best(best: dict[str, Any] | None, spec: StudySpec) -> list[str]:
         return ["**Best:** no complete trial yet."]
     params = ", ".join(f"`{k}` = {_fmt(v)}" for k, v in sorted(best["params"].items()))
     lines = [
-        f"**Best:** trial {best['number']}: {spec.search.metric} **{best['value']:.4f}** "
-        f"at step {best['best_step']}",
+        f"**Best:** trial {best['number']}: {spec.search.metric} **{best['value']:.4f}** at step {best['best_step']}",
         "",
-        f"- checkpoint: `{best['best_checkpoint']}`"
-        + (f" on host `{best['host']}`" if best.get("host") else ""),
+        f"- checkpoint: `{best['best_checkpoint']}`" + (f" on host `{best['host']}`" if best.get("host") else ""),
     ]
     if params:
         lines.append(f"- parameters: {params}")
     if best.get("train_samples_per_second") is not None:
-        lines.append(
-            f"- {best['train_samples_per_second']} samples/s on {best.get('device') or '?'}"
-        )
+        lines.append(f"- {best['train_samples_per_second']} samples/s on {best.get('device') or '?'}")
     return lines
 
 
@@ -131,11 +125,7 @@ def update(study: optuna.Study, spec: StudySpec, n_trials: int) -> bool:
 def finished_key(trials: Iterable[FrozenTrial]) -> tuple[int, ...]:
     """Changes exactly when a trial finishes (or a retry is queued): when the note may change."""
     return tuple(
-        sorted(
-            t.number
-            for t in trials
-            if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-        )
+        sorted(t.number for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL))
     )
 
 

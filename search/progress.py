@@ -158,9 +158,7 @@ class Poller(threading.Thread):
 
             url = urls.normalize(self.storage_url)
             kwargs = {
-                k: v
-                for k, v in engine_kwargs(url).items()
-                if k not in ("pool_size", "max_overflow", "pool_recycle")
+                k: v for k, v in engine_kwargs(url).items() if k not in ("pool_size", "max_overflow", "pool_recycle")
             }
             # No pooled connection stays open between reads: the parent must not hold one
             # for hours while its children train (connection budget of a shared server).
@@ -182,9 +180,7 @@ class Progress:
         self.poller = Poller(study_name, storage_url)
         self.unit = "GPU-h" if any(d.kind == "cuda" for d in devices) else "CPU-h"
         self.started = time.monotonic()
-        self._trials: dict[
-            str, tuple[int | None, float]
-        ] = {}  # device label -> (trial number, since)
+        self._trials: dict[str, tuple[int | None, float]] = {}  # device label -> (trial number, since)
         self._logged_key: tuple[Any, ...] | None = None
         self._logged_at = 0.0
 
@@ -231,9 +227,7 @@ class Progress:
 
     def line(self, s: Snapshot) -> str:
         best = (
-            f"best {s.metric} {s.best_value:.4f} (trial {s.best_number})"
-            if s.best_value is not None
-            else "no best yet"
+            f"best {s.metric} {s.best_value:.4f} (trial {s.best_number})" if s.best_value is not None else "no best yet"
         )
         return (
             f"{s.finished}/{s.n_trials} trials finished, {s.running} running, {s.pruned} pruned, "
@@ -244,9 +238,7 @@ class Progress:
     def devices_line(self) -> str:
         now = time.monotonic()
         parts = [
-            f"{label}: trial {number} ({_duration(now - since)})"
-            if number is not None
-            else f"{label}: idle"
+            f"{label}: trial {number} ({_duration(now - since)})" if number is not None else f"{label}: idle"
             for label, (number, since) in sorted(self._trials.items())
         ]
         return "  ".join(parts)
@@ -261,9 +253,7 @@ class LiveProgress(Progress):
     the status lines. The parent's own log records are routed the same way.
     """
 
-    def __init__(
-        self, study_name: str, storage_url: str, devices: list[Device], stream: TextIO
-    ) -> None:
+    def __init__(self, study_name: str, storage_url: str, devices: list[Device], stream: TextIO) -> None:
         super().__init__(study_name, storage_url, devices)
         self.fd = stream.fileno()
         self._pending: collections.deque[str] = collections.deque()
@@ -271,9 +261,7 @@ class LiveProgress(Progress):
         self._drawn = 0
         self._block: list[str] = []
         self._read_fd, self._write_fd = os.pipe()
-        self._reader = threading.Thread(
-            target=self._read_children, name="hpsearch-output", daemon=True
-        )
+        self._reader = threading.Thread(target=self._read_children, name="hpsearch-output", daemon=True)
         self._handlers: list[tuple[logging.StreamHandler[Any], Any]] = []
 
     def start(self) -> None:
@@ -385,9 +373,7 @@ class _LineStream:
         pass
 
 
-def for_terminal(
-    study_name: str, storage_url: str, devices: list[Device], stream: TextIO | None = None
-) -> Progress:
+def for_terminal(study_name: str, storage_url: str, devices: list[Device], stream: TextIO | None = None) -> Progress:
     """A live display when ``stream`` (stderr) is a terminal, plain log lines otherwise."""
     stream = stream or sys.stderr
     if _is_terminal(stream):

@@ -57,6 +57,10 @@ def hand_back(
     budget.release_slot(storage.db, study.study_name, trial_number=frozen.number)
     log.warning(
         "trial %d failed (%s); retry %d/%d queued%s",
-        frozen.number, reason, count + 1, max_retries, f", resuming {resume}" if resume else "",
+        frozen.number,
+        reason,
+        count + 1,
+        max_retries,
+        f", resuming {resume}" if resume else "",
     )
     return True

@@ -134,7 +134,7 @@ class Param:
         if step is not None and log:
             raise SpecError(f"{where}: step and log = true cannot be combined")
         if kind == "int" and not (float(low).is_integer() and float(high).is_integer()):
-            raise SpecError(f"{where}: low and high must be integers for type = \"int\"")
+            raise SpecError(f'{where}: low and high must be integers for type = "int"')
         return cls(name, kind, low=low, high=high, log=log, step=step)
 
     def grid(self) -> list[Any]:
@@ -241,7 +241,7 @@ class StudySpec:
         sampler = self.search.sampler
         if sampler == "grid":
             if not self.space:
-                raise SpecError("search.sampler: \"grid\" needs at least one parameter in [search.space]")
+                raise SpecError('search.sampler: "grid" needs at least one parameter in [search.space]')
             for p in self.space.values():
                 p.grid()
         if sampler == "cmaes":

@@ -24,9 +24,7 @@ class SpecMismatchError(SpecError):
 
 def create_or_resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
     """Create the study with ``spec``, or check that the existing one was made with the same."""
-    study = optuna.create_study(
-        study_name=name, storage=storage.optuna, direction=spec.direction, load_if_exists=True
-    )
+    study = optuna.create_study(study_name=name, storage=storage.optuna, direction=spec.direction, load_if_exists=True)
     stored = study.user_attrs.get(SPEC_ATTR)
     if stored is None:
         # Known-good configurations run first: queued now, the first ask() of any worker gets one.
@@ -132,9 +130,7 @@ def make_sampler(spec: StudySpec, seed: int) -> optuna.samplers.BaseSampler:
         )
     # multivariate TPE models the interaction of parameters (lr x warmup); the constant liar
     # treats running trials as bad so parallel workers do not pile onto the same region.
-    return optuna.samplers.TPESampler(
-        seed=seed, multivariate=True, constant_liar=True, n_startup_trials=n_startup
-    )
+    return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True, n_startup_trials=n_startup)
 
 
 def grid_space(spec: StudySpec) -> dict[str, list[Any]]:
@@ -157,7 +153,9 @@ def make_pruner(spec: StudySpec, total_steps_hint: int | None = None) -> optuna.
     if kind == "none":
         return optuna.pruners.NopPruner()
     if kind == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=s.pruner_startup_trials, n_warmup_steps=s.pruner_warmup_steps)
+        return optuna.pruners.MedianPruner(
+            n_startup_trials=s.pruner_startup_trials, n_warmup_steps=s.pruner_warmup_steps
+        )
     if kind == "percentile":
         return optuna.pruners.PercentilePruner(
             s.pruner_percentile, n_startup_trials=s.pruner_startup_trials, n_warmup_steps=s.pruner_warmup_steps
@@ -168,7 +166,8 @@ def make_pruner(spec: StudySpec, total_steps_hint: int | None = None) -> optuna.
             min_resource=min_resource, reduction_factor=s.pruner_reduction_factor
         )
     return optuna.pruners.HyperbandPruner(
-        min_resource=min_resource, max_resource=total_steps_hint or "auto",
+        min_resource=min_resource,
+        max_resource=total_steps_hint or "auto",
         reduction_factor=s.pruner_reduction_factor,
     )
 

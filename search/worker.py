@@ -112,8 +112,14 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
 
 
 class Worker:
-    def __init__(self, args: WorkerArgs, storage: Storage, stop: StopFlag, conn: Connection | None,
-                 registration: registry.Registration | None = None) -> None:
+    def __init__(
+        self,
+        args: WorkerArgs,
+        storage: Storage,
+        stop: StopFlag,
+        conn: Connection | None,
+        registration: registry.Registration | None = None,
+    ) -> None:
         import torch
 
         from hpsearch.trainer.model import PretrainedCache, load_tokenizer
@@ -122,7 +128,9 @@ class Worker:
         self.registration = registration
         self.spec: StudySpec = resolved(studies.stored_spec(storage, args.study))
         place = args.name.rsplit("/", 1)[0]  # host/device, without the pid
-        n_existing = len(storage.optuna.get_all_trials(storage.optuna.get_study_id_from_name(args.study), deepcopy=False))
+        n_existing = len(
+            storage.optuna.get_all_trials(storage.optuna.get_study_id_from_name(args.study), deepcopy=False)
+        )
         seed = studies.worker_seed(self.spec, place, n_existing)
         self.study = optuna.load_study(
             study_name=args.study,
@@ -189,8 +197,15 @@ class Worker:
             data = self.data()
             model = self.models.fresh(self.spec.model.name, data.labels.num_labels, data.labels.id2label(), cfg.seed)
             run = Run(
-                model=model, tokenizer=self.tokenizer, data=data, cfg=cfg, metric=self.spec.search.metric,
-                device=self.device, out_dir=out_dir, resume_from=resume, should_stop=self.stop,
+                model=model,
+                tokenizer=self.tokenizer,
+                data=data,
+                cfg=cfg,
+                metric=self.spec.search.metric,
+                device=self.device,
+                out_dir=out_dir,
+                resume_from=resume,
+                should_stop=self.stop,
                 meta={"study": self.args.study, "trial": trial.number, "params": params},
                 started=started,
             )
@@ -213,22 +228,39 @@ class Worker:
             # Never in the top k: only complete trials compete for a kept checkpoint.
             retention.delete_own(out_dir / BEST)
             if result.best_step is not None:
-                trial.set_user_attr(retention.BEST_CHECKPOINT_ATTR, f"{retention.DELETED_PREFIX} (trial {result.status})")
+                trial.set_user_attr(
+                    retention.BEST_CHECKPOINT_ATTR, f"{retention.DELETED_PREFIX} (trial {result.status})"
+                )
         if result.status != "interrupted":
             # The resumable state is only for a retry of this attempt; the best model stays.
             shutil.rmtree(out_dir / RESUME, ignore_errors=True)
         if result.status == "complete" and result.best_value is not None:
             self.study.tell(trial, result.best_value)
-            log.info("trial %d complete: %s = %.4f at step %s", trial.number, self.spec.search.metric, result.best_value, result.best_step)
+            log.info(
+                "trial %d complete: %s = %.4f at step %s",
+                trial.number,
+                self.spec.search.metric,
+                result.best_value,
+                result.best_step,
+            )
         elif result.status == "pruned":
             if result.fail_reason:
                 trial.set_user_attr(retry.FAIL_REASON, result.fail_reason)
             self.study.tell(trial, state=TrialState.PRUNED)
-            log.info("trial %d pruned at step %d%s", trial.number, result.steps, f" ({result.fail_reason})" if result.fail_reason else "")
+            log.info(
+                "trial %d pruned at step %d%s",
+                trial.number,
+                result.steps,
+                f" ({result.fail_reason})" if result.fail_reason else "",
+            )
         elif result.status == "interrupted":
             retry.hand_back(
-                self.storage, self.study, trial._trial_id, reason="interrupted",
-                resume_from=out_dir / RESUME / RESUME_FILE, max_retries=self.spec.search.max_retries,
+                self.storage,
+                self.study,
+                trial._trial_id,
+                reason="interrupted",
+                resume_from=out_dir / RESUME / RESUME_FILE,
+                max_retries=self.spec.search.max_retries,
             )
         else:
             self._fail(trial, result.fail_reason or "no validation point reached")
@@ -245,8 +277,13 @@ class Worker:
             # the disk cap keeps its place, so a worse one is not kept instead.
             if t.value is not None and t.user_attrs.get("best_checkpoint")
         ]
-        retention.retain(self.storage.db, candidates, keep_top_k=search.keep_top_k,
-                         minimize=self.spec.direction == "minimize", max_disk_gb=search.max_disk_gb)
+        retention.retain(
+            self.storage.db,
+            candidates,
+            keep_top_k=search.keep_top_k,
+            minimize=self.spec.direction == "minimize",
+            max_disk_gb=search.max_disk_gb,
+        )
 
     def _resume_point(self, trial: optuna.Trial, out_dir: Path) -> Path | None:
         source = trial.user_attrs.get(retry.RESUME_FROM)

@@ -21,8 +21,8 @@ def claim_slot(db: Database, study_name: str, n_trials: int, worker: str) -> int
         now = db.now()
         try:
             db.run(
-                lambda s, slot=free: s.add(
-                    BudgetSlot(study_name=study_name, slot=slot, worker=worker, claimed_at=now)
+                lambda s, slot=free, at=now: s.add(
+                    BudgetSlot(study_name=study_name, slot=slot, worker=worker, claimed_at=at)
                 ),
                 what="claim trial budget slot",
             )

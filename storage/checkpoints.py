@@ -71,14 +71,21 @@ def disk_bytes(path: Path) -> int:
     return total
 
 
-def plan(candidates: Iterable[Candidate], *, keep_top_k: int, minimize: bool,
-         max_disk_bytes: int = 0, sizes: dict[Path, int] | None = None) -> list[Deletion]:
+def plan(
+    candidates: Iterable[Candidate],
+    *,
+    keep_top_k: int,
+    minimize: bool,
+    max_disk_bytes: int = 0,
+    sizes: dict[Path, int] | None = None,
+) -> list[Deletion]:
     """Which checkpoints to delete: all but the top ``keep_top_k``, then the worst kept ones
     while the kept set is over ``max_disk_bytes`` (0 = no cap). The best is never deleted."""
     ranked = sorted(candidates, key=lambda c: (c.value if minimize else -c.value, c.number))
-    kept, deletions = ranked[:keep_top_k], [
-        Deletion(c, f"not in the study's top {keep_top_k}") for c in ranked[keep_top_k:]
-    ]
+    kept, deletions = (
+        ranked[:keep_top_k],
+        [Deletion(c, f"not in the study's top {keep_top_k}") for c in ranked[keep_top_k:]],
+    )
     if max_disk_bytes > 0:
         sizes = sizes if sizes is not None else {c.path: disk_bytes(c.path) for c in kept}
         total = sum(sizes.get(c.path, 0) for c in kept)
@@ -89,16 +96,21 @@ def plan(candidates: Iterable[Candidate], *, keep_top_k: int, minimize: bool,
     return deletions
 
 
-def retain(db: Database, candidates: list[Candidate], *, keep_top_k: int, minimize: bool,
-           max_disk_gb: float = 0.0) -> list[Deletion]:
+def retain(
+    db: Database, candidates: list[Candidate], *, keep_top_k: int, minimize: bool, max_disk_gb: float = 0.0
+) -> list[Deletion]:
     """Delete the checkpoints :func:`plan` picks that exist here and mark their trials.
 
     ``candidates`` are every finished trial of the study (other hosts' too): the ranking is
     study-wide, but only checkpoints on this host's disk are deleted here."""
     local = [c for c in candidates if c.path.exists()]
-    deletions = plan(candidates, keep_top_k=keep_top_k, minimize=minimize,
-                     max_disk_bytes=int(max_disk_gb * 1e9),
-                     sizes={c.path: disk_bytes(c.path) for c in local})
+    deletions = plan(
+        candidates,
+        keep_top_k=keep_top_k,
+        minimize=minimize,
+        max_disk_bytes=int(max_disk_gb * 1e9),
+        sizes={c.path: disk_bytes(c.path) for c in local},
+    )
     done: list[Deletion] = []
     local_paths = {c.path for c in local}
     for d in deletions:

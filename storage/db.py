@@ -142,13 +142,28 @@ def check_connection(engine: Engine) -> None:
 
 _CONNECT_HINTS: list[tuple[str, str]] = [
     (r"could not translate host name \"?([^\" ]+)\"?", "cannot resolve host {0}; check the host in the storage URL"),
-    (r"password authentication failed for user \"?([^\" ]+)\"?", "PostgreSQL refused the password for user {0}; check user and password in the storage URL"),
-    (r"role \"?([^\" ]+)\"? does not exist", "PostgreSQL has no user {0}; create it (createuser) or fix the user in the storage URL"),
-    (r"database \"?([^\" ]+)\"? does not exist", "database {0} does not exist; create it (createdb {0}) or fix the name in the storage URL"),
-    (r"Connection refused", "nothing accepts connections there; start PostgreSQL, or fix the host/port in the storage URL"),
+    (
+        r"password authentication failed for user \"?([^\" ]+)\"?",
+        "PostgreSQL refused the password for user {0}; check user and password in the storage URL",
+    ),
+    (
+        r"role \"?([^\" ]+)\"? does not exist",
+        "PostgreSQL has no user {0}; create it (createuser) or fix the user in the storage URL",
+    ),
+    (
+        r"database \"?([^\" ]+)\"? does not exist",
+        "database {0} does not exist; create it (createdb {0}) or fix the name in the storage URL",
+    ),
+    (
+        r"Connection refused",
+        "nothing accepts connections there; start PostgreSQL, or fix the host/port in the storage URL",
+    ),
     (r"timeout expired|timed out", "no answer within 10 s; check the host, the port, the firewall or the SSH tunnel"),
     (r"no pg_hba.conf entry", "the server's pg_hba.conf does not admit this host; add a host line for it (see README)"),
-    (r"too many clients", "the server has no free connections (max_connections); stop idle clients or raise max_connections"),
+    (
+        r"too many clients",
+        "the server has no free connections (max_connections); stop idle clients or raise max_connections",
+    ),
     (r"SSL", "SSL negotiation failed; set sslmode in the URL (e.g. ?sslmode=require or ?sslmode=disable)"),
     (r"unable to open database file", "cannot open the SQLite file; check that its folder exists and is writable"),
 ]
@@ -191,9 +206,7 @@ def with_retries(fn: Callable[[], T], *, policy: RetryPolicy = DEFAULT_RETRY, wh
                 raise StorageError(f"{what} failed: {_one_line(exc)}") from exc
             delay = next(delays, None)
             if delay is None:
-                raise StorageError(
-                    f"{what} failed after {policy.attempts} attempts: {_one_line(exc)}"
-                ) from exc
+                raise StorageError(f"{what} failed after {policy.attempts} attempts: {_one_line(exc)}") from exc
             log.warning("%s: transient database error (%s); retrying in %.1fs", what, _one_line(exc), delay)
             time.sleep(delay)
 

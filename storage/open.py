@@ -46,8 +46,10 @@ def open_storage(url: str, *, create: bool, retry: RetryPolicy | None = None) ->
         # connection; with 64 workers starting at once that doubles the connections a server
         # must take. The same check, one query after the other, needs one.
         rdb = PatientRDBStorage(
-            normalized, engine_kwargs=engine_kwargs(normalized),
-            skip_compatibility_check=True, skip_table_creation=not create,
+            normalized,
+            engine_kwargs=engine_kwargs(normalized),
+            skip_compatibility_check=True,
+            skip_table_creation=not create,
         )
         rdb.retry_policy = retry or DEFAULT_RETRY
         if not create and not sqlalchemy.inspect(rdb.engine).has_table("studies"):
@@ -106,9 +108,7 @@ def _prepare_sqlite(path: Path, *, create: bool, display: str) -> None:
                 "first, or pass --storage / set HPSEARCH_STORAGE to the study's database"
             )
         if not path.parent.is_dir():
-            raise StorageUrlError(
-                f"cannot create SQLite storage {display}: folder {path.parent} does not exist"
-            )
+            raise StorageUrlError(f"cannot create SQLite storage {display}: folder {path.parent} does not exist")
     # WAL is a property of the file, so set it once before any pooled connection opens:
     # it lets status/dashboard readers run while workers write.
     conn = sqlite3.connect(path, timeout=120)

@@ -180,11 +180,7 @@ def list_workers(db: Database, study: str) -> list[WorkerView]:
     def read(s: Session) -> list[WorkerView]:
         now = s.execute(select(db.clock())).scalar_one()
         rows = (
-            s.execute(
-                select(WorkerRecord)
-                .where(WorkerRecord.study_name == study)
-                .order_by(WorkerRecord.id)
-            )
+            s.execute(select(WorkerRecord).where(WorkerRecord.study_name == study).order_by(WorkerRecord.id))
             .scalars()
             .all()
         )
@@ -266,22 +262,14 @@ class Registration:
 
     def __enter__(self) -> Registration:
         self.id = register(self.db, self.study, self.name, self.device, heartbeat_s=self.interval_s)
-        stmt = (
-            update(WorkerRecord)
-            .where(WorkerRecord.id == self.id)
-            .values(heartbeat_at=self.db.clock())
-        )
-        self._beat_sql = str(
-            stmt.compile(dialect=self.db.engine.dialect, compile_kwargs={"literal_binds": True})
-        )
+        stmt = update(WorkerRecord).where(WorkerRecord.id == self.id).values(heartbeat_at=self.db.clock())
+        self._beat_sql = str(stmt.compile(dialect=self.db.engine.dialect, compile_kwargs={"literal_binds": True}))
         # SQLite is one host's file: connections cost nothing there, and a beat written at
         # check-in could make the trainer wait on the file's write lock.
         self._piggyback = self.db.engine.dialect.name != "sqlite"
         if self._piggyback:
             event.listen(self.db.engine, "checkin", self._on_checkin)
-        self._thread = threading.Thread(
-            target=self._beat_loop, name="hpsearch-heartbeat", daemon=True
-        )
+        self._thread = threading.Thread(target=self._beat_loop, name="hpsearch-heartbeat", daemon=True)
         self._thread.start()
         return self
 

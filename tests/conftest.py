@@ -27,9 +27,16 @@ def demo_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return write_demo_split(root / "train.jsonl", 320, 1), write_demo_split(root / "dev.jsonl", 96, 2)
 
 
-def spec_text(model: Path, train: Path, dev: Path, *, n_trials: int = 2, extra_train: str = "",
-              space: str = 'learning_rate = { type = "float", low = 1e-4, high = 3e-3, log = true }',
-              search: str = "") -> str:
+def spec_text(
+    model: Path,
+    train: Path,
+    dev: Path,
+    *,
+    n_trials: int = 2,
+    extra_train: str = "",
+    space: str = 'learning_rate = { type = "float", low = 1e-4, high = 3e-3, log = true }',
+    search: str = "",
+) -> str:
     return f"""
 [model]
 name = "{model}"
@@ -109,11 +116,17 @@ def storage_url(request: pytest.FixtureRequest) -> str:
     return str(request.getfixturevalue("pg_url"))
 
 
-def hpsearch(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def hpsearch(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
     """Run the real CLI in a subprocess, as a user would."""
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     full_env.pop("HPSEARCH_STORAGE", None) if env is None or "HPSEARCH_STORAGE" not in env else None
     return subprocess.run(
         [sys.executable, "-m", "hpsearch.search.cli", *args],
-        cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )

@@ -5,6 +5,7 @@ Never the machine's shared server: fault tests stop and start this one at will.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
@@ -39,8 +40,12 @@ class Cluster:
         self.url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
 
     def _run(self, tool: str, *args: str) -> None:
-        subprocess.run([*self.as_user, str(self.bindir / tool), *args], check=True, capture_output=True,
-                       env={**os.environ, "LC_ALL": "C"})
+        subprocess.run(
+            [*self.as_user, str(self.bindir / tool), *args],
+            check=True,
+            capture_output=True,
+            env={**os.environ, "LC_ALL": "C"},
+        )
 
     def start(self) -> None:
         opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1"
@@ -50,8 +55,6 @@ class Cluster:
         self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")
 
     def destroy(self) -> None:
-        try:
+        with contextlib.suppress(subprocess.CalledProcessError):
             self.stop("immediate")
-        except subprocess.CalledProcessError:
-            pass
         shutil.rmtree(self.root, ignore_errors=True)

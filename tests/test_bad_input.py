@@ -32,16 +32,37 @@ def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):  #
 
     return run
 
+
 # (name, how to break the spec text, expected words in the message)
 SPEC_CASES = [
     ("lr_negative", lambda s: s.replace("learning_rate = 1e-3", "learning_rate = -1.0"), "train.learning_rate"),
-    ("unknown_train_key", lambda s: s.replace("[train]", "[train]\nlearnin_rate = 3"), "train.learnin_rate: unknown key"),
-    ("micro_not_divisor", lambda s: s.replace("micro_batch_size = 16", "micro_batch_size = 12"), "train.micro_batch_size"),
+    (
+        "unknown_train_key",
+        lambda s: s.replace("[train]", "[train]\nlearnin_rate = 3"),
+        "train.learnin_rate: unknown key",
+    ),
+    (
+        "micro_not_divisor",
+        lambda s: s.replace("micro_batch_size = 16", "micro_batch_size = 12"),
+        "train.micro_batch_size",
+    ),
     ("bad_precision", lambda s: s.replace('precision = "fp32"', 'precision = "fp8"'), "train.precision"),
     ("wrong_type", lambda s: s.replace("epochs = 2", 'epochs = "two"'), "train.epochs"),
-    ("log_low_zero", lambda s: s.replace("low = 1e-4", "low = 0"), "search.space.learning_rate: low (0) must be > 0 when log = true"),
-    ("low_gt_high", lambda s: s.replace("low = 1e-4, high = 3e-3", "low = 1e-2, high = 3e-3"), "search.space.learning_rate: low"),
-    ("space_not_train_key", lambda s: s.replace("learning_rate = { type", "learning_rat = { type"), "search.space.learning_rat"),
+    (
+        "log_low_zero",
+        lambda s: s.replace("low = 1e-4", "low = 0"),
+        "search.space.learning_rate: low (0) must be > 0 when log = true",
+    ),
+    (
+        "low_gt_high",
+        lambda s: s.replace("low = 1e-4, high = 3e-3", "low = 1e-2, high = 3e-3"),
+        "search.space.learning_rate: low",
+    ),
+    (
+        "space_not_train_key",
+        lambda s: s.replace("learning_rate = { type", "learning_rat = { type"),
+        "search.space.learning_rat",
+    ),
     ("bad_space_type", lambda s: s.replace('type = "float"', 'type = "double"'), "search.space.learning_rate.type"),
     ("bad_pruner", lambda s: s.replace('pruner = "median"', 'pruner = "wishful"'), "search.pruner"),
     ("bad_metric", lambda s: s.replace('metric = "loss"', 'metric = "bleu"'), "search.metric"),
@@ -49,16 +70,36 @@ SPEC_CASES = [
     ("unknown_table", lambda s: s + "\n[optimizer]\nname = 'sgd'\n", "optimizer: unknown table"),
     ("not_toml", lambda s: s.replace("[model]", "[model"), "not valid TOML"),
     ("missing_model", lambda s: s.replace("[model]\nname", "[model]\nnam"), "model.nam"),
-    ("space_choice_invalid", lambda s: s.replace("learning_rate = { type", 'micro_batch_size = { type = "categorical", choices = [16, 12] }\nlearning_rate = { type'), "search.space.micro_batch_size: value 12"),
+    (
+        "space_choice_invalid",
+        lambda s: s.replace(
+            "learning_rate = { type",
+            'micro_batch_size = { type = "categorical", choices = [16, 12] }\nlearning_rate = { type',
+        ),
+        "search.space.micro_batch_size: value 12",
+    ),
 ]
 
 
 @pytest.mark.parametrize("name,mutate,expected", SPEC_CASES, ids=[c[0] for c in SPEC_CASES])
-def test_bad_spec(cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], name: str, mutate, expected: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_spec(
+    cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], name: str, mutate, expected: str
+) -> None:  # type: ignore[no-untyped-def]
     spec = tmp_path / "bad.toml"
     spec.write_text(mutate(spec_text(tiny_model, *demo_files)))
     db = tmp_path / "study.db"
-    result = cli("start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{db}", "--devices", "cpu:1", cwd=tmp_path)
+    result = cli(
+        "start",
+        "--study",
+        "x",
+        "--config",
+        str(spec),
+        "--storage",
+        f"sqlite:///{db}",
+        "--devices",
+        "cpu:1",
+        cwd=tmp_path,
+    )
     assert result.returncode == 2, result.stderr
     assert expected in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
@@ -76,34 +117,57 @@ DATA_CASES = [
     ("empty_file", lambda d: _write(d / "empty.jsonl", ""), "has no rows"),
     ("wrong_column", lambda d: _write(d / "cols.jsonl", '{"sentence": "hi", "label": 1}\n'), "no column 'text'"),
     ("bad_json", lambda d: _write(d / "bad.jsonl", '{"text": "hi", "label": 1}\n{oops\n'), "line 2 is not valid JSON"),
-    ("bad_encoding", lambda d: _write(d / "latin.jsonl", '{"text": "caf\u00e9", "label": 1}\n', "latin-1"), "not UTF-8"),
+    (
+        "bad_encoding",
+        lambda d: _write(d / "latin.jsonl", '{"text": "caf\u00e9", "label": 1}\n', "latin-1"),
+        "not UTF-8",
+    ),
     ("bad_extension", lambda d: _write(d / "data.parquet", "x"), "unsupported extension"),
     ("ragged_csv", lambda d: _write(d / "r.csv", "text,label\nhello,1,extra\n"), "line 2 has 3 fields"),
 ]
 
 
 @pytest.mark.parametrize("name,make,expected", DATA_CASES, ids=[c[0] for c in DATA_CASES])
-def test_bad_train_data(cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], name: str, make, expected: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_train_data(
+    cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], name: str, make, expected: str
+) -> None:  # type: ignore[no-untyped-def]
     spec = tmp_path / "s.toml"
     spec.write_text(spec_text(tiny_model, make(tmp_path), demo_files[1]))
     db = tmp_path / "study.db"
-    result = cli("start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{db}", "--devices", "cpu:1", cwd=tmp_path)
+    result = cli(
+        "start",
+        "--study",
+        "x",
+        "--config",
+        str(spec),
+        "--storage",
+        f"sqlite:///{db}",
+        "--devices",
+        "cpu:1",
+        cwd=tmp_path,
+    )
     assert result.returncode == 2 and expected in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not db.exists()
 
 
-def test_validation_label_unseen_in_training(cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> None:
+def test_validation_label_unseen_in_training(
+    cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
     dev = _write(tmp_path / "dev.jsonl", '{"text": "the movie was fine", "label": "neutral"}\n')
     spec = tmp_path / "s.toml"
     spec.write_text(spec_text(tiny_model, demo_files[0], dev))
-    result = cli("start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{tmp_path / 'db'}", cwd=tmp_path)
+    result = cli(
+        "start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{tmp_path / 'db'}", cwd=tmp_path
+    )
     assert result.returncode == 2 and "label 'neutral', never seen in the training" in result.stderr
 
 
 def test_missing_model_folder(cli, tmp_path: Path, demo_files: tuple[Path, Path]) -> None:
     spec = tmp_path / "s.toml"
     spec.write_text(spec_text(tmp_path / "no-model", *demo_files))
-    result = cli("start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{tmp_path / 'db'}", cwd=tmp_path)
+    result = cli(
+        "start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{tmp_path / 'db'}", cwd=tmp_path
+    )
     assert result.returncode == 2 and "model.name" in result.stderr and "does not exist" in result.stderr, result.stderr
 
 
@@ -118,8 +182,14 @@ CLI_CASES = [
     (["start", "--study", "x", "--storage", "sqlite:///:memory:"], "in-memory SQLite"),
     (["status", "--study", "x"], "no study storage"),
     (["best", "--study", "x", "--storage", "postgresql://u:secretpw@127.0.0.1:1/db"], "nothing accepts connections"),
-    (["status", "--study", "x", "--storage", "postgresql://postgres:secretpw@127.0.0.1:5432/hpsearch_no_such_db"], "database hpsearch_no_such_db does not exist"),
-    (["status", "--study", "x", "--storage", "postgresql://nobody:secretpw@127.0.0.1:5432/postgres"], "PostgreSQL has no user nobody"),
+    (
+        ["status", "--study", "x", "--storage", "postgresql://postgres:secretpw@127.0.0.1:5432/hpsearch_no_such_db"],
+        "database hpsearch_no_such_db does not exist",
+    ),
+    (
+        ["status", "--study", "x", "--storage", "postgresql://nobody:secretpw@127.0.0.1:5432/postgres"],
+        "PostgreSQL has no user nobody",
+    ),
     (["worker", "--study", "x", "--storage", "postgresql://u:pw@no-such-host.invalid:5432/db"], "cannot resolve host"),
     (["status", "--study", "x", "--storage", "postgresql://postgres@127.0.0.1:5432/test"], "holds no studies"),
     (["start"], "the following arguments are required: --study"),
@@ -137,10 +207,26 @@ def test_bad_cli(cli, tmp_path: Path, argv: list[str], expected: str) -> None:  
     assert not (tmp_path / "hpsearch.db").exists()
 
 
-def test_existing_study_with_other_spec_is_refused(tmp_path: Path, spec_file: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> None:
+def test_existing_study_with_other_spec_is_refused(
+    tmp_path: Path, spec_file: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    ok = hpsearch("start", "--study", "s", "--config", str(spec_file), "--storage", url, "--devices", "cpu:1",
-                  "--n-trials", "1", "--output-dir", str(tmp_path / "runs"), cwd=tmp_path)
+    ok = hpsearch(
+        "start",
+        "--study",
+        "s",
+        "--config",
+        str(spec_file),
+        "--storage",
+        url,
+        "--devices",
+        "cpu:1",
+        "--n-trials",
+        "1",
+        "--output-dir",
+        str(tmp_path / "runs"),
+        cwd=tmp_path,
+    )
     assert ok.returncode == 0, ok.stderr[-2000:]
     other = tmp_path / "other.toml"
     other.write_text(spec_text(tiny_model, *demo_files).replace("learning_rate = 1e-3", "learning_rate = 2e-3"))

@@ -92,7 +92,4 @@ def test_worker_command_is_a_real_hpsearch_worker_call(compose: dict[str, Any]) 
     )
     url = urls.parse(cli.build_parser().parse_args(remote[1:]).storage)
     assert (url.host, url.port) == ("host.docker.internal", 15432)
-    assert (
-        interpolate(compose["services"]["worker"]["environment"], env)["HPSEARCH_HOST"]
-        == "instance-b"
-    )
+    assert interpolate(compose["services"]["worker"]["environment"], env)["HPSEARCH_HOST"] == "instance-b"

@@ -22,9 +22,7 @@ from tests.conftest import hpsearch, spec_text
 STUDY = "seen"
 
 
-def finished_study(
-    tmp_path_factory: pytest.TempPathFactory, model: Path, data: tuple[Path, Path]
-) -> str:
+def finished_study(tmp_path_factory: pytest.TempPathFactory, model: Path, data: tuple[Path, Path]) -> str:
     """A study finished by the real CLI (2 trials on SQLite), trained once per test session.
 
     Shared by this module and the browser test through a folder of the session's temp root
@@ -57,9 +55,7 @@ def finished_study(
 
 
 @pytest.fixture(scope="module")
-def sqlite_study(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, demo_files: tuple[Path, Path]
-) -> str:
+def sqlite_study(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, demo_files: tuple[Path, Path]) -> str:
     return finished_study(tmp_path_factory, tiny_model, demo_files)
 
 
@@ -83,9 +79,7 @@ def dashboard(*args: str, cwd: Path, timeout: float = 120) -> Iterator[str]:
         while url is None and time.monotonic() < deadline:
             line = proc.stdout.readline()
             if not line:
-                raise AssertionError(
-                    f"dashboard exited: {proc.wait()} {proc.stderr.read() if proc.stderr else ''}"
-                )
+                raise AssertionError(f"dashboard exited: {proc.wait()} {proc.stderr.read() if proc.stderr else ''}")
             printed.append(line)
             if line.strip().startswith("open http://"):
                 url = line.split("open ", 1)[1].strip()
@@ -124,9 +118,7 @@ def test_dashboard_serves_the_study_and_its_trials(tmp_path: Path, sqlite_study:
         assert steps and steps[0] == 5 and steps == sorted(steps)
         if t["state"] == "Complete":
             assert Path(attrs["best_checkpoint"]).is_dir()
-            assert (
-                float(attrs["train_samples_per_second"]) > 0 and float(attrs["peak_memory_mb"]) > 0
-            )
+            assert float(attrs["train_samples_per_second"]) > 0 and float(attrs["peak_memory_mb"]) > 0
     assert [p["name"] for p in importance["param_importances"][0]] == ["learning_rate"]
     # The study note summarises budget and best checkpoint, as of the last finished trial.
     best = optuna.load_study(study_name=STUDY, storage=sqlite_study).best_trial
@@ -136,9 +128,7 @@ def test_dashboard_serves_the_study_and_its_trials(tmp_path: Path, sqlite_study:
     assert "| `learning_rate` | float: 0.0001 to 0.003 (log) |" in body
 
 
-def test_dashboard_on_postgresql_refreshes_the_note(
-    tmp_path: Path, sqlite_study: str, pg_url: str
-) -> None:
+def test_dashboard_on_postgresql_refreshes_the_note(tmp_path: Path, sqlite_study: str, pg_url: str) -> None:
     # The same finished study, copied into a PostgreSQL database with a stale note: the
     # dashboard serves it from there and brings the note up to date on start.
     pg = pg_url.replace("postgresql://", "postgresql+psycopg2://", 1)
@@ -157,10 +147,7 @@ def test_dashboard_on_postgresql_refreshes_the_note(
 def test_dashboard_lists_all_studies_without_study(tmp_path: Path, sqlite_study: str) -> None:
     with dashboard("--storage", sqlite_study, cwd=tmp_path) as url:
         assert url.endswith("/dashboard")
-        assert (
-            get_json(url.replace("/dashboard", "/api/studies"))["study_summaries"][0]["study_name"]
-            == STUDY
-        )
+        assert get_json(url.replace("/dashboard", "/api/studies"))["study_summaries"][0]["study_name"] == STUDY
 
 
 @pytest.mark.parametrize(
@@ -174,9 +161,7 @@ def test_dashboard_lists_all_studies_without_study(tmp_path: Path, sqlite_study:
         ),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(
-    tmp_path: Path, sqlite_study: str, args: list[str], expected: str
-) -> None:
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, sqlite_study: str, args: list[str], expected: str) -> None:
     result = hpsearch("dashboard", "--storage", sqlite_study, *args, cwd=tmp_path, timeout=120)
     assert result.returncode == 2, result.stderr
     assert expected in result.stderr
@@ -184,9 +169,7 @@ def test_bad_input_is_one_line_and_exit_2(
 
 
 def test_missing_storage_file_is_exit_2_and_creates_nothing(tmp_path: Path) -> None:
-    result = hpsearch(
-        "dashboard", "--storage", f"sqlite:///{tmp_path / 'none.db'}", cwd=tmp_path, timeout=120
-    )
+    result = hpsearch("dashboard", "--storage", f"sqlite:///{tmp_path / 'none.db'}", cwd=tmp_path, timeout=120)
     assert result.returncode == 2
     assert "no study storage at" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "none.db").exists()
@@ -197,9 +180,7 @@ def test_port_in_use_names_another_port(tmp_path: Path, sqlite_study: str) -> No
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = hpsearch(
-            "dashboard", "--storage", sqlite_study, "--port", str(port), cwd=tmp_path, timeout=120
-        )
+        result = hpsearch("dashboard", "--storage", sqlite_study, "--port", str(port), cwd=tmp_path, timeout=120)
     assert result.returncode == 2
     assert f"port {port} on 127.0.0.1 is already in use" in result.stderr
     assert f"--port {port + 1}" in result.stderr

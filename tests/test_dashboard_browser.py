@@ -44,9 +44,7 @@ def chromium() -> str:
     return found
 
 
-def browse(
-    binary: str, url: str, *extra: str, budget_ms: int = 20000
-) -> subprocess.CompletedProcess[str]:
+def browse(binary: str, url: str, *extra: str, budget_ms: int = 20000) -> subprocess.CompletedProcess[str]:
     """Load ``url`` and let the page run ``budget_ms`` of virtual time (its API calls included)."""
     with tempfile.TemporaryDirectory(prefix="chromium-profile-") as profile:
         return subprocess.run(

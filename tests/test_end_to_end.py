@@ -12,8 +12,20 @@ from tests.conftest import hpsearch
 
 
 def test_start_runs_budget_and_best_checkpoint_predicts(tmp_path: Path, spec_file: Path, storage_url: str) -> None:
-    result = hpsearch("start", "--study", "e2e", "--config", str(spec_file), "--storage", storage_url,
-                      "--devices", "cpu:1", "--output-dir", str(tmp_path / "runs"), cwd=tmp_path)
+    result = hpsearch(
+        "start",
+        "--study",
+        "e2e",
+        "--config",
+        str(spec_file),
+        "--storage",
+        storage_url,
+        "--devices",
+        "cpu:1",
+        "--output-dir",
+        str(tmp_path / "runs"),
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "best: trial" in result.stdout
 
@@ -49,8 +61,18 @@ def test_start_runs_budget_and_best_checkpoint_predicts(tmp_path: Path, spec_fil
 @pytest.mark.parametrize("backend", ["sqlite"])
 def test_second_start_adds_only_missing_trials(tmp_path: Path, spec_file: Path, backend: str) -> None:
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    common = ["--study", "grow", "--config", str(spec_file), "--storage", url, "--devices", "cpu:1",
-              "--output-dir", str(tmp_path / "runs")]
+    common = [
+        "--study",
+        "grow",
+        "--config",
+        str(spec_file),
+        "--storage",
+        url,
+        "--devices",
+        "cpu:1",
+        "--output-dir",
+        str(tmp_path / "runs"),
+    ]
     assert hpsearch("start", *common, "--n-trials", "1", cwd=tmp_path).returncode == 0
     second = hpsearch("start", *common, "--n-trials", "3", cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-2000:]

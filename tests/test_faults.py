@@ -46,9 +46,26 @@ def _slow_spec(tmp_path: Path, model: Path, data: tuple[Path, Path], n_trials: i
 
 def _start(tmp_path: Path, spec: Path, url: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "hpsearch.search.cli", "start", "--study", "f", "--config", str(spec),
-         "--storage", url, "--devices", "cpu:1", "--output-dir", str(tmp_path / "runs")],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "hpsearch.search.cli",
+            "start",
+            "--study",
+            "f",
+            "--config",
+            str(spec),
+            "--storage",
+            url,
+            "--devices",
+            "cpu:1",
+            "--output-dir",
+            str(tmp_path / "runs"),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
 
@@ -60,8 +77,10 @@ def _wait_for_report(url: str, min_step: int, timeout: float = 900) -> None:
             trials = optuna.load_study(study_name="f", storage=url).get_trials(deepcopy=False)
         except KeyError:
             trials = []
-        if any(t.state == TrialState.RUNNING and t.intermediate_values and max(t.intermediate_values) >= min_step
-               for t in trials):
+        if any(
+            t.state == TrialState.RUNNING and t.intermediate_values and max(t.intermediate_values) >= min_step
+            for t in trials
+        ):
             return
         time.sleep(0.2)
     raise AssertionError("no trial reached a validation point in time")
@@ -144,7 +163,9 @@ def test_database_restart_under_a_running_worker_loses_nothing(
         assert proc.returncode == 0, err[-3000:]
         assert "database unreachable" in err or "transient database error" in err, "the outage was seen"
         trials = optuna.load_study(study_name="f", storage=_sa_url(url)).get_trials()
-        assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.COMPLETE], [(t.state, t.user_attrs) for t in trials]
+        assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.COMPLETE], [
+            (t.state, t.user_attrs) for t in trials
+        ]
         for t in trials:
             # 320 examples / 32 = 10 steps per epoch x 4 epochs, validation every 5: nothing lost.
             assert sorted(t.intermediate_values) == [5, 10, 15, 20, 25, 30, 35, 40]

@@ -34,8 +34,9 @@ def test_full_disk_fails_one_trial_and_worker_carries_on(
         return real_save(obj, f, *a, **kw)
 
     monkeypatch.setattr(checkpoint.torch, "save", full_disk_once)
-    args = WorkerArgs(study="disk", storage_url=sqlite_url, device="cpu", name="test/cpu:0/1",
-                      output_dir=str(tmp_path / "runs"))
+    args = WorkerArgs(
+        study="disk", storage_url=sqlite_url, device="cpu", name="test/cpu:0/1", output_dir=str(tmp_path / "runs")
+    )
     Worker(args, storage, StopFlag(), None).run()
     storage.close()
 

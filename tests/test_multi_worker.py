@@ -87,9 +87,7 @@ def test_three_hosts_share_one_study_exactly(tmp_path: Path, tiny_model: Path, p
         workers = registry.list_workers(storage.db, "shared")
         with storage.db.session() as s:
             slots = s.execute(
-                sqlalchemy.select(BudgetSlot.slot, BudgetSlot.trial_number).where(
-                    BudgetSlot.study_name == "shared"
-                )
+                sqlalchemy.select(BudgetSlot.slot, BudgetSlot.trial_number).where(BudgetSlot.study_name == "shared")
             ).all()
     finally:
         storage.close()
@@ -127,9 +125,7 @@ def test_three_hosts_share_one_study_exactly(tmp_path: Path, tiny_model: Path, p
         assert host in text
 
     # `best` names the host holding the checkpoint and warns everywhere else.
-    best = json.loads(
-        hpsearch("best", "--study", "shared", "--storage", pg_url, "--json", cwd=tmp_path).stdout
-    )
+    best = json.loads(hpsearch("best", "--study", "shared", "--storage", pg_url, "--json", cwd=tmp_path).stdout)
     here = hpsearch(
         "best",
         "--study",
@@ -155,9 +151,7 @@ def test_three_hosts_share_one_study_exactly(tmp_path: Path, tiny_model: Path, p
 
 def test_worker_refuses_a_study_that_does_not_exist(tmp_path: Path, storage_url: str) -> None:
     open_storage(storage_url, create=True).close()
-    result = hpsearch(
-        "worker", "--study", "nope", "--storage", storage_url, "--devices", "cpu:1", cwd=tmp_path
-    )
+    result = hpsearch("worker", "--study", "nope", "--storage", storage_url, "--devices", "cpu:1", cwd=tmp_path)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "study 'nope' does not exist" in lines[0], result.stderr

@@ -106,9 +106,7 @@ def test_plain_lines_when_piped_with_trial_logs_and_curves(tmp_path: Path, spec_
     assert "\x1b[" not in result.stderr and "\x1b[" not in result.stdout
     lines = [line for line in result.stderr.splitlines() if " progress: " in line]
     assert any("2/2 trials finished" in line and line.endswith("done") for line in lines), lines
-    assert any("0/2 trials finished" in line or "1/2 trials finished" in line for line in lines), (
-        lines
-    )
+    assert any("0/2 trials finished" in line or "1/2 trials finished" in line for line in lines), lines
 
     for number in (0, 1):
         trial_dir = runs / "piped" / f"trial-{number}"
@@ -252,9 +250,7 @@ def read_scalars(path: Path) -> dict[str, list[tuple[int, float]]]:
         (length,) = struct.unpack("<Q", header)
         assert _unmask(struct.unpack_from("<I", data, i + 8)[0]) == _crc32c_bitwise(header)
         record = data[i + 12 : i + 12 + length]
-        assert _unmask(struct.unpack_from("<I", data, i + 12 + length)[0]) == _crc32c_bitwise(
-            record
-        )
+        assert _unmask(struct.unpack_from("<I", data, i + 12 + length)[0]) == _crc32c_bitwise(record)
         i += 16 + length
         event = _fields(record)
         step = next((v for n, v in event if n == 2), 0)

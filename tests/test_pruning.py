@@ -12,14 +12,32 @@ from tests.conftest import hpsearch, spec_text
 def test_hopeless_trials_are_pruned(tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> None:
     spec = tmp_path / "prune.toml"
     # Half the space is hopeless: lr 1.0 wrecks the model, so the median pruner stops it.
-    spec.write_text(spec_text(
-        tiny_model, *demo_files, n_trials=6,
-        space='learning_rate = { type = "categorical", choices = [1e-3, 1.0] }',
-        search="pruner_warmup_steps = 0",
-    ).replace('sampler = "tpe"', 'sampler = "random"').replace("epochs = 2", "epochs = 3"))
+    spec.write_text(
+        spec_text(
+            tiny_model,
+            *demo_files,
+            n_trials=6,
+            space='learning_rate = { type = "categorical", choices = [1e-3, 1.0] }',
+            search="pruner_warmup_steps = 0",
+        )
+        .replace('sampler = "tpe"', 'sampler = "random"')
+        .replace("epochs = 2", "epochs = 3")
+    )
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    result = hpsearch("start", "--study", "p", "--config", str(spec), "--storage", url, "--devices", "cpu:1",
-                      "--output-dir", str(tmp_path / "runs"), cwd=tmp_path)
+    result = hpsearch(
+        "start",
+        "--study",
+        "p",
+        "--config",
+        str(spec),
+        "--storage",
+        url,
+        "--devices",
+        "cpu:1",
+        "--output-dir",
+        str(tmp_path / "runs"),
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     trials = optuna.load_study(study_name="p", storage=url).trials
     assert len(trials) == 6

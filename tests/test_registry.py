@@ -58,9 +58,7 @@ class TestRegistryContract:
         assert registry.device_hours([w]) == pytest.approx(w.device_seconds / 3600)
         assert registry.list_workers(db, "other study") == []
 
-    def test_silent_worker_is_lost_and_its_trial_time_stops_at_last_beat(
-        self, storage: Storage
-    ) -> None:
+    def test_silent_worker_is_lost_and_its_trial_time_stops_at_last_beat(self, storage: Storage) -> None:
         db = storage.db
         wid = registry.register(db, "s", "w", "cuda:1", heartbeat_s=0.2)
         registry.trial_started(db, wid, 0)
@@ -72,9 +70,7 @@ class TestRegistryContract:
         registry.beat(db, wid)
         assert _only(db, "s").state == "live"
 
-    def test_host_clock_is_never_used(
-        self, storage: Storage, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
+    def test_host_clock_is_never_used(self, storage: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
         # A host whose clock is a day off must still look live: only the database clock counts.
         real = time.time
         monkeypatch.setattr(time, "time", lambda: real() - 86400)
@@ -112,17 +108,14 @@ def test_heartbeat_borrows_the_one_pooled_connection(pg_url: str) -> None:
             return int(
                 c.execute(
                     sqlalchemy.text(
-                        "SELECT count(*) FROM pg_stat_activity"
-                        " WHERE datname = :d AND application_name = 'hpsearch'"
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = :d AND application_name = 'hpsearch'"
                     ),
                     {"d": dbname},
                 ).scalar_one()
             )
 
     try:
-        with registry.Registration(
-            storage.db, "s", "w", "cuda:0", interval_s=0.05, patience_s=30
-        ) as reg:
+        with registry.Registration(storage.db, "s", "w", "cuda:0", interval_s=0.05, patience_s=30) as reg:
             assert _eventually(lambda: reg.beats >= 1)
             # Take the connection between two beats, as a trainer's storage call would.
             assert _eventually(storage.db.pooled_connection_idle)

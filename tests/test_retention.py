@@ -40,11 +40,26 @@ def test_search_keeps_only_top_k_checkpoints_and_exports_the_best(
 ) -> None:
     spec = tmp_path / "spec.toml"
     # No pruning: every trial completes and competes for the two kept checkpoints.
-    spec.write_text(spec_text(tiny_model, *demo_files, n_trials=5, search="keep_top_k = 2")
-                    .replace('pruner = "median"', 'pruner = "none"'))
+    spec.write_text(
+        spec_text(tiny_model, *demo_files, n_trials=5, search="keep_top_k = 2").replace(
+            'pruner = "median"', 'pruner = "none"'
+        )
+    )
     runs = tmp_path / "runs"
-    result = hpsearch("start", "--study", "keep", "--config", str(spec), "--storage", storage_url,
-                      "--devices", "cpu:1", "--output-dir", str(runs), cwd=tmp_path)
+    result = hpsearch(
+        "start",
+        "--study",
+        "keep",
+        "--config",
+        str(spec),
+        "--storage",
+        storage_url,
+        "--devices",
+        "cpu:1",
+        "--output-dir",
+        str(runs),
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
     url = storage_url.replace("postgresql://", "postgresql+psycopg2://")
@@ -60,7 +75,8 @@ def test_search_keeps_only_top_k_checkpoints_and_exports_the_best(
         assert not (runs / "keep" / f"trial-{t.number}" / "best").exists()
     # On disk: exactly the two best checkpoints, and no resumable state of finished trials.
     assert sorted(p.parent.name for p in (runs / "keep").glob("trial-*/best")) == sorted(
-        f"trial-{t.number}" for t in ranked[:2])
+        f"trial-{t.number}" for t in ranked[:2]
+    )
     assert not list((runs / "keep").glob("trial-*/resume"))
     for t in complete:
         assert t.user_attrs["device_seconds"] > 0

@@ -14,13 +14,26 @@ from hpsearch.trainer.evaluate import Metrics, macro_f1
 from tests.conftest import hpsearch, spec_text
 
 
-def start(tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], search: str,
-          n_trials: int) -> tuple[subprocess.CompletedProcess[str], optuna.Study]:
+def start(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], search: str, n_trials: int
+) -> tuple[subprocess.CompletedProcess[str], optuna.Study]:
     spec = tmp_path / "spec.toml"
     spec.write_text(spec_text(tiny_model, *demo_files, n_trials=n_trials, search=search))
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    result = hpsearch("start", "--study", "b", "--config", str(spec), "--storage", url, "--devices", "cpu:1",
-                      "--output-dir", str(tmp_path / "runs"), cwd=tmp_path)
+    result = hpsearch(
+        "start",
+        "--study",
+        "b",
+        "--config",
+        str(spec),
+        "--storage",
+        url,
+        "--devices",
+        "cpu:1",
+        "--output-dir",
+        str(tmp_path / "runs"),
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result, optuna.load_study(study_name="b", storage=url)
 
@@ -29,8 +42,13 @@ def test_enqueued_trial_runs_first_and_gpu_hours_stop_new_trials(
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
 ) -> None:
     # 3.6 ms of device time: the first trial uses it up, so none of the other 3 may start.
-    result, study = start(tmp_path, tiny_model, demo_files, n_trials=4, search=(
-        "gpu_hours = 0.000001\n[[search.enqueue]]\nlearning_rate = 0.002\n"))
+    result, study = start(
+        tmp_path,
+        tiny_model,
+        demo_files,
+        n_trials=4,
+        search=("gpu_hours = 0.000001\n[[search.enqueue]]\nlearning_rate = 0.002\n"),
+    )
     trials = study.get_trials()
     assert len(trials) == 1, [t.state for t in trials]
     assert trials[0].params == {"learning_rate": 0.002}

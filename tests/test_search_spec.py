@@ -46,16 +46,28 @@ def test_default_pruner_is_asha_from_the_first_validation_point() -> None:
     assert pruner._reduction_factor == 3
 
 
-@pytest.mark.parametrize(("search", "kind", "checks"), [
-    ("", optuna.pruners.MedianPruner, {"_n_startup_trials": 2, "_n_warmup_steps": 0}),
-    ('pruner = "none"', optuna.pruners.NopPruner, {}),
-    ('pruner = "percentile"\npruner_percentile = 10.0\npruner_warmup_steps = 7',
-     optuna.pruners.PercentilePruner, {"_percentile": 10.0, "_n_warmup_steps": 7}),
-    ('pruner = "asha"\npruner_min_resource = 4\npruner_reduction_factor = 4',
-     optuna.pruners.SuccessiveHalvingPruner, {"_min_resource": 4, "_reduction_factor": 4}),
-    ('pruner = "hyperband"\npruner_min_resource = 4\npruner_reduction_factor = 2',
-     optuna.pruners.HyperbandPruner, {"_min_resource": 4, "_reduction_factor": 2}),
-])
+@pytest.mark.parametrize(
+    ("search", "kind", "checks"),
+    [
+        ("", optuna.pruners.MedianPruner, {"_n_startup_trials": 2, "_n_warmup_steps": 0}),
+        ('pruner = "none"', optuna.pruners.NopPruner, {}),
+        (
+            'pruner = "percentile"\npruner_percentile = 10.0\npruner_warmup_steps = 7',
+            optuna.pruners.PercentilePruner,
+            {"_percentile": 10.0, "_n_warmup_steps": 7},
+        ),
+        (
+            'pruner = "asha"\npruner_min_resource = 4\npruner_reduction_factor = 4',
+            optuna.pruners.SuccessiveHalvingPruner,
+            {"_min_resource": 4, "_reduction_factor": 4},
+        ),
+        (
+            'pruner = "hyperband"\npruner_min_resource = 4\npruner_reduction_factor = 2',
+            optuna.pruners.HyperbandPruner,
+            {"_min_resource": 4, "_reduction_factor": 2},
+        ),
+    ],
+)
 def test_pruner_parameters_reach_optuna(search: str, kind: type, checks: dict[str, object]) -> None:
     pruner = studies.make_pruner(make_override(search))
     assert isinstance(pruner, kind)
@@ -63,10 +75,15 @@ def test_pruner_parameters_reach_optuna(search: str, kind: type, checks: dict[st
         assert getattr(pruner, attr) == value, attr
 
 
-@pytest.mark.parametrize(("sampler", "kind"), [
-    ("tpe", optuna.samplers.TPESampler), ("random", optuna.samplers.RandomSampler),
-    ("gp", optuna.samplers.GPSampler), ("grid", optuna.samplers.GridSampler),
-])
+@pytest.mark.parametrize(
+    ("sampler", "kind"),
+    [
+        ("tpe", optuna.samplers.TPESampler),
+        ("random", optuna.samplers.RandomSampler),
+        ("gp", optuna.samplers.GPSampler),
+        ("grid", optuna.samplers.GridSampler),
+    ],
+)
 def test_samplers(sampler: str, kind: type) -> None:
     spec = make_override(f'sampler = "{sampler}"', space=GRID_SPACE if sampler == "grid" else SPACE)
     assert isinstance(studies.make_sampler(spec, 1), kind)
@@ -87,23 +104,26 @@ def test_cmaes_and_grid_space() -> None:
     assert grid["micro_batch_size"] == [8, 16]
 
 
-@pytest.mark.parametrize(("search", "message"), [
-    ('sampler = "bayes"', "search.sampler: 'bayes' must be one of 'tpe', 'random', 'gp', 'cmaes', 'grid'"),
-    ('pruner = "sha"', "search.pruner: 'sha' must be one of"),
-    ('metric = "auc"', "search.metric: 'auc' must be one of 'loss', 'accuracy', 'f1'"),
-    ("pruner_reduction_factor = 1", "search.pruner_reduction_factor: 1 must be >= 2"),
-    ("pruner_percentile = 100.0", "search.pruner_percentile: 100.0 must be between 0 and 100"),
-    ("keep_top_k = 0", "search.keep_top_k: 0 must be >= 1"),
-    ("max_disk_gb = -1", "search.max_disk_gb: -1.0 must be >= 0"),
-    ("gpu_hours = -0.5", "search.gpu_hours: -0.5 must be >= 0"),
-    ("timeout_minutes = -1", "search.timeout_minutes: -1.0 must be >= 0"),
-    ("keep_top = 2", "search.keep_top: unknown key"),
-    ('sampler = "cmaes"', "search.space.micro_batch_size: cmaes samples only float and int"),
-    ("enqueue = [{ learning_rate = 1.0 }]", "search.enqueue[0].learning_rate: 1.0 is outside the search range"),
-    ("enqueue = [{ lr = 1e-3 }]", "search.enqueue[0].lr: not a parameter of [search.space]"),
-    ("enqueue = [{ micro_batch_size = 12 }]", "search.enqueue[0].micro_batch_size: 12 is not one of the choices"),
-    ("enqueue = { learning_rate = 1e-3 }", "search.enqueue: must be an array of tables"),
-])
+@pytest.mark.parametrize(
+    ("search", "message"),
+    [
+        ('sampler = "bayes"', "search.sampler: 'bayes' must be one of 'tpe', 'random', 'gp', 'cmaes', 'grid'"),
+        ('pruner = "sha"', "search.pruner: 'sha' must be one of"),
+        ('metric = "auc"', "search.metric: 'auc' must be one of 'loss', 'accuracy', 'f1'"),
+        ("pruner_reduction_factor = 1", "search.pruner_reduction_factor: 1 must be >= 2"),
+        ("pruner_percentile = 100.0", "search.pruner_percentile: 100.0 must be between 0 and 100"),
+        ("keep_top_k = 0", "search.keep_top_k: 0 must be >= 1"),
+        ("max_disk_gb = -1", "search.max_disk_gb: -1.0 must be >= 0"),
+        ("gpu_hours = -0.5", "search.gpu_hours: -0.5 must be >= 0"),
+        ("timeout_minutes = -1", "search.timeout_minutes: -1.0 must be >= 0"),
+        ("keep_top = 2", "search.keep_top: unknown key"),
+        ('sampler = "cmaes"', "search.space.micro_batch_size: cmaes samples only float and int"),
+        ("enqueue = [{ learning_rate = 1.0 }]", "search.enqueue[0].learning_rate: 1.0 is outside the search range"),
+        ("enqueue = [{ lr = 1e-3 }]", "search.enqueue[0].lr: not a parameter of [search.space]"),
+        ("enqueue = [{ micro_batch_size = 12 }]", "search.enqueue[0].micro_batch_size: 12 is not one of the choices"),
+        ("enqueue = { learning_rate = 1e-3 }", "search.enqueue: must be an array of tables"),
+    ],
+)
 def test_bad_search_settings_name_the_field(search: str, message: str) -> None:
     with pytest.raises(SpecError) as err:
         make_override(search)
@@ -129,8 +149,18 @@ def test_bad_sampler_through_the_cli_is_one_line_and_writes_nothing(
 ) -> None:
     spec = tmp_path / "bad.toml"
     spec.write_text(spec_text(tiny_model, *demo_files).replace('sampler = "tpe"', 'sampler = "grid"'))
-    result = hpsearch("start", "--study", "bad", "--config", str(spec), "--storage",
-                      f"sqlite:///{tmp_path / 'db.sqlite'}", "--devices", "cpu:1", cwd=tmp_path)
+    result = hpsearch(
+        "start",
+        "--study",
+        "bad",
+        "--config",
+        str(spec),
+        "--storage",
+        f"sqlite:///{tmp_path / 'db.sqlite'}",
+        "--devices",
+        "cpu:1",
+        cwd=tmp_path,
+    )
     assert result.returncode == 2
     assert "search.space.learning_rate: the grid sampler needs a step" in result.stderr
     assert "Traceback" not in result.stderr

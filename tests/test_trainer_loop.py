@@ -35,18 +35,30 @@ def _train(model_dir: Path, prepared, cfg: TrainConfig, out: Path, **kw):  # typ
     tok, data = prepared
     model = PretrainedCache().fresh(str(model_dir), data.labels.num_labels, data.labels.id2label(), cfg.seed)
     reporter = NullReporter()
-    result = fit(Run(model=model, tokenizer=tok, data=data, cfg=cfg, metric="loss", device=CPU, out_dir=out, **kw), reporter)
+    result = fit(
+        Run(model=model, tokenizer=tok, data=data, cfg=cfg, metric="loss", device=CPU, out_dir=out, **kw), reporter
+    )
     return model, result, reporter
 
 
 def test_accumulation_matches_one_big_batch(no_dropout_model: Path, prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    base = TrainConfig(learning_rate=1e-3, batch_size=32, epochs=1, max_steps=1, eval_every=1,
-                       precision="fp32", group_by_length=False, max_grad_norm=0.0)
+    base = TrainConfig(
+        learning_rate=1e-3,
+        batch_size=32,
+        epochs=1,
+        max_steps=1,
+        eval_every=1,
+        precision="fp32",
+        group_by_length=False,
+        max_grad_norm=0.0,
+    )
     big, _, _ = _train(no_dropout_model, prepared, replace(base, micro_batch_size=32), tmp_path / "a")
     acc, _, _ = _train(no_dropout_model, prepared, replace(base, micro_batch_size=8), tmp_path / "b")
     init = PretrainedCache().fresh(str(no_dropout_model), 2, {0: "negative", 1: "positive"}, 0)
     moved = 0
-    for (name, p_big), (_, p_acc), (_, p0) in zip(big.named_parameters(), acc.named_parameters(), init.named_parameters()):
+    for (name, p_big), (_, p_acc), (_, p0) in zip(
+        big.named_parameters(), acc.named_parameters(), init.named_parameters(), strict=False
+    ):
         torch.testing.assert_close(p_acc, p_big, rtol=1e-5, atol=1e-6, msg=name)
         moved += int(not torch.equal(p_big, p0))
     assert moved > 10, "the update must actually change the parameters"
@@ -76,23 +88,41 @@ def test_checkpoint_saved_and_resume_continues(tiny_model: Path, demo_files: tup
     assert sorted(rep.values) == [15, 20], "the resumed run continues at step 10, it does not restart"
 
     # The resumed run ends where an uninterrupted run ends (same data order, RNG and schedule).
-    _, straight, rep_straight = _train(tiny_model, prepared, cfg, tmp_path / "t2")
+    _, _straight, rep_straight = _train(tiny_model, prepared, cfg, tmp_path / "t2")
     assert rep.values[20] == pytest.approx(rep_straight.values[20], rel=1e-4)
 
 
 def test_nan_loss_prunes_with_reason(tiny_model: Path, prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    cfg = TrainConfig(learning_rate=1e6, batch_size=32, micro_batch_size=32, epochs=1, eval_every=2,
-                      precision="fp32", max_grad_norm=0.0)
+    cfg = TrainConfig(
+        learning_rate=1e6,
+        batch_size=32,
+        micro_batch_size=32,
+        epochs=1,
+        eval_every=2,
+        precision="fp32",
+        max_grad_norm=0.0,
+    )
     _, result, _ = _train(tiny_model, prepared, cfg, tmp_path / "nan")
     assert result.status == "pruned" and result.fail_reason == "nan_loss"
 
 
 @pytest.mark.parametrize("minutes,expected", [(0.0, True), (60.0, False)])
 def test_resumable_state_is_written_at_most_every_resume_every_minutes(
-    tiny_model: Path, prepared, tmp_path: Path, minutes: float, expected: bool  # type: ignore[no-untyped-def]
+    tiny_model: Path,
+    prepared,
+    tmp_path: Path,
+    minutes: float,
+    expected: bool,  # type: ignore[no-untyped-def]
 ) -> None:
-    cfg = TrainConfig(learning_rate=1e-3, batch_size=32, micro_batch_size=32, epochs=1, eval_every=2,
-                      precision="fp32", resume_every_minutes=minutes)
+    cfg = TrainConfig(
+        learning_rate=1e-3,
+        batch_size=32,
+        micro_batch_size=32,
+        epochs=1,
+        eval_every=2,
+        precision="fp32",
+        resume_every_minutes=minutes,
+    )
     _, result, _ = _train(tiny_model, prepared, cfg, tmp_path / "r")
     assert result.status == "complete"
     assert (tmp_path / "r" / RESUME / RESUME_FILE).exists() is expected

@@ -50,9 +50,7 @@ def _varied_split(path: Path, n: int, seed: int) -> Path:
         for _ in range(n):
             k = min(24, max(1, int(rng.expovariate(1 / 6))))
             words = [rng.choice(WORDS) for _ in range(k)]
-            label = (
-                "positive" if words.count("good") + words.count("great") >= k / 2 else "negative"
-            )
+            label = "positive" if words.count("good") + words.count("great") >= k / 2 else "negative"
             f.write(json.dumps({"text": " ".join(words), "label": label}) + "\n")
     return path
 
@@ -66,9 +64,7 @@ def varied(tmp_path_factory: pytest.TempPathFactory) -> DataConfig:
     )
 
 
-def _run(
-    tiny_model: Path, data_cfg: DataConfig, out: Path, **train: object
-) -> tuple[Run, NullReporter]:
+def _run(tiny_model: Path, data_cfg: DataConfig, out: Path, **train: object) -> tuple[Run, NullReporter]:
     tokenizer = load_tokenizer(str(tiny_model))
     data = prepare(data_cfg, tokenizer, 32, None)
     cfg = TrainConfig(
@@ -82,9 +78,7 @@ def _run(
             **train,
         }
     )
-    model = PretrainedCache().fresh(
-        str(tiny_model), data.labels.num_labels, data.labels.id2label(), cfg.seed
-    )
+    model = PretrainedCache().fresh(str(tiny_model), data.labels.num_labels, data.labels.id2label(), cfg.seed)
     run = Run(
         model=model,
         tokenizer=tokenizer,
@@ -157,9 +151,7 @@ def test_token_cache_is_tokenised_once_under_concurrent_first_use(
     ]
     deadline = time.monotonic() + 120
     while not all(Path(f"{go}.{i}").exists() for i in range(2)):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
-            "children did not start"
-        )
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "children did not start"
         time.sleep(0.05)
     go.touch()  # both start prepare() at the same moment
     outs = []
@@ -239,37 +231,25 @@ def test_grouped_batches_pad_far_less_than_dataset_max_and_random_batches() -> N
 def test_group_by_length_off_gives_plain_shuffled_batches() -> None:
     lengths = _lengths()
     batches = micro_batches(lengths, 32, seed=3, epoch=0, group_by_length=False)
-    assert batches == micro_batches(
-        lengths, 32, seed=3, epoch=0, group_by_length=False
-    )  # deterministic
-    assert batches != micro_batches(
-        lengths, 32, seed=3, epoch=1, group_by_length=False
-    )  # reshuffled
+    assert batches == micro_batches(lengths, 32, seed=3, epoch=0, group_by_length=False)  # deterministic
+    assert batches != micro_batches(lengths, 32, seed=3, epoch=1, group_by_length=False)  # reshuffled
     order = [i for b in batches for i in b]
     assert sorted(order) == list(range(len(lengths))) and order != sorted(order)
     assert all(len(b) == 32 for b in batches)
     # Not length-grouped: a batch spans most of the length range, not a narrow band.
-    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(
-        batches
-    )
+    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
     grouped = micro_batches(lengths, 32, seed=3, epoch=0, group_by_length=True)
-    grouped_spread = sum(
-        max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in grouped
-    ) / len(grouped)
+    grouped_spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in grouped) / len(grouped)
     assert spread > 20 and grouped_spread < 3
 
 
 @pytest.fixture(scope="module")
-def fitted(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, varied: DataConfig
-) -> dict[bool, Run]:
+def fitted(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, varied: DataConfig) -> dict[bool, Run]:
     """Two real fits of the tiny model: length-grouped (1 epoch) and plain shuffled (2 epochs)."""
     runs = {}
     for grouped in (True, False):
         out = tmp_path_factory.mktemp(f"fit-{grouped}")
-        run, reporter = _run(
-            tiny_model, varied, out, group_by_length=grouped, epochs=1 if grouped else 2
-        )
+        run, reporter = _run(tiny_model, varied, out, group_by_length=grouped, epochs=1 if grouped else 2)
         run.started = time.perf_counter() - 5.0  # the trial began 5 s before fit (model copy, say)
         result = fit(run, reporter)
         assert result.status == "complete"
@@ -279,9 +259,7 @@ def fitted(
     return runs
 
 
-def test_group_by_length_switch_reaches_the_loop(
-    fitted: dict[bool, Run], tiny_model: Path, varied: DataConfig
-) -> None:
+def test_group_by_length_switch_reaches_the_loop(fitted: dict[bool, Run], tiny_model: Path, varied: DataConfig) -> None:
     from hpsearch.search.spec import StudySpec
 
     spec = StudySpec.from_dict(
@@ -293,11 +271,7 @@ def test_group_by_length_switch_reaches_the_loop(
     )
     assert spec.train.group_by_length is False
     assert TrainConfig().group_by_length is True  # on by default
-    assert (
-        fitted[True].meta["attrs"]["train_padding_ratio"]
-        < 1.2
-        < fitted[False].meta["attrs"]["train_padding_ratio"]
-    )
+    assert fitted[True].meta["attrs"]["train_padding_ratio"] < 1.2 < fitted[False].meta["attrs"]["train_padding_ratio"]
 
 
 # -- honest figures -----------------------------------------------------------------------
@@ -312,9 +286,7 @@ def test_throughput_counts_real_tokens_not_padding(fitted: dict[bool, Run]) -> N
     assert attrs["train_padding_ratio"] > 1.2  # random batches of varied lengths do pad
     tokens_per_s = attrs["train_tokens"] / attrs["train_seconds"]
     assert attrs["train_tokens_per_second"] == pytest.approx(tokens_per_s, rel=0.02)
-    assert attrs["train_samples_per_second"] == pytest.approx(
-        attrs["train_samples"] / attrs["train_seconds"], rel=0.02
-    )
+    assert attrs["train_samples_per_second"] == pytest.approx(attrs["train_samples"] / attrs["train_seconds"], rel=0.02)
     assert "mfu" not in attrs  # CPU: no peak rate to compare against
     assert run.meta["result_attrs"] == {k: attrs[k] for k in run.meta["result_attrs"]}
 
@@ -344,10 +316,7 @@ def test_flops_per_token_leaves_embedding_tables_out(tiny_model: Path) -> None:
     model = PretrainedCache().fresh(str(tiny_model), 2, {0: "a", 1: "b"}, 0)
     total = sum(p.numel() for p in model.parameters())
     emb = model.bert.embeddings
-    tables = sum(
-        m.weight.numel()
-        for m in (emb.word_embeddings, emb.position_embeddings, emb.token_type_embeddings)
-    )
+    tables = sum(m.weight.numel() for m in (emb.word_embeddings, emb.position_embeddings, emb.token_type_embeddings))
     assert flops_per_token(model) == 6 * (total - tables)
     speed = Throughput(torch.device("cpu"), flops_per_token=flops_per_token(model))
     speed.add(examples=2, tokens=10, padded=16)
@@ -372,20 +341,14 @@ def test_pretrained_weights_stay_in_memory_and_each_trial_gets_a_pristine_copy(
     third = cache.fresh(str(folder), 2, {0: "neg", 1: "pos"}, seed=2)
     from transformers import AutoModelForSequenceClassification
 
-    pristine = AutoModelForSequenceClassification.from_pretrained(
-        tiny_model, num_labels=2
-    ).state_dict()
+    pristine = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=2).state_dict()
     body = [k for k in pristine if not k.startswith("classifier.")]
-    assert all(torch.equal(second.state_dict()[k], pristine[k]) for k in body), (
-        "training leaked into the cache"
-    )
+    assert all(torch.equal(second.state_dict()[k], pristine[k]) for k in body), "training leaked into the cache"
     assert torch.equal(
         second.classifier.weight,
         cache.fresh(str(folder), 2, {0: "neg", 1: "pos"}, 1).classifier.weight,
     )
-    assert not torch.equal(
-        second.classifier.weight, third.classifier.weight
-    )  # head drawn from the seed
+    assert not torch.equal(second.classifier.weight, third.classifier.weight)  # head drawn from the seed
 
 
 # -- kernels ------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ def build_tiny_bert(folder: Path, *, hidden: int = 32, layers: int = 2, dropout:
     )
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
-    tokens = specials + [","] + words
+    tokens = [*specials, ",", *words]
     tokenizer = BertTokenizerFast(vocab={t: i for i, t in enumerate(tokens)}, do_lower_case=True)
     tokenizer.save_pretrained(folder)
     config = BertConfig(

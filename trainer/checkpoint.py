@@ -33,7 +33,7 @@ def save_best(model: torch.nn.Module, tokenizer: Any, out_dir: Path, meta: dict[
     target = out_dir / BEST
 
     def write(tmp: Path) -> None:
-        unwrap(model).save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
+        unwrap(model).save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "hpsearch.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
 

@@ -171,9 +171,7 @@ def _describe(hint: Any) -> str:
         return " or ".join(repr(a) for a in get_args(hint))
     if origin in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in get_args(hint))
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
-        hint, str(hint)
-    )
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
 
 
 def field_doc(cls: type, name: str) -> str:

@@ -57,12 +57,7 @@ def _masked_crc(data: bytes) -> int:
 def tfrecord(data: bytes) -> bytes:
     """Frame one record: length, its checksum, the data, its checksum."""
     length = struct.pack("<Q", len(data))
-    return (
-        length
-        + struct.pack("<I", _masked_crc(length))
-        + data
-        + struct.pack("<I", _masked_crc(data))
-    )
+    return length + struct.pack("<I", _masked_crc(length)) + data + struct.pack("<I", _masked_crc(data))
 
 
 def _varint(value: int) -> bytes:
@@ -141,9 +136,7 @@ class Curves:
         self.write(step, {"validation/loss": metrics.loss, "validation/accuracy": metrics.accuracy})
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        self._append(
-            event(time.time(), step=step, scalars={k: float(v) for k, v in scalars.items()})
-        )
+        self._append(event(time.time(), step=step, scalars={k: float(v) for k, v in scalars.items()}))
 
     def _memory(self) -> dict[str, float]:
         if self.device.type == "cuda":

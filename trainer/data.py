@@ -28,18 +28,12 @@ class Rows:
 def read_rows(path: Path, text_column: str, label_column: str) -> Rows:
     """Read (text, label) pairs from a .jsonl, .csv or .tsv file, with errors that say where."""
     if not path.exists():
-        raise DataError(
-            f"data file {path} does not exist; check the path in the spec's [data] table"
-        )
+        raise DataError(f"data file {path} does not exist; check the path in the spec's [data] table")
     if path.is_dir():
-        raise DataError(
-            f"data file {path} is a folder; point [data] at a .jsonl, .csv or .tsv file"
-        )
+        raise DataError(f"data file {path} is a folder; point [data] at a .jsonl, .csv or .tsv file")
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
-        raise DataError(
-            f"data file {path}: unsupported extension {suffix!r}; use .jsonl, .csv or .tsv"
-        )
+        raise DataError(f"data file {path}: unsupported extension {suffix!r}; use .jsonl, .csv or .tsv")
     try:
         raw = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -62,13 +56,9 @@ def read_rows(path: Path, text_column: str, label_column: str) -> Rows:
                 )
         text, label = record[text_column], record[label_column]
         if not isinstance(text, str):
-            raise DataError(
-                f"data file {path}: line {line_no}: {text_column!r} must be text, got {text!r}"
-            )
+            raise DataError(f"data file {path}: line {line_no}: {text_column!r} must be text, got {text!r}")
         if label is None or label == "":
-            raise DataError(
-                f"data file {path}: line {line_no}: empty label in column {label_column!r}"
-            )
+            raise DataError(f"data file {path}: line {line_no}: empty label in column {label_column!r}")
         texts.append(text)
         labels.append(label)
     return Rows(texts, labels, path)
@@ -82,9 +72,7 @@ def _read_jsonl(raw: str, path: Path) -> list[tuple[int, dict[str, Any]]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DataError(
-                f"data file {path}: line {line_no} is not valid JSON ({exc.msg})"
-            ) from None
+            raise DataError(f"data file {path}: line {line_no} is not valid JSON ({exc.msg})") from None
         if not isinstance(record, dict):
             raise DataError(f"data file {path}: line {line_no} must be a JSON object")
         records.append((line_no, record))
@@ -93,11 +81,8 @@ def _read_jsonl(raw: str, path: Path) -> list[tuple[int, dict[str, Any]]]:
 
 def _read_table(raw: str, path: Path, suffix: str) -> list[tuple[int, dict[str, Any]]]:
     lines = raw.splitlines()
-    if suffix == ".tsv":
-        # TSV corpora (GLUE among them) contain bare quotes: quoting must be off.
-        reader = csv.reader(lines, delimiter="\t", quoting=csv.QUOTE_NONE)
-    else:
-        reader = csv.reader(lines)
+    # TSV corpora (GLUE among them) contain bare quotes: quoting must be off.
+    reader = csv.reader(lines, delimiter="\t", quoting=csv.QUOTE_NONE) if suffix == ".tsv" else csv.reader(lines)
     rows = list(reader)
     if not rows:
         return []
@@ -107,10 +92,7 @@ def _read_table(raw: str, path: Path, suffix: str) -> list[tuple[int, dict[str, 
         if not row or all(not cell.strip() for cell in row):
             continue
         if len(row) != len(header):
-            raise DataError(
-                f"data file {path}: line {offset} has {len(row)} fields, "
-                f"the header has {len(header)}"
-            )
+            raise DataError(f"data file {path}: line {offset} has {len(row)} fields, the header has {len(header)}")
         records.append((offset, dict(zip(header, row, strict=True))))
     return records
 
@@ -130,15 +112,11 @@ class LabelMap:
                 raise DataError(f"data file {path}: integer labels must be >= 0 (found {min(ids)})")
             n = max(ids) + 1
             if n < 2:
-                raise DataError(
-                    f"data file {path}: every example has label 0; a classifier needs >= 2 classes"
-                )
+                raise DataError(f"data file {path}: every example has label 0; a classifier needs >= 2 classes")
             return cls(tuple(str(i) for i in range(n)), numeric=True)
         names = sorted({str(v) for v in labels})
         if len(names) < 2:
-            raise DataError(
-                f"data file {path}: only one label ({names[0]!r}); a classifier needs >= 2 classes"
-            )
+            raise DataError(f"data file {path}: only one label ({names[0]!r}); a classifier needs >= 2 classes")
         return cls(tuple(names), numeric=False)
 
     @property
@@ -241,9 +219,7 @@ def collate(data: Encoded, indices: Sequence[int], pad_id: int) -> dict[str, Any
     # One tensor built from padded Python lists: far cheaper than a tensor per row.
     rows = [data.input_ids[i] + [pad_id] * (width - lengths[i]) for i in indices]
     ids = torch.tensor(rows, dtype=torch.long)
-    mask = torch.tensor(
-        [[1] * lengths[i] + [0] * (width - lengths[i]) for i in indices], dtype=torch.long
-    )
+    mask = torch.tensor([[1] * lengths[i] + [0] * (width - lengths[i]) for i in indices], dtype=torch.long)
     labels = torch.tensor([data.labels[i] for i in indices], dtype=torch.long)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 

@@ -114,18 +114,14 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 
 
 def _encode(rows: Rows, labels: LabelMap, tokenizer: Any, max_length: int) -> Encoded:
-    ids = tokenizer(
-        rows.texts, truncation=True, max_length=max_length, return_attention_mask=False
-    )["input_ids"]
+    ids = tokenizer(rows.texts, truncation=True, max_length=max_length, return_attention_mask=False)["input_ids"]
     if any(len(x) == 0 for x in ids):
         raise DataError(f"data file {rows.path}: some texts tokenise to nothing")
     return Encoded(input_ids=[list(x) for x in ids], labels=labels.encode(rows.labels, rows.path))
 
 
 def _cache_key(cfg: DataConfig, tokenizer: Any, max_length: int) -> str:
-    h = hashlib.sha256(
-        f"v{CACHE_VERSION}|{max_length}|{cfg.text_column}|{cfg.label_column}".encode()
-    )
+    h = hashlib.sha256(f"v{CACHE_VERSION}|{max_length}|{cfg.text_column}|{cfg.label_column}".encode())
     for name in (cfg.train, cfg.validation):
         with open(name, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -133,15 +133,26 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                 _save_resume(run, model, optimizer, scheduler, scaler, step, best_value, best_step)
                 result = TrainResult(status="interrupted")
                 break
-            metrics = evaluate(model, data.validation, pad_id=data.pad_id, batch_size=micro * 2, device=device, precision=precision)
+            metrics = evaluate(
+                model, data.validation, pad_id=data.pad_id, batch_size=micro * 2, device=device, precision=precision
+            )
             curves.validation(step, metrics)
             value = metrics.objective(run.metric)
-            log.info("step %d/%d train_loss %.4f val_loss %.4f val_acc %.4f", step, total_steps, train_loss, metrics.loss, metrics.accuracy)
+            log.info(
+                "step %d/%d train_loss %.4f val_loss %.4f val_acc %.4f",
+                step,
+                total_steps,
+                train_loss,
+                metrics.loss,
+                metrics.accuracy,
+            )
             # Order of a validation point: evaluate, save if best, report, then ask to prune.
             if best_value is None or better(value, best_value):
                 best_value, best_step = value, step
                 path = ckpt.save_best(model, run.tokenizer, run.out_dir, _meta(run, metrics, step))
-                reporter.set_attrs({"best_checkpoint": str(path.resolve()), "best_step": step, **_metric_attrs(metrics)})
+                reporter.set_attrs(
+                    {"best_checkpoint": str(path.resolve()), "best_step": step, **_metric_attrs(metrics)}
+                )
             # The resumable state (weights + optimizer moments, ~3x the model) is costly to
             # write, so it is refreshed at most every resume_every_minutes.
             due = time.monotonic() - last_resume >= cfg.resume_every_minutes * 60
@@ -158,8 +169,11 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     if best_step is not None:
         result.best_checkpoint = str((run.out_dir / ckpt.BEST).resolve())
     result.attrs = {
-        **speed.attrs(), "precision": precision, "micro_batch_size": micro,
-        "accumulation_steps": accum, "compiled": cfg.compile,
+        **speed.attrs(),
+        "precision": precision,
+        "micro_batch_size": micro,
+        "accumulation_steps": accum,
+        "compiled": cfg.compile,
     }
     if first_step is not None:
         result.attrs["first_step_seconds"] = round(first_step, 3)
@@ -199,19 +213,42 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
     return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def _save_resume(run: Run, model: torch.nn.Module, optimizer: Any, scheduler: Any, scaler: Any, step: int, best_value: float | None, best_step: int | None) -> None:
+def _save_resume(
+    run: Run,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    scaler: Any,
+    step: int,
+    best_value: float | None,
+    best_step: int | None,
+) -> None:
     from hpsearch.trainer.model import unwrap
 
-    ckpt.save_resume(run.out_dir, {
-        "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-        "step": step, "best_value": best_value, "best_step": best_step,
-        "config": vars(run.cfg), "micro_batch_size": run.cfg.micro_batch_size,
-    })
+    ckpt.save_resume(
+        run.out_dir,
+        {
+            "model": unwrap(model).state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(),
+            "step": step,
+            "best_value": best_value,
+            "best_step": best_step,
+            "config": vars(run.cfg),
+            "micro_batch_size": run.cfg.micro_batch_size,
+        },
+    )
 
 
 def _meta(run: Run, metrics: Metrics, step: int) -> dict[str, Any]:
-    return {**run.meta, "step": step, "val_loss": metrics.loss, "val_accuracy": metrics.accuracy, "train": vars(run.cfg)}
+    return {
+        **run.meta,
+        "step": step,
+        "val_loss": metrics.loss,
+        "val_accuracy": metrics.accuracy,
+        "train": vars(run.cfg),
+    }
 
 
 def _metric_attrs(metrics: Metrics) -> dict[str, float]:

@@ -111,9 +111,7 @@ class Throughput:
         if self.device.type == "cuda" and self.flops_per_token and self.seconds > 0:
             peak = peak_tflops(torch.cuda.get_device_name(self.device))
             if peak:
-                out["mfu"] = round(
-                    mfu(self.flops_per_token, self.tokens, self.seconds, peak * 1e12), 4
-                )
+                out["mfu"] = round(mfu(self.flops_per_token, self.tokens, self.seconds, peak * 1e12), 4)
         return out
 
 
