@@ -212,18 +212,22 @@ class Worker:
             result = fit(run, reporter)
         except CheckpointError as exc:
             log.error("trial %d failed: %s", trial.number, exc)
-            self._fail(trial, exc.reason)
-            return
+            failure: str | None = exc.reason
         except Exception as exc:
             log.error("trial %d failed:\n%s", trial.number, traceback.format_exc())
-            self._fail(trial, f"{type(exc).__name__}: {exc}"[:500])
-            return
+            failure = f"{type(exc).__name__}: {exc}"[:500]
+        else:
+            failure = None
         finally:
             logging.getLogger().removeHandler(handler)
             handler.close()
-            # Device time of this attempt, added to earlier attempts': the gpu_hours budget.
-            spent = trial.user_attrs.get(studies.DEVICE_SECONDS, 0.0) + time.monotonic() - started
-            trial.set_user_attr(studies.DEVICE_SECONDS, round(spent, 3))
+        # Device time of this attempt, added to earlier attempts' (the gpu_hours budget);
+        # recorded before the trial is told, since a finished trial takes no more attributes.
+        spent = trial.user_attrs.get(studies.DEVICE_SECONDS, 0.0) + time.monotonic() - started
+        trial.set_user_attr(studies.DEVICE_SECONDS, round(spent, 3))
+        if failure is not None:
+            self._fail(trial, failure)
+            return
         if result.status in ("pruned", "failed"):
             # Never in the top k: only complete trials compete for a kept checkpoint.
             retention.delete_own(out_dir / BEST)

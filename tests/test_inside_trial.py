@@ -21,6 +21,7 @@ def test_full_disk_fails_one_trial_and_worker_carries_on(
 ) -> None:
     spec = load_file(spec_file)
     spec.search.n_trials = 2
+    spec.train.resume_every_minutes = 0  # write resumable state at every validation point
     storage = open_storage(sqlite_url, create=True)
     studies.create_or_resume(storage, "disk", spec)
 
