@@ -130,3 +130,14 @@ def hpsearch(
         text=True,
         timeout=timeout,
     )
+
+
+def start_study(study: str, spec: Path, url: str, root: Path) -> subprocess.CompletedProcess[str]:
+    """`hpsearch start` on one CPU worker, as a user would type it; asserts it succeeded."""
+    result = hpsearch(
+        *("start", "--study", study, "--config", str(spec), "--storage", url),
+        *("--devices", "cpu:1", "--output-dir", str(root / "runs")),
+        cwd=root,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result

@@ -17,7 +17,7 @@ from typing import Any
 import optuna
 import pytest
 
-from tests.conftest import hpsearch, spec_text
+from tests.conftest import hpsearch, spec_text, start_study
 
 STUDY = "seen"
 
@@ -35,21 +35,7 @@ def finished_study(tmp_path_factory: pytest.TempPathFactory, model: Path, data: 
     root.mkdir(exist_ok=True)
     spec = root / "spec.toml"
     spec.write_text(spec_text(model, *data))
-    result = hpsearch(
-        "start",
-        "--study",
-        STUDY,
-        "--config",
-        str(spec),
-        "--storage",
-        url,
-        "--devices",
-        "cpu:1",
-        "--output-dir",
-        str(root / "runs"),
-        cwd=root,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    start_study(STUDY, spec, url, root)
     (root / "done").touch()
     return url
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import optuna
 
-from tests.conftest import hpsearch, spec_text
+from tests.conftest import spec_text, start_study
 
 
 def test_hopeless_trials_are_pruned(tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> None:
@@ -24,21 +24,7 @@ def test_hopeless_trials_are_pruned(tmp_path: Path, tiny_model: Path, demo_files
         .replace("epochs = 2", "epochs = 3")
     )
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    result = hpsearch(
-        "start",
-        "--study",
-        "p",
-        "--config",
-        str(spec),
-        "--storage",
-        url,
-        "--devices",
-        "cpu:1",
-        "--output-dir",
-        str(tmp_path / "runs"),
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    start_study("p", spec, url, tmp_path)
     trials = optuna.load_study(study_name="p", storage=url).trials
     assert len(trials) == 6
     pruned = [t for t in trials if t.state == optuna.trial.TrialState.PRUNED]

@@ -11,7 +11,7 @@ import torch
 
 from hpsearch.search import study as studies
 from hpsearch.trainer.evaluate import Metrics, macro_f1
-from tests.conftest import hpsearch, spec_text
+from tests.conftest import spec_text, start_study
 
 
 def start(
@@ -20,21 +20,7 @@ def start(
     spec = tmp_path / "spec.toml"
     spec.write_text(spec_text(tiny_model, *demo_files, n_trials=n_trials, search=search))
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    result = hpsearch(
-        "start",
-        "--study",
-        "b",
-        "--config",
-        str(spec),
-        "--storage",
-        url,
-        "--devices",
-        "cpu:1",
-        "--output-dir",
-        str(tmp_path / "runs"),
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = start_study("b", spec, url, tmp_path)
     return result, optuna.load_study(study_name="b", storage=url)
 
 
