@@ -297,10 +297,8 @@ class Worker:
         old_best = Path(source).parent.parent / "best"
         if old_best.exists() and not (out_dir / "best").exists():
             shutil.move(str(old_best), out_dir / "best")
-        from hpsearch.trainer.checkpoint import load_resume
-
-        step = int(load_resume(Path(source))["step"])
-        trial.set_user_attr("resumed_from_step", step)
+        # fit() loads the state and records resumed_from_step; reading it here too would load
+        # the weights and optimizer moments twice.
         return Path(source)
 
     def _fail(self, trial: optuna.Trial, reason: str) -> None:

@@ -114,12 +114,11 @@ def trial_started(db: Database, worker_id: int, trial_number: int) -> None:
 def trial_ended(db: Database, worker_id: int, *, finished: bool = True) -> None:
     """The current trial ended: add its device time; ``finished=False`` for a handed-back one."""
     clock = db.clock()
-    elapsed = func.coalesce(clock - WorkerRecord.trial_started_at, 0.0)
     _update(
         db,
         worker_id,
         "record trial end",
-        device_seconds=WorkerRecord.device_seconds + elapsed,
+        device_seconds=_device_seconds_at(clock),
         trials_finished=WorkerRecord.trials_finished + (1 if finished else 0),
         current_trial=None,
         trial_started_at=None,
@@ -127,15 +126,19 @@ def trial_ended(db: Database, worker_id: int, *, finished: bool = True) -> None:
     )
 
 
+def _device_seconds_at(clock: Any) -> Any:
+    """The worker's device time including the current trial's, as a SQL expression."""
+    return WorkerRecord.device_seconds + func.coalesce(clock - WorkerRecord.trial_started_at, 0.0)
+
+
 def end(db: Database, worker_id: int) -> None:
     """The worker stops cleanly; a trial still marked current counts its time, not as finished."""
     clock = db.clock()
-    elapsed = func.coalesce(clock - WorkerRecord.trial_started_at, 0.0)
     _update(
         db,
         worker_id,
         "record worker end",
-        device_seconds=WorkerRecord.device_seconds + elapsed,
+        device_seconds=_device_seconds_at(clock),
         current_trial=None,
         trial_started_at=None,
         heartbeat_at=clock,

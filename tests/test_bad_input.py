@@ -87,6 +87,11 @@ def test_bad_spec(
 ) -> None:  # type: ignore[no-untyped-def]
     spec = tmp_path / "bad.toml"
     spec.write_text(mutate(spec_text(tiny_model, *demo_files)))
+    _assert_refused(cli, spec, tmp_path, expected)
+
+
+def _assert_refused(cli, spec: Path, tmp_path: Path, expected: str) -> None:  # type: ignore[no-untyped-def]
+    """`start` with this spec: exit 2, one line naming the problem, no storage created."""
     db = tmp_path / "study.db"
     result = cli(
         "start",
@@ -133,21 +138,7 @@ def test_bad_train_data(
 ) -> None:  # type: ignore[no-untyped-def]
     spec = tmp_path / "s.toml"
     spec.write_text(spec_text(tiny_model, make(tmp_path), demo_files[1]))
-    db = tmp_path / "study.db"
-    result = cli(
-        "start",
-        "--study",
-        "x",
-        "--config",
-        str(spec),
-        "--storage",
-        f"sqlite:///{db}",
-        "--devices",
-        "cpu:1",
-        cwd=tmp_path,
-    )
-    assert result.returncode == 2 and expected in result.stderr, result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and not db.exists()
+    _assert_refused(cli, spec, tmp_path, expected)
 
 
 def test_validation_label_unseen_in_training(

@@ -69,6 +69,7 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
         ckpt.set_rng_state(state["rng"])
         step, best_value, best_step = state["step"], state["best_value"], state["best_step"]
         log.info("resumed from %s at optimizer step %d", run.resume_from, step)
+        reporter.set_attrs({"resumed_from_step": step})
     better = (lambda a, b: a < b) if run.metric == "loss" else (lambda a, b: a > b)
     speed = Throughput(device, flops_per_token=flops_per_token(run.model))
     curves = Curves(run.out_dir, device)  # TensorBoard event files under the trial's folder
