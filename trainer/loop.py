@@ -21,7 +21,7 @@ from hpsearch.trainer.data import collate, micro_batches
 from hpsearch.trainer.dataset import Prepared
 from hpsearch.trainer.evaluate import Metrics, evaluate
 from hpsearch.trainer.optim import build_optimizer, build_scheduler, plan_steps
-from hpsearch.trainer.report import Reporter, TrainResult
+from hpsearch.trainer.report import RESUME_CHECKPOINT_ATTR, Reporter, TrainResult
 from hpsearch.trainer.stats import Throughput
 
 log = logging.getLogger(__name__)
@@ -42,11 +42,11 @@ class Run:
     should_stop: Callable[[], bool] = lambda: False
     meta: dict[str, Any] = field(default_factory=dict)
     started: float | None = None
-    """time.perf_counter() when the trial began (before the model copy); default: fit's entry."""
+    """time.monotonic() when the trial began (before the model copy); default: fit's entry."""
 
 
 def fit(run: Run, reporter: Reporter) -> TrainResult:
-    started = run.started if run.started is not None else time.perf_counter()
+    started = run.started if run.started is not None else time.monotonic()
     cfg, device, data = run.cfg, run.device, run.data
     precision = prec.resolve(cfg.precision, device)
     torch.manual_seed(cfg.seed)
@@ -54,7 +54,6 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     # The optimizer and checkpoints hold the plain module; only the forward pass is compiled.
     model = compile_model(run.model) if cfg.compile else run.model
     micro = cfg.batch_size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
-    accum = cfg.batch_size // micro
     total_steps, steps_per_epoch = plan_steps(len(data.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
     optimizer = build_optimizer(run.model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg, total_steps)
@@ -67,9 +66,14 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         ckpt.set_rng_state(state["rng"])
+        # A micro-batch that ran out of memory before the restart would do so again.
+        saved_micro = state.get("micro_batch_size")
+        if isinstance(saved_micro, int):
+            micro = min(micro, saved_micro)
         step, best_value, best_step = state["step"], state["best_value"], state["best_step"]
         log.info("resumed from %s at optimizer step %d", run.resume_from, step)
         reporter.set_attrs({"resumed_from_step": step})
+    accum = cfg.batch_size // micro
     better = (lambda a, b: a < b) if run.metric == "loss" else (lambda a, b: a > b)
     speed = Throughput(device, flops_per_token=flops_per_token(run.model))
     curves = Curves(run.out_dir, device)  # TensorBoard event files under the trial's folder
@@ -91,20 +95,29 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
             )
             batches_epoch = epoch
         group = batches[group_in_epoch * accum : (group_in_epoch + 1) * accum]
-        # Normalise by the examples of the whole optimizer step, not per micro-batch: the
-        # summed gradient then equals one big batch's, even when the last micro-batch is short.
         step_examples = sum(len(b) for b in group)
         if first_step is None:
             # How long the trial took to get going (model copy, optimizer, data, resume).
-            first_step = time.perf_counter() - started
+            first_step = time.monotonic() - started
         speed.resume()
+        try:
+            step_loss = _accumulate(model, data, group, step_examples, device, precision, scaler)
+        except torch.OutOfMemoryError:
+            # Same effective batch in smaller pieces: the step is redone from its first micro-batch.
+            optimizer.zero_grad(set_to_none=True)
+            _release_memory(device)
+            if micro == 1:
+                log.error("out of memory at micro-batch 1, step %d: failing the trial", step)
+                result = TrainResult(status="failed", fail_reason="oom")
+                break
+            micro = halved(micro)
+            accum = cfg.batch_size // micro
+            # Cutting each drawn micro-batch keeps this epoch's data order and step boundaries.
+            batches = [b[i : i + micro] for b in batches for i in range(0, len(b), micro)]
+            log.warning("out of memory at step %d: micro-batch %d, accumulation %d", step, micro, accum)
+            continue
+        running_loss += step_loss
         for indices in group:
-            batch = _to_device(collate(data.train, indices, data.pad_id), device)
-            with prec.autocast(precision, device):
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum") / step_examples
-            scaler.scale(loss).backward()
-            running_loss += loss.detach()
             speed.add(
                 examples=len(indices), tokens=data.train.real_tokens(indices), padded=data.train.padded_tokens(indices)
             )
@@ -131,12 +144,13 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                 log.warning("train loss is %s at step %d: pruning", train_loss, step)
                 break
             if stopping:
-                _save_resume(run, model, optimizer, scheduler, scaler, step, best_value, best_step)
+                _save_resume(run, model, optimizer, scheduler, scaler, step, best_value, best_step, micro)
                 result = TrainResult(status="interrupted")
                 break
-            metrics = evaluate(
-                model, data.validation, pad_id=data.pad_id, batch_size=micro * 2, device=device, precision=precision
-            )
+            metrics = _evaluate_fitting(model, data, micro * 2, device, precision)
+            if metrics is None:
+                result = TrainResult(status="failed", fail_reason="oom")
+                break
             curves.validation(step, metrics)
             value = metrics.objective(run.metric)
             log.info(
@@ -158,7 +172,9 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
             # write, so it is refreshed at most every resume_every_minutes.
             due = time.monotonic() - last_resume >= cfg.resume_every_minutes * 60
             if step < total_steps and due:
-                _save_resume(run, model, optimizer, scheduler, scaler, step, best_value, best_step)
+                state = _save_resume(run, model, optimizer, scheduler, scaler, step, best_value, best_step, micro)
+                # Recorded so that a retry on another worker can find it (see search/reap.py).
+                reporter.set_attrs({RESUME_CHECKPOINT_ATTR: str(state.resolve())})
                 last_resume = time.monotonic()
             reporter.report(value, step)
             if reporter.should_prune():
@@ -207,6 +223,58 @@ def flops_per_token(model: torch.nn.Module) -> float:
     return 6.0 * n
 
 
+def _accumulate(
+    model: torch.nn.Module,
+    data: Prepared,
+    group: list[list[int]],
+    step_examples: int,
+    device: torch.device,
+    precision: str,
+    scaler: Any,
+) -> torch.Tensor:
+    """Forward and backward over one optimizer step's micro-batches; returns the step's loss."""
+    step_loss = torch.zeros((), device=device)
+    for indices in group:
+        batch = _to_device(collate(data.train, indices, data.pad_id), device)
+        with prec.autocast(precision, device):
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        # Normalise by the examples of the whole optimizer step, not per micro-batch: the
+        # summed gradient then equals one big batch's, even when the last micro-batch is short.
+        loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum") / step_examples
+        scaler.scale(loss).backward()
+        step_loss += loss.detach()
+    return step_loss
+
+
+def halved(micro: int) -> int:
+    """The largest divisor of ``micro`` up to half of it: the effective batch stays a whole
+    number of micro-batches, and each drawn micro-batch splits into equal pieces."""
+    return max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
+
+
+def _evaluate_fitting(
+    model: torch.nn.Module, data: Prepared, batch_size: int, device: torch.device, precision: str
+) -> Metrics | None:
+    """Validation, halving its batch until it fits in memory; None if even one example does not."""
+    while True:
+        try:
+            return evaluate(
+                model, data.validation, pad_id=data.pad_id, batch_size=batch_size, device=device, precision=precision
+            )
+        except torch.OutOfMemoryError:
+            _release_memory(device)
+            if batch_size == 1:
+                return None
+            batch_size //= 2
+            log.warning("out of memory in validation: batch %d", batch_size)
+
+
+def _release_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        # The failed step's activations are garbage now; hand their blocks back before retrying.
+        torch.cuda.empty_cache()
+
+
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     if device.type != "cuda":
         return batch
@@ -223,10 +291,11 @@ def _save_resume(
     step: int,
     best_value: float | None,
     best_step: int | None,
-) -> None:
+    micro: int,
+) -> Path:
     from hpsearch.trainer.model import unwrap
 
-    ckpt.save_resume(
+    return ckpt.save_resume(
         run.out_dir,
         {
             "model": unwrap(model).state_dict(),
@@ -237,7 +306,7 @@ def _save_resume(
             "best_value": best_value,
             "best_step": best_step,
             "config": vars(run.cfg),
-            "micro_batch_size": run.cfg.micro_batch_size,
+            "micro_batch_size": micro,
         },
     )
 
