@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hpsearch.trainer import checkpoint as ckpt, precision as prec
+from hpsearch.trainer import attention, checkpoint as ckpt, precision as prec
 from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.curves import Curves
 from hpsearch.trainer.data import collate, micro_batches
@@ -51,6 +51,7 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     precision = prec.resolve(cfg.precision, device)
     torch.manual_seed(cfg.seed)
     run.model.to(device).train()
+    attention.use_fast_attention(run.model, device, precision)
     # The optimizer and checkpoints hold the plain module; only the forward pass is compiled.
     model = compile_model(run.model) if cfg.compile else run.model
     micro = cfg.batch_size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
