@@ -44,12 +44,13 @@ def reap(storage: Storage, study_name: str, *, max_retries: int, grace_s: float 
     if not stale:
         return []
     study = optuna.load_study(study_name=study_name, storage=storage.optuna)
+    study_id = storage.optuna.get_study_id_from_name(study_name)
     reaped = []
     for s in stale:
         # Of several reapers (every worker runs one), exactly one wins each trial.
         if not registry.release_stale(storage.db, s):
             continue
-        trial_id = storage.optuna.get_trial_id_from_study_id_trial_number(study._study_id, s.trial_number)
+        trial_id = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, s.trial_number)
         trial = storage.optuna.get_trial(trial_id)
         if trial.state != TrialState.RUNNING:
             continue  # its supervisor already handed it back, or it finished in time
