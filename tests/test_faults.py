@@ -149,7 +149,7 @@ def test_database_restart_under_a_running_worker_loses_nothing(
 ) -> None:
     from tests.pgcluster import Cluster
 
-    cluster = Cluster(port=55433)
+    cluster = Cluster()
     try:
         cluster.start()
         url = cluster.url
