@@ -223,7 +223,7 @@ def cmd_reap(args: argparse.Namespace) -> int:
     storage = open_storage(urls.resolve(args.storage), create=False)
     try:
         spec = studies.stored_spec(storage, args.study)
-        done = reap.reap(storage, args.study, max_retries=spec.search.max_retries, grace_s=args.grace)
+        done = reap.reap(storage, args.study, max_retries=spec.search.max_retries, grace_s=args.grace, orphans=True)
     finally:
         storage.close()
     for r in done:

@@ -20,7 +20,7 @@ import optuna
 from optuna.trial import TrialState
 
 from hpsearch.search import retry
-from hpsearch.storage import registry
+from hpsearch.storage import budget, registry
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage
 
@@ -38,23 +38,24 @@ class Reaped:
     retried: bool
 
 
-def reap(storage: Storage, study_name: str, *, max_retries: int, grace_s: float | None = None) -> list[Reaped]:
-    """One pass: fail and retry every trial whose worker is past the grace period."""
+def reap(
+    storage: Storage, study_name: str, *, max_retries: int, grace_s: float | None = None, orphans: bool = False
+) -> list[Reaped]:
+    """One pass: fail and retry every trial whose worker is past the grace period.
+
+    ``orphans`` also looks at budget slots whose worker vanished before the registry knew its
+    trial (a window of milliseconds); that scan reads every slot, so the background reaper
+    leaves it to `hpsearch reap` and to workers that find the budget used up.
+    """
     stale = registry.stale_trials(storage.db, study_name, grace_s=grace_s)
-    if not stale:
+    if not stale and not orphans:
         return []
     study = optuna.load_study(study_name=study_name, storage=storage.optuna)
-    study_id = storage.optuna.get_study_id_from_name(study_name)
     reaped = []
     for s in stale:
         # Of several reapers (every worker runs one), exactly one wins each trial.
         if not registry.release_stale(storage.db, s):
             continue
-        trial_id = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, s.trial_number)
-        trial = storage.optuna.get_trial(trial_id)
-        if trial.state != TrialState.RUNNING:
-            continue  # its supervisor already handed it back, or it finished in time
-        resume = trial.user_attrs.get(retry.RESUME_CHECKPOINT)
         log.warning(
             "trial %d: worker %s on %s has not beaten for %.0fs; failing it for a retry",
             s.trial_number,
@@ -62,17 +63,44 @@ def reap(storage: Storage, study_name: str, *, max_retries: int, grace_s: float 
             s.host,
             s.heartbeat_age_s,
         )
-        retried = retry.hand_back(
-            storage,
-            study,
-            trial_id,
-            reason=WORKER_LOST,
-            resume_from=Path(resume) if resume else None,
-            max_retries=max_retries,
-            local=False,
-        )
-        reaped.append(Reaped(s.trial_number, s.worker, s.host, s.heartbeat_age_s, retried))
+        retried = _fail_for_retry(storage, study, s.trial_number, max_retries)
+        if retried is not None:
+            reaped.append(Reaped(s.trial_number, s.worker, s.host, s.heartbeat_age_s, retried))
+    if not orphans:
+        return reaped
+    grace = grace_s if grace_s is not None else registry.MISSED_BEATS * registry.heartbeat_interval()
+    running = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    for slot, number in budget.orphaned_slots(storage.db, study_name, older_than_s=grace):
+        if number is not None and number not in running:
+            continue  # a finished trial keeps its slot
+        if number is None:
+            log.warning("budget slot %d was claimed by a worker that vanished before its trial began", slot)
+            budget.release_slot(storage.db, study_name, slot=slot)
+            continue
+        retried = _fail_for_retry(storage, study, number, max_retries)
+        if retried is not None:
+            log.warning("trial %d: its worker vanished as the trial began; failing it for a retry", number)
+            reaped.append(Reaped(number, "unknown", "unknown", grace, retried))
     return reaped
+
+
+def _fail_for_retry(storage: Storage, study: optuna.Study, number: int, max_retries: int) -> bool | None:
+    """Hand a running trial back for a retry; None if it is not running (nothing to do)."""
+    study_id = storage.optuna.get_study_id_from_name(study.study_name)
+    trial_id = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, number)
+    trial = storage.optuna.get_trial(trial_id)
+    if trial.state != TrialState.RUNNING:
+        return None  # its supervisor already handed it back, or it finished in time
+    resume = trial.user_attrs.get(retry.RESUME_CHECKPOINT)
+    return retry.hand_back(
+        storage,
+        study,
+        trial_id,
+        reason=WORKER_LOST,
+        resume_from=Path(resume) if resume else None,
+        max_retries=max_retries,
+        local=False,
+    )
 
 
 class Reaper:

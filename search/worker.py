@@ -20,7 +20,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import retry, study as studies
+from hpsearch.search import reap, retry, study as studies
 from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import StudySpec, resolved
 from hpsearch.storage import budget, checkpoints as retention, registry
@@ -192,12 +192,18 @@ class Worker:
             finished += 1
 
     def _wait_for_missing_workers(self) -> bool:
-        """True (after a pause) while a trial's worker has missed heartbeats but is not reaped yet.
+        """True (after a pause, if needed) when the used-up budget may still free a slot here.
 
-        Its trial may still come back for a retry, and this worker should be there to run it
-        rather than leave the budget short.
+        A trial whose worker missed heartbeats may come back for a retry, and this worker
+        should be there to run it rather than leave the study a trial short. A worker that
+        vanished before the registry knew its trial leaves no stale row, only a slot: that
+        one is freed (or its trial retried) at once.
         """
-        waiting = registry.stale_trials(self.storage.db, self.args.study, missed_beats=1.5)
+        study, retries = self.args.study, self.spec.search.max_retries
+        reap.reap(self.storage, study, max_retries=retries, orphans=True)
+        if budget.used_slots(self.storage.db, study) < studies.n_trials(self.study, self.spec):
+            return True
+        waiting = registry.stale_trials(self.storage.db, study, missed_beats=1.5)
         if not waiting:
             return False
         log.info(
