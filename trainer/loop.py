@@ -12,14 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from hpsearch.trainer import checkpoint as ckpt, precision as prec
+from hpsearch.trainer import checkpoint as ckpt, precision as prec, tasks
 from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.curves import Curves
-from hpsearch.trainer.data import collate, micro_batches
+from hpsearch.trainer.data import collate, even_shards, micro_batches
 from hpsearch.trainer.dataset import Prepared
+from hpsearch.trainer.distributed import World, parameter_digest
 from hpsearch.trainer.evaluate import Metrics, evaluate
+from hpsearch.trainer.model import enable_gradient_checkpointing
 from hpsearch.trainer.optim import build_optimizer, build_scheduler, plan_steps
 from hpsearch.trainer.report import Reporter, TrainResult
 from hpsearch.trainer.stats import Throughput
@@ -43,36 +44,33 @@ class Run:
     meta: dict[str, Any] = field(default_factory=dict)
     started: float | None = None
     """time.perf_counter() when the trial began (before the model copy); default: fit's entry."""
+    world: World = field(default_factory=World)
+    """The trial's data-parallel ranks (one by default); only rank 0 reports and saves."""
 
 
 def fit(run: Run, reporter: Reporter) -> TrainResult:
     started = run.started if run.started is not None else time.perf_counter()
-    cfg, device, data = run.cfg, run.device, run.data
+    cfg, device, data, world = run.cfg, run.device, run.data, run.world
     precision = prec.resolve(cfg.precision, device)
-    torch.manual_seed(cfg.seed)
+    # Ranks draw different dropout masks; their weights are equal anyway (DDP starts from rank 0's).
+    torch.manual_seed(cfg.seed + world.rank)
     run.model.to(device).train()
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(run.model)
     # The optimizer and checkpoints hold the plain module; only the forward pass is compiled.
-    model = compile_model(run.model) if cfg.compile else run.model
-    micro = cfg.batch_size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
-    accum = cfg.batch_size // micro
+    # Validation runs `compiled` without DDP: each rank scores its own share of the batches.
+    compiled = compile_model(run.model) if cfg.compile else run.model
+    model = world.wrap(compiled, device)
+    micro = cfg.batch_size // world.size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
+    per_step = cfg.batch_size // micro  # micro-batches of one optimizer step, over every rank
     total_steps, steps_per_epoch = plan_steps(len(data.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
     optimizer = build_optimizer(run.model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg, total_steps)
     scaler = prec.grad_scaler(precision, device)
-    step, best_value, best_step = 0, None, None
-    if run.resume_from is not None:
-        state = ckpt.load_resume(run.resume_from)
-        run.model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        ckpt.set_rng_state(state["rng"])
-        step, best_value, best_step = state["step"], state["best_value"], state["best_step"]
-        log.info("resumed from %s at optimizer step %d", run.resume_from, step)
-        reporter.set_attrs({"resumed_from_step": step})
+    step, best_value, best_step = _restore(run, optimizer, scheduler, scaler, reporter)
     better = (lambda a, b: a < b) if run.metric == "loss" else (lambda a, b: a > b)
     speed = Throughput(device, flops_per_token=flops_per_token(run.model))
-    curves = Curves(run.out_dir, device)  # TensorBoard event files under the trial's folder
+    curves = Curves(run.out_dir, device, enabled=world.is_main)  # TensorBoard files under the trial's folder
     first_step: float | None = None
     result = TrainResult(status="complete")
     # Loss is accumulated on the device and read with .item() only at validation points:
@@ -89,21 +87,26 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
             batches = micro_batches(
                 data.train.lengths, micro, seed=cfg.seed, epoch=epoch, group_by_length=cfg.group_by_length
             )
+            batches = even_shards(batches, world.size)  # every rank gets as many micro-batches
             batches_epoch = epoch
-        group = batches[group_in_epoch * accum : (group_in_epoch + 1) * accum]
-        # Normalise by the examples of the whole optimizer step, not per micro-batch: the
-        # summed gradient then equals one big batch's, even when the last micro-batch is short.
-        step_examples = sum(len(b) for b in group)
+        group = batches[group_in_epoch * per_step : (group_in_epoch + 1) * per_step]
+        # Normalise by the targets (examples, or predicted tokens) of the whole optimizer step
+        # on every rank, not per micro-batch: the summed gradient then equals one big batch's,
+        # even when the last micro-batch is short. x world.size because DDP averages over ranks.
+        scale = world.size / data.train.targets([i for b in group for i in b])
+        mine = group[world.rank :: world.size]
         if first_step is None:
             # How long the trial took to get going (model copy, optimizer, data, resume).
             first_step = time.perf_counter() - started
         speed.resume()
-        for indices in group:
+        for i, indices in enumerate(mine):
+            is_accumulating = i < len(mine) - 1
             batch = _to_device(collate(data.train, indices, data.pad_id), device)
-            with prec.autocast(precision, device):
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum") / step_examples
-            scaler.scale(loss).backward()
+            with world.no_sync(model, is_accumulating):
+                with prec.autocast(precision, device):
+                    logits = tasks.logits(model, batch, data.task)
+                loss = tasks.loss_sum(logits, batch["labels"], data.task) * scale
+                scaler.scale(loss).backward()
             running_loss += loss.detach()
             speed.add(
                 examples=len(indices), tokens=data.train.real_tokens(indices), padded=data.train.padded_tokens(indices)
@@ -119,9 +122,10 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
         step += 1
         running_steps += 1
 
-        stopping = run.should_stop()
+        stopping = world.from_main(run.should_stop())  # rank 0's stop request ends every rank here
         if step % cfg.eval_every == 0 or step == total_steps or stopping:
-            train_loss = running_loss.item() / running_steps
+            # Summed over ranks, every rank sees the same loss (and the same NaN).
+            train_loss = world.all_sum(running_loss).item() / world.size / running_steps
             speed.pause()
             curves.train(step, loss=train_loss, lr=scheduler.get_last_lr()[0], speed=speed)
             running_loss.zero_()
@@ -131,37 +135,39 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                 log.warning("train loss is %s at step %d: pruning", train_loss, step)
                 break
             if stopping:
-                _save_resume(run, model, optimizer, scheduler, scaler, step, best_value, best_step)
+                if world.is_main:
+                    _save_resume(run, optimizer, scheduler, scaler, step, best_value, best_step)
                 result = TrainResult(status="interrupted")
                 break
+            num_labels = data.labels.num_labels if data.labels else 0
             metrics = evaluate(
-                model, data.validation, pad_id=data.pad_id, batch_size=micro * 2, device=device, precision=precision
+                compiled,
+                data.validation,
+                pad_id=data.pad_id,
+                batch_size=micro * 2,
+                device=device,
+                precision=precision,
+                num_labels=num_labels,
+                world=world,
             )
             curves.validation(step, metrics)
             value = metrics.objective(run.metric)
-            log.info(
-                "step %d/%d train_loss %.4f val_loss %.4f val_acc %.4f",
-                step,
-                total_steps,
-                train_loss,
-                metrics.loss,
-                metrics.accuracy,
-            )
+            shown = " ".join(f"val_{k} {v:.4f}" for k, v in metrics.values().items())
+            log.info("step %d/%d train_loss %.4f %s", step, total_steps, train_loss, shown)
             # Order of a validation point: evaluate, save if best, report, then ask to prune.
             if best_value is None or better(value, best_value):
                 best_value, best_step = value, step
-                path = ckpt.save_best(model, run.tokenizer, run.out_dir, _meta(run, metrics, step))
-                reporter.set_attrs(
-                    {"best_checkpoint": str(path.resolve()), "best_step": step, **_metric_attrs(metrics)}
-                )
-            # The resumable state (weights + optimizer moments, ~3x the model) is costly to
-            # write, so it is refreshed at most every resume_every_minutes.
-            due = time.monotonic() - last_resume >= cfg.resume_every_minutes * 60
-            if step < total_steps and due:
-                _save_resume(run, model, optimizer, scheduler, scaler, step, best_value, best_step)
-                last_resume = time.monotonic()
-            reporter.report(value, step)
-            if reporter.should_prune():
+                if world.is_main:
+                    path = ckpt.save_best(run.model, run.tokenizer, run.out_dir, _meta(run, metrics, step))
+                    reporter.set_attrs({"best_checkpoint": str(path.resolve()), "best_step": step, **_best(metrics)})
+            if world.is_main:
+                # The resumable state (weights + optimizer moments, ~3x the model) is costly to
+                # write, so it is refreshed at most every resume_every_minutes.
+                if step < total_steps and time.monotonic() - last_resume >= cfg.resume_every_minutes * 60:
+                    _save_resume(run, optimizer, scheduler, scaler, step, best_value, best_step)
+                    last_resume = time.monotonic()
+                reporter.report(value, step)
+            if world.from_main(world.is_main and reporter.should_prune()):
                 result = TrainResult(status="pruned")
                 break
 
@@ -170,16 +176,48 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     if best_step is not None:
         result.best_checkpoint = str((run.out_dir / ckpt.BEST).resolve())
     result.attrs = {
-        **speed.attrs(),
+        **_ranks_attrs(world, speed, run.model),
         "precision": precision,
         "micro_batch_size": micro,
-        "accumulation_steps": accum,
+        "accumulation_steps": per_step // world.size,
         "compiled": cfg.compile,
     }
     if first_step is not None:
         result.attrs["first_step_seconds"] = round(first_step, 3)
-    reporter.set_attrs(result.attrs)
+    if world.is_main:
+        reporter.set_attrs(result.attrs)
     return result
+
+
+def _restore(run: Run, optimizer: Any, scheduler: Any, scaler: Any, reporter: Reporter) -> tuple[int, Any, Any]:
+    """Load a resumable checkpoint, if the run has one: (step, best value, best step)."""
+    if run.resume_from is None:
+        return 0, None, None
+    state = ckpt.load_resume(run.resume_from)
+    run.model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    scaler.load_state_dict(state["scaler"])
+    ckpt.set_rng_state(state["rng"])
+    log.info("resumed from %s at optimizer step %d", run.resume_from, state["step"])
+    if run.world.is_main:
+        reporter.set_attrs({"resumed_from_step": state["step"]})
+    return state["step"], state["best_value"], state["best_step"]
+
+
+def _ranks_attrs(world: World, speed: Throughput, model: torch.nn.Module) -> dict[str, Any]:
+    """Throughput over every rank and, with several, each rank's parameter digest: equal
+    digests are the evidence that data parallelism kept the ranks' parameters identical."""
+    if world.size == 1:
+        return speed.attrs()
+    digest = parameter_digest(model)
+    counts = world.gather((speed.examples, speed.tokens, speed.padded, digest))
+    speed.examples, speed.tokens, speed.padded = (sum(c[k] for c in counts) for k in range(3))
+    digests = [c[3] for c in counts]
+    log.info("rank %d of %d: parameter digest %s", world.rank, world.size, digest)
+    if len(set(digests)) > 1:
+        log.error("the ranks' parameters differ (digests %s)", digests)
+    return {**speed.attrs(), "devices": world.size, "rank_parameter_digests": digests}
 
 
 COMPILE_BACKEND_ENV = "HPSEARCH_COMPILE_BACKEND"
@@ -216,7 +254,6 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
 
 def _save_resume(
     run: Run,
-    model: torch.nn.Module,
     optimizer: Any,
     scheduler: Any,
     scaler: Any,
@@ -224,12 +261,10 @@ def _save_resume(
     best_value: float | None,
     best_step: int | None,
 ) -> None:
-    from hpsearch.trainer.model import unwrap
-
     ckpt.save_resume(
         run.out_dir,
         {
-            "model": unwrap(model).state_dict(),
+            "model": run.model.state_dict(),  # the plain module: no DDP / compile prefixes
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(),
@@ -243,14 +278,10 @@ def _save_resume(
 
 
 def _meta(run: Run, metrics: Metrics, step: int) -> dict[str, Any]:
-    return {
-        **run.meta,
-        "step": step,
-        "val_loss": metrics.loss,
-        "val_accuracy": metrics.accuracy,
-        "train": vars(run.cfg),
-    }
+    values = {f"val_{k}": v for k, v in metrics.values().items()}
+    return {**run.meta, "step": step, **values, "train": vars(run.cfg)}
 
 
-def _metric_attrs(metrics: Metrics) -> dict[str, float]:
-    return {"best_val_loss": metrics.loss, "best_val_accuracy": metrics.accuracy, "best_val_f1": metrics.f1}
+def _best(metrics: Metrics) -> dict[str, float]:
+    """best_val_loss and best_val_accuracy / best_val_f1, or best_val_perplexity for a causal LM."""
+    return {f"best_val_{k}": v for k, v in metrics.values().items()}
