@@ -62,11 +62,21 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=48)
     p.add_argument("--evals-per-epoch", type=int, default=4, help="hpsearch validation points per epoch")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of both sides (hpsearch's worker via OMP_NUM_THREADS); default: all cores",
+    )
     p.add_argument("--work-dir", type=Path, default=ROOT / "benchmarks" / ".search_vs_hf")
     p.add_argument("--only", choices=("hpsearch", "hf"), help="run one side (for debugging)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     shutil.rmtree(args.work_dir, ignore_errors=True)
     args.work_dir.mkdir(parents=True)
     train, dev = subsets(args)
@@ -190,7 +200,10 @@ weight_decay = {{ type = "float", low = 0.0, high = {MAX_DECAY} }}
     ]
     log.info("hpsearch: %s", " ".join(cmd))
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if done.returncode != 0:
         sys.exit(f"hpsearch failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -302,7 +315,7 @@ def run_hf(args: argparse.Namespace, train: Path, dev: Path) -> Side:
 def report(args: argparse.Namespace, sides: list[Side]) -> None:
     print(
         f"\nMiniLM on SST-2: {args.train_size} train / {args.dev_size} dev examples, {args.n_trials} trials, "
-        f"{args.epochs} epoch(s), batch {args.batch_size}, seed {args.seed}"
+        f"{args.epochs} epoch(s), batch {args.batch_size}, seed {args.seed}, threads {args.threads or 'all'}"
     )
     print(f"{'':10}{'best val acc':>14}{'glue_dev acc':>14}{'train samples':>15}{'wall s':>9}{'ckpt MB':>10}")
     for s in sides:

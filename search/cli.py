@@ -64,6 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
     storage_arg(st)
     st.set_defaults(func=cmd_status)
 
+    reap = sub.add_parser(
+        "reap", help="fail and retry trials whose worker stopped sending heartbeats (host shut down, network cut)"
+    )
+    reap.add_argument("--study", required=True)
+    reap.add_argument(
+        "--grace",
+        type=float,
+        metavar="SECONDS",
+        help="heartbeat age that counts as lost (default: 3 of the worker's heartbeat intervals, 90 s)",
+    )
+    storage_arg(reap)
+    reap.set_defaults(func=cmd_reap)
+
     best = sub.add_parser("best", help="the best trial and its checkpoint path")
     best.add_argument("--study", required=True)
     best.add_argument("--json", action="store_true", help="machine-readable output")
@@ -201,6 +214,27 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_reap(args: argparse.Namespace) -> int:
+    from hpsearch.search import reap, study as studies
+    from hpsearch.storage import urls
+    from hpsearch.storage.open import open_storage
+
+    if args.grace is not None and args.grace < 0:
+        raise UsageError(f"--grace {args.grace:g}: must be a number of seconds >= 0")
+    storage = open_storage(urls.resolve(args.storage), create=False)
+    try:
+        spec = studies.stored_spec(storage, args.study)
+        done = reap.reap(storage, args.study, max_retries=spec.search.max_retries, grace_s=args.grace, orphans=True)
+    finally:
+        storage.close()
+    for r in done:
+        outcome = "retry queued" if r.retried else "out of retries"
+        print(f"trial {r.trial_number}: worker {r.worker} on {r.host} silent for {r.heartbeat_age_s:.0f}s; {outcome}")
+    if not done:
+        print("no stale trials")
+    return EXIT_OK
+
+
 def cmd_best(args: argparse.Namespace) -> int:
     from hpsearch.storage import urls
 
@@ -230,6 +264,7 @@ def _render(name: str, url: str, *, as_json: bool, best_only: bool) -> str:
     import optuna
 
     from hpsearch.search import fleet, study as studies, summary
+    from hpsearch.storage import registry
     from hpsearch.storage.open import open_storage
 
     storage = open_storage(url, create=False)
@@ -239,6 +274,7 @@ def _render(name: str, url: str, *, as_json: bool, best_only: bool) -> str:
         s = summary.status(study, spec, studies.n_trials(study, spec), storage.display)
         if not best_only:
             s.update(fleet.summary(storage.db, name))
+            summary.mark_stale(s, registry.stale_trials(storage.db, name))
     finally:
         storage.close()
     if best_only:

@@ -88,8 +88,16 @@ def group(devices: list[Device], per_trial: int, flag: str | None) -> list[Devic
 
 
 def threads_per_worker(devices: list[Device]) -> int | None:
-    """CPU ranks split the cores; GPU workers keep torch's default."""
-    cpu = sum(d.count for d in devices if d.kind == "cpu")
+    """CPU ranks split the cores, or take ``OMP_NUM_THREADS`` each when it is set; GPU
+    workers keep torch's default.
+
+    On a machine shared with other jobs, fewer threads than cores is often faster: OpenMP
+    threads that wait for a busy core stall every operation of the step.
+    """
+    cpu = sum(d.count for d in devices if d.kind == "cpu")  # a device group runs one rank per device
     if not cpu:
         return None
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
     return max(1, (os.cpu_count() or 1) // cpu)

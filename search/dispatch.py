@@ -148,8 +148,7 @@ class Supervisor:
             how,
             f" during trial {child.trial[1]}" if child.trial else "",
         )
-        if child.trial is not None:
-            self._hand_back(child.trial[0], f"worker_crash ({how})")
+        self._record_crash(child, f"worker_crash ({how})")
         if self.stopping:
             return
         now = time.monotonic()
@@ -167,11 +166,17 @@ class Supervisor:
             return
         self._spawn(child.device, child.crashes)
 
-    def _hand_back(self, trial_id: int, reason: str) -> None:
+    def _record_crash(self, child: Child, reason: str) -> None:
+        """End the dead child's registry row and hand its trial back for a retry."""
         from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE
 
         storage = open_storage(self.storage_url, create=False)
         try:
+            # Ended here, not left to turn "lost": other workers would wait for it to be reaped.
+            registry.end_dead(storage.db, self.study, host=registry.this_host(), pid=child.process.pid)
+            if child.trial is None:
+                return
+            trial_id = child.trial[0]
             spec = studies.stored_spec(storage, self.study)
             study = optuna.load_study(study_name=self.study, storage=storage.optuna)
             number = storage.optuna.get_trial(trial_id).number

@@ -14,6 +14,7 @@ from optuna.trial import TrialState
 
 from hpsearch.storage import budget
 from hpsearch.storage.open import Storage
+from hpsearch.trainer.report import RESUME_CHECKPOINT_ATTR
 
 log = logging.getLogger(__name__)
 
@@ -21,12 +22,23 @@ RETRY_OF = "retry_of"
 RETRY_COUNT = "retry_count"
 RESUME_FROM = "resume_from"
 FAIL_REASON = "fail_reason"
+RESUME_CHECKPOINT = RESUME_CHECKPOINT_ATTR
 
 
 def hand_back(
-    storage: Storage, study: optuna.Study, trial_id: int, *, reason: str, resume_from: Path | None, max_retries: int
+    storage: Storage,
+    study: optuna.Study,
+    trial_id: int,
+    *,
+    reason: str,
+    resume_from: Path | None,
+    max_retries: int,
+    local: bool = True,
 ) -> bool:
     """Mark the trial failed and, retries permitting, queue it again; True if queued.
+
+    ``local=False`` when the resumable state may live on another host (the reaper): its path
+    is recorded unchecked, and the retrying worker resumes from it if it can reach it.
 
     The retry is enqueued before the budget slot is released, so whichever worker claims
     the slot next pops exactly this retry from Optuna's queue.
@@ -44,7 +56,7 @@ def hand_back(
     if count >= max_retries:
         log.warning("trial %d failed (%s); out of retries (%d)", frozen.number, reason, max_retries)
         return False
-    resume = resume_from if resume_from is not None and resume_from.exists() else None
+    resume = resume_from if resume_from is not None and (resume_from.exists() or not local) else None
     study.enqueue_trial(
         frozen.params,
         user_attrs={

@@ -54,6 +54,14 @@ def status(study: optuna.Study, spec: StudySpec, n_trials: int, storage_display:
     }
 
 
+def mark_stale(s: dict[str, Any], stale: list[registry.StaleTrial]) -> None:
+    """Flag running trials whose worker stopped beating: they wait for a reaper."""
+    numbers = {t.trial_number for t in stale}
+    for trial in s["trials"]:
+        trial["stale"] = trial["state"] == "RUNNING" and trial["number"] in numbers
+    s["stale_trials"] = sorted(t["number"] for t in s["trials"] if t["stale"])
+
+
 def format_status(s: dict[str, Any]) -> str:
     st = s["states"]
     lines = [
@@ -61,6 +69,12 @@ def format_status(s: dict[str, Any]) -> str:
         f"trials: {s['finished']}/{s['n_trials']} finished  complete {st['complete']}  pruned {st['pruned']}  "
         f"failed {st['fail']}  running {st['running']}  waiting {st['waiting']}",
     ]
+    if s.get("stale_trials"):
+        numbers = ", ".join(map(str, s["stale_trials"]))
+        lines.append(
+            f"stale: trial {numbers} (its worker stopped sending heartbeats); any running worker retries it, "
+            f"or run: hpsearch reap --study {s['study']}"
+        )
     lines += format_best(s["best"], s["metric"]).splitlines()
     return "\n".join(lines)
 

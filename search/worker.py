@@ -20,7 +20,8 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import ranks, retry, study as studies
+from hpsearch.search import ranks, reap, retry, study as studies
+from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import StudySpec, resolved
 from hpsearch.storage import budget, checkpoints as retention, registry
 from hpsearch.storage.db import PATIENT_RETRY
@@ -111,7 +112,10 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         # Registered (and heartbeating) from the start, so status shows a worker still loading.
         device = args.device_label or args.device
         with registry.Registration(storage.db, args.study, args.name, device) as reg:
-            Worker(args, storage, stop, conn, registration=reg, world=world, peers=peers).run()
+            worker = Worker(args, storage, stop, conn, registration=reg, world=world, peers=peers)
+            # Every worker also reaps trials of workers that vanished (see reap.py).
+            with Reaper(storage, args.study, max_retries=worker.spec.search.max_retries, interval_s=reg.interval_s):
+                worker.run()
     except ranks.GroupRestart as exc:
         log.error("%s; restarting the device group", exc)
         if peers:
@@ -185,6 +189,8 @@ class Worker:
             n_trials = studies.n_trials(self.study, self.spec)
             slot = budget.claim_slot(self.storage.db, self.args.study, n_trials, self.args.name)
             if slot is None:
+                if self._wait_for_missing_workers():
+                    continue
                 log.info("study budget (%d trials) is used; %d run here", n_trials, finished)
                 return
             trial = self.study.ask()
@@ -192,18 +198,55 @@ class Worker:
             self._notify("trial", trial._trial_id, trial.number)
             if self.registration:
                 self.registration.trial_started(trial.number)
-            self.run_trial(trial)
+            try:
+                self.run_trial(trial)
+            except ranks.GroupRestart:
+                raise  # the failure is recorded; the device group's ranks must start afresh
+            except Exception:
+                if not self._finished_elsewhere(trial):
+                    raise
+                # Our heartbeat went stale (a long network cut) and a reaper failed the trial
+                # and queued a retry; the retry owns it now, so this attempt's result is dropped.
+                log.warning("trial %d was reaped while it ran here; dropping this attempt", trial.number)
             if self.registration:
                 # A trial cut short by a stop request is handed back, not finished here.
                 self.registration.trial_ended(finished=not self.stop())
             self._notify("idle", trial._trial_id, trial.number)
             finished += 1
 
+    def _wait_for_missing_workers(self) -> bool:
+        """True (after a pause, if needed) when the used-up budget may still free a slot here.
+
+        A trial whose worker missed heartbeats may come back for a retry, and this worker
+        should be there to run it rather than leave the study a trial short. A worker that
+        vanished before the registry knew its trial leaves no stale row, only a slot: that
+        one is freed (or its trial retried) at once.
+        """
+        study, retries = self.args.study, self.spec.search.max_retries
+        reap.reap(self.storage, study, max_retries=retries, orphans=True)
+        if budget.used_slots(self.storage.db, study) < studies.n_trials(self.study, self.spec):
+            return True
+        waiting = registry.stale_trials(self.storage.db, study, missed_beats=1.5)
+        if not waiting:
+            return False
+        log.info(
+            "waiting for trial(s) %s: their workers missed heartbeats (reaped after %d missed beats)",
+            ", ".join(str(w.trial_number) for w in waiting),
+            registry.MISSED_BEATS,
+        )
+        interval = self.registration.interval_s if self.registration else registry.heartbeat_interval()
+        deadline = time.monotonic() + interval
+        while time.monotonic() < deadline and not self.stop():
+            time.sleep(0.2)
+        return True
+
+    def _finished_elsewhere(self, trial: optuna.Trial) -> bool:
+        return self.storage.optuna.get_trial(trial._trial_id).state.is_finished()
+
     def run_trial(self, trial: optuna.Trial) -> None:
         from hpsearch.trainer.checkpoint import BEST, RESUME, RESUME_FILE, CheckpointError
         from hpsearch.trainer.loop import Run, fit
 
-        started = time.perf_counter()  # first_step_seconds counts from here
         params = studies.suggest(trial, self.spec)
         cfg = replace(self.spec.train, **params)
         out_dir = self.root / f"trial-{trial.number}"
@@ -213,7 +256,7 @@ class Worker:
         resume = self._resume_point(trial, out_dir)
         handler = _trial_log(out_dir)
         log.info("trial %d starts: %s", trial.number, params)
-        started = time.monotonic()
+        started = time.monotonic()  # first_step_seconds and device time count from here
         try:
             if self.peers is not None:
                 # First, so the peers prepare their copy while this rank prepares its own.

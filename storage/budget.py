@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 
 from hpsearch.storage.db import Database
 from hpsearch.storage.errors import StorageError
-from hpsearch.storage.tables import BudgetSlot
+from hpsearch.storage.tables import BudgetSlot, WorkerRecord
 
 
 def claim_slot(db: Database, study_name: str, n_trials: int, worker: str) -> int | None:
@@ -67,3 +67,30 @@ def used_slots(db: Database, study_name: str) -> int:
 def _used_slots(s: Session, study_name: str) -> set[int]:
     rows = s.execute(select(BudgetSlot.slot).where(BudgetSlot.study_name == study_name))
     return {r[0] for r in rows}
+
+
+def orphaned_slots(db: Database, study_name: str, *, older_than_s: float) -> list[tuple[int, int | None]]:
+    """Slots whose worker vanished before the registry knew its trial, as (slot, trial number).
+
+    A worker claims a slot, asks for a trial, binds it and records it as its current trial in
+    the registry, milliseconds apart; a host lost in between leaves a slot that no registry
+    row points at. Unbound ones (trial number ``None``) hold budget for a trial never asked.
+    """
+
+    def read(s: Session) -> list[tuple[int, int | None]]:
+        now = s.execute(select(db.clock())).scalar_one()
+        held = select(WorkerRecord.current_trial).where(
+            WorkerRecord.study_name == study_name,
+            WorkerRecord.ended_at.is_(None),
+            WorkerRecord.current_trial.is_not(None),
+        )
+        rows = s.execute(
+            select(BudgetSlot.slot, BudgetSlot.trial_number).where(
+                BudgetSlot.study_name == study_name,
+                BudgetSlot.claimed_at < now - older_than_s,
+                (BudgetSlot.trial_number.is_(None)) | (BudgetSlot.trial_number.not_in(held)),
+            )
+        )
+        return [(int(slot), None if number is None else int(number)) for slot, number in rows]
+
+    return db.run(read, what="find orphaned budget slots")

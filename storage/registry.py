@@ -146,6 +146,94 @@ def end(db: Database, worker_id: int) -> None:
     )
 
 
+def end_dead(db: Database, study: str, *, host: str, pid: int) -> None:
+    """A worker process its supervisor saw die: end its row at its last heartbeat.
+
+    Its trial was already handed back by the supervisor; without this the row would turn
+    "lost" with a current trial, and workers would wait for a reaper to clear it.
+    """
+    stmt = (
+        update(WorkerRecord)
+        .where(
+            WorkerRecord.study_name == study,
+            WorkerRecord.host == host,
+            WorkerRecord.pid == pid,
+            WorkerRecord.ended_at.is_(None),
+        )
+        .values(
+            device_seconds=_device_seconds_at(WorkerRecord.heartbeat_at),
+            current_trial=None,
+            trial_started_at=None,
+            ended_at=WorkerRecord.heartbeat_at,
+        )
+    )
+    db.run(lambda s: s.execute(stmt), what="record a dead worker")
+
+
+@dataclass(frozen=True)
+class StaleTrial:
+    """A trial whose worker stopped beating without a clean end (killed, host gone, network cut)."""
+
+    worker_id: int
+    worker: str
+    host: str
+    trial_number: int
+    heartbeat_at: float
+    heartbeat_age_s: float
+
+
+def stale_trials(
+    db: Database, study: str, *, grace_s: float | None = None, missed_beats: float = MISSED_BEATS
+) -> list[StaleTrial]:
+    """Trials held by workers whose last heartbeat is older than the grace period.
+
+    The grace period is ``grace_s``, else ``missed_beats`` of the worker's own interval. Ages
+    are read off the database clock, so hosts with drifting clocks agree.
+    """
+
+    def read(s: Session) -> list[StaleTrial]:
+        now = float(s.execute(select(db.clock())).scalar_one())
+        rows = s.execute(
+            select(WorkerRecord).where(
+                WorkerRecord.study_name == study,
+                WorkerRecord.ended_at.is_(None),
+                WorkerRecord.current_trial.is_not(None),
+            )
+        ).scalars()
+        return [
+            StaleTrial(r.id, r.name, r.host, int(r.current_trial), r.heartbeat_at, now - r.heartbeat_at)
+            for r in rows
+            if r.current_trial is not None
+            and now - r.heartbeat_at > (grace_s if grace_s is not None else missed_beats * r.heartbeat_s)
+        ]
+
+    return db.run(read, what="find stale trials")
+
+
+def release_stale(db: Database, stale: StaleTrial) -> bool:
+    """Take a stale trial off its worker's row; True for exactly one caller.
+
+    The update only matches while the row still shows the heartbeat the caller judged stale,
+    so a worker that beat again meanwhile keeps its trial, and of two reapers one wins.
+    """
+    stmt = (
+        update(WorkerRecord)
+        .where(
+            WorkerRecord.id == stale.worker_id,
+            WorkerRecord.current_trial == stale.trial_number,
+            WorkerRecord.heartbeat_at == stale.heartbeat_at,
+            WorkerRecord.ended_at.is_(None),
+        )
+        .values(
+            # As far as anyone knows, the device stopped working on it at the last heartbeat.
+            device_seconds=_device_seconds_at(WorkerRecord.heartbeat_at),
+            current_trial=None,
+            trial_started_at=None,
+        )
+    )
+    return bool(db.run(lambda s: s.execute(stmt).rowcount, what="release a stale trial") == 1)
+
+
 def _update(db: Database, worker_id: int, what: str, **values: Any) -> None:
     stmt = update(WorkerRecord).where(WorkerRecord.id == worker_id).values(**values)
     db.run(lambda s: s.execute(stmt), what=what)

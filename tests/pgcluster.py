@@ -18,12 +18,13 @@ OS_USER = "hpsearch-pg"
 
 
 class Cluster:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int | None = None) -> None:
         found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
         if not found:
             raise RuntimeError("initdb not found (install the postgresql package)")
         self.bindir = Path(found[-1]).parent
-        self.port = port
+        # A free port unless told: two test runs on one machine must not share a cluster.
+        self.port = port if port is not None else free_port()
         self.root = Path(tempfile.mkdtemp(prefix="hpsearch-test-pg-"))
         self.data = self.root / "data"
         self.as_user: list[str] = []
@@ -37,7 +38,7 @@ class Cluster:
             os.chown(self.root, entry.pw_uid, entry.pw_gid)
             self.as_user = ["runuser", "-u", OS_USER, "--"]
         self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust")
-        self.url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
 
     def _run(self, tool: str, *args: str) -> None:
         subprocess.run(
@@ -58,3 +59,11 @@ class Cluster:
         with contextlib.suppress(subprocess.CalledProcessError):
             self.stop("immediate")
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

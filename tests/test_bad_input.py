@@ -266,6 +266,8 @@ CLI_CASES = [
     ),
     (["worker", "--study", "x", "--storage", "postgresql://u:pw@no-such-host.invalid:5432/db"], "cannot resolve host"),
     (["status", "--study", "x", "--storage", "postgresql://postgres@127.0.0.1:5432/test"], "holds no studies"),
+    (["reap", "--study", "x", "--grace", "-5"], "--grace -5: must be a number of seconds >= 0"),
+    (["reap", "--study", "x", "--storage", "postgresql://postgres@127.0.0.1:5432/test"], "holds no studies"),
     (["start"], "the following arguments are required: --study"),
     (["start", "--study", "x", "--bogus"], "unrecognized arguments"),
 ]

@@ -44,7 +44,7 @@ def _slow_spec(tmp_path: Path, model: Path, data: tuple[Path, Path], n_trials: i
     return spec
 
 
-def _start(tmp_path: Path, spec: Path, url: str, devices: str = "cpu:1") -> subprocess.Popen[str]:
+def _start(tmp_path: Path, spec: Path, url: str, devices: str = "cpu:1", **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [
             sys.executable,
@@ -66,7 +66,9 @@ def _start(tmp_path: Path, spec: Path, url: str, devices: str = "cpu:1") -> subp
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
+        # Its own process group: a test can take down the whole "host" (supervisor and workers).
+        start_new_session=True,
     )
 
 
@@ -175,7 +177,7 @@ def test_database_restart_under_a_running_worker_loses_nothing(
 ) -> None:
     from tests.pgcluster import Cluster
 
-    cluster = Cluster(port=55433)
+    cluster = Cluster()
     try:
         cluster.start()
         url = cluster.url
@@ -199,3 +201,63 @@ def test_database_restart_under_a_running_worker_loses_nothing(
             assert sorted(t.intermediate_values) == [5, 10, 15, 20, 25, 30, 35, 40]
     finally:
         cluster.destroy()
+
+
+def _lose_host(tmp_path: Path, spec: Path, url: str) -> None:
+    """Run the search on "host-a" until its trial has a resumable checkpoint, then pull the plug:
+    supervisor and worker die at once, so nobody on host-a hands the trial back."""
+    host_a = _start(tmp_path, spec, url, HPSEARCH_HOST="host-a", HPSEARCH_HEARTBEAT_S="1")
+    try:
+        _wait_for_report(_sa_url(url), min_step=10)
+        os.killpg(host_a.pid, signal.SIGKILL)
+        host_a.wait(timeout=30)
+    finally:
+        host_a.kill()
+    [trial] = optuna.load_study(study_name="f", storage=_sa_url(url)).get_trials()
+    assert trial.state == TrialState.RUNNING and trial.user_attrs["resume_checkpoint"]
+
+
+def _cli(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hpsearch.search.cli", *argv],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_lost_host_is_marked_stale_and_reap_retries_its_trial(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], pg_url: str
+) -> None:
+    spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=1)
+    _lose_host(tmp_path, spec, pg_url)
+    time.sleep(4)  # past 3 missed beats of host-a's 1 s heartbeat, by the database clock
+    status = _cli(tmp_path, "status", "--study", "f", "--storage", pg_url)
+    assert status.returncode == 0 and "stale: trial 0" in status.stdout, status.stdout + status.stderr
+    reaped = _cli(tmp_path, "reap", "--study", "f", "--storage", pg_url)
+    assert reaped.returncode == 0 and "trial 0: worker host-a/cpu:0/" in reaped.stdout, reaped.stdout
+    assert "retry queued" in reaped.stdout
+    again = _cli(tmp_path, "reap", "--study", "f", "--storage", pg_url)
+    assert again.stdout.strip() == "no stale trials", "a trial is reaped once"
+    # The instance comes back (same disk): a new start runs the retry from its checkpoint.
+    restart = _start(tmp_path, spec, pg_url, HPSEARCH_HOST="host-a")
+    _, err = restart.communicate(timeout=600)
+    assert restart.returncode == 0, err[-3000:]
+    _assert_recovered(pg_url, 1, "worker_lost")
+
+
+def test_a_worker_on_another_host_reaps_the_lost_trial_and_resumes_it(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], pg_url: str
+) -> None:
+    spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=1)
+    _lose_host(tmp_path, spec, pg_url)
+    # host-b finds the budget taken by the lost trial: it waits, its reaper fails the trial
+    # after the grace period, and it runs the retry (resuming, as the output folder is shared).
+    host_b = _start(tmp_path, spec, pg_url, HPSEARCH_HOST="host-b", HPSEARCH_HEARTBEAT_S="1")
+    _, err = host_b.communicate(timeout=600)
+    assert host_b.returncode == 0, err[-3000:]
+    assert "waiting for trial(s) 0" in err
+    _assert_recovered(pg_url, 1, "worker_lost")
+    trials = optuna.load_study(study_name="f", storage=_sa_url(pg_url)).get_trials()
+    assert {t.user_attrs["host"] for t in trials} == {"host-a", "host-b"}

@@ -45,3 +45,47 @@ def test_full_disk_fails_one_trial_and_worker_carries_on(
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE]
     assert trials[0].user_attrs["fail_reason"] == "disk_full"
     assert not list((tmp_path / "runs" / "disk" / "trial-0").glob(".*tmp-*")), "no half-written checkpoint left"
+
+
+def test_out_of_memory_at_micro_batch_one_fails_that_trial_and_worker_carries_on(
+    tmp_path: Path, spec_file: Path, sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from hpsearch.trainer import loop
+
+    spec = load_file(spec_file)
+    spec.search.n_trials = 2
+    storage = open_storage(sqlite_url, create=True)
+    studies.create_or_resume(storage, "oom", spec)
+    real_collate = loop.collate
+    first_trial = {"done": False}
+
+    def collate(data, indices, pad_id):  # type: ignore[no-untyped-def]
+        # The first trial runs out of memory at every micro-batch size; the second has room
+        # once its micro-batch is halved to 4.
+        if not first_trial["done"] or len(indices) > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real_collate(data, indices, pad_id)
+
+    real_fit = loop.fit
+
+    def fit(run, reporter):  # type: ignore[no-untyped-def]
+        try:
+            return real_fit(run, reporter)
+        finally:
+            first_trial["done"] = True
+
+    monkeypatch.setattr(loop, "collate", collate)
+    monkeypatch.setattr(loop, "fit", fit)
+    args = WorkerArgs(
+        study="oom", storage_url=sqlite_url, device="cpu", name="test/cpu:0/1", output_dir=str(tmp_path / "runs")
+    )
+    Worker(args, storage, StopFlag(), None).run()
+    storage.close()
+
+    trials = optuna.load_study(study_name="oom", storage=sqlite_url).trials
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE]
+    assert trials[0].user_attrs["fail_reason"] == "oom"
+    assert trials[1].user_attrs["micro_batch_size"] == 4
+    assert trials[1].user_attrs["accumulation_steps"] * 4 == spec.train.batch_size

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpsearch.trainer import loop
 from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE, load_resume
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.dataset import prepare
@@ -62,6 +63,55 @@ def test_accumulation_matches_one_big_batch(no_dropout_model: Path, prepared, tm
         torch.testing.assert_close(p_acc, p_big, rtol=1e-5, atol=1e-6, msg=name)
         moved += int(not torch.equal(p_big, p0))
     assert moved > 10, "the update must actually change the parameters"
+
+
+def _oom_above(monkeypatch: pytest.MonkeyPatch, limit: int) -> list[int]:
+    """Inject CUDA's out-of-memory error for micro-batches larger than ``limit`` (CPU has none)."""
+    sizes: list[int] = []
+    real = loop.collate
+
+    def collate(data, indices, pad_id):  # type: ignore[no-untyped-def]
+        sizes.append(len(indices))
+        if len(indices) > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return real(data, indices, pad_id)
+
+    monkeypatch.setattr(loop, "collate", collate)
+    return sizes
+
+
+def test_out_of_memory_halves_the_micro_batch_and_trains_the_same(  # type: ignore[no-untyped-def]
+    no_dropout_model: Path, prepared, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = TrainConfig(
+        learning_rate=1e-3,
+        batch_size=24,
+        micro_batch_size=24,
+        epochs=1,
+        max_steps=3,
+        eval_every=3,
+        precision="fp32",
+        group_by_length=False,
+        max_grad_norm=0.0,
+    )
+    whole, _, _ = _train(no_dropout_model, prepared, base, tmp_path / "a")
+    sizes = _oom_above(monkeypatch, 5)
+    halved, result, rep = _train(no_dropout_model, prepared, base, tmp_path / "b")
+    assert result.status == "complete" and result.steps == 3
+    # 24 -> 12 -> 6 -> 3: accumulation 8 keeps the effective batch at 24.
+    assert rep.attrs["micro_batch_size"] == 3 and rep.attrs["accumulation_steps"] == 8
+    assert sizes[:3] == [24, 12, 6] and set(sizes[3:]) <= {3, 6}, "validation runs at twice the micro-batch"
+    for (name, p_whole), (_, p_halved) in zip(whole.named_parameters(), halved.named_parameters(), strict=True):
+        torch.testing.assert_close(p_halved, p_whole, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_out_of_memory_at_micro_batch_one_fails_with_reason(  # type: ignore[no-untyped-def]
+    no_dropout_model: Path, prepared, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _oom_above(monkeypatch, 0)
+    cfg = TrainConfig(learning_rate=1e-3, batch_size=8, micro_batch_size=8, max_steps=2, precision="fp32")
+    _, result, _ = _train(no_dropout_model, prepared, cfg, tmp_path / "t")
+    assert result.status == "failed" and result.fail_reason == "oom" and result.steps == 0
 
 
 def test_checkpoint_saved_and_resume_continues(tiny_model: Path, demo_files: tuple[Path, Path], tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hpsearch.trainer import checkpoint as ckpt, precision as prec, tasks
+from hpsearch.trainer import attention, checkpoint as ckpt, precision as prec, tasks
 from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.curves import Curves
 from hpsearch.trainer.data import collate, even_shards, micro_batches
@@ -22,7 +22,7 @@ from hpsearch.trainer.distributed import World, parameter_digest
 from hpsearch.trainer.evaluate import Metrics, evaluate
 from hpsearch.trainer.model import enable_gradient_checkpointing
 from hpsearch.trainer.optim import build_optimizer, build_scheduler, plan_steps
-from hpsearch.trainer.report import Reporter, TrainResult
+from hpsearch.trainer.report import RESUME_CHECKPOINT_ATTR, Reporter, TrainResult
 from hpsearch.trainer.stats import Throughput
 
 log = logging.getLogger(__name__)
@@ -43,18 +43,19 @@ class Run:
     should_stop: Callable[[], bool] = lambda: False
     meta: dict[str, Any] = field(default_factory=dict)
     started: float | None = None
-    """time.perf_counter() when the trial began (before the model copy); default: fit's entry."""
+    """time.monotonic() when the trial began (before the model copy); default: fit's entry."""
     world: World = field(default_factory=World)
     """The trial's data-parallel ranks (one by default); only rank 0 reports and saves."""
 
 
 def fit(run: Run, reporter: Reporter) -> TrainResult:
-    started = run.started if run.started is not None else time.perf_counter()
+    started = run.started if run.started is not None else time.monotonic()
     cfg, device, data, world = run.cfg, run.device, run.data, run.world
     precision = prec.resolve(cfg.precision, device)
     # Ranks draw different dropout masks; their weights are equal anyway (DDP starts from rank 0's).
     torch.manual_seed(cfg.seed + world.rank)
     run.model.to(device).train()
+    attention.use_fast_attention(run.model, device, precision)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(run.model)
     # The optimizer and checkpoints hold the plain module; only the forward pass is compiled.
@@ -62,12 +63,12 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     compiled = compile_model(run.model) if cfg.compile else run.model
     model = world.wrap(compiled, device)
     micro = cfg.batch_size // world.size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
-    per_step = cfg.batch_size // micro  # micro-batches of one optimizer step, over every rank
     total_steps, steps_per_epoch = plan_steps(len(data.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
     optimizer = build_optimizer(run.model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg, total_steps)
     scaler = prec.grad_scaler(precision, device)
-    step, best_value, best_step = _restore(run, optimizer, scheduler, scaler, reporter)
+    step, best_value, best_step, micro = _restore(run, optimizer, scheduler, scaler, reporter, micro)
+    per_step = cfg.batch_size // micro  # micro-batches of one optimizer step, over every rank
     better = (lambda a, b: a < b) if run.metric == "loss" else (lambda a, b: a > b)
     speed = Throughput(device, flops_per_token=flops_per_token(run.model))
     curves = Curves(run.out_dir, device, enabled=world.is_main)  # TensorBoard files under the trial's folder
@@ -97,17 +98,28 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
         mine = group[world.rank :: world.size]
         if first_step is None:
             # How long the trial took to get going (model copy, optimizer, data, resume).
-            first_step = time.perf_counter() - started
+            first_step = time.monotonic() - started
         speed.resume()
-        for i, indices in enumerate(mine):
-            is_accumulating = i < len(mine) - 1
-            batch = _to_device(collate(data.train, indices, data.pad_id), device)
-            with world.no_sync(model, is_accumulating):
-                with prec.autocast(precision, device):
-                    logits = tasks.logits(model, batch, data.task)
-                loss = tasks.loss_sum(logits, batch["labels"], data.task) * scale
-                scaler.scale(loss).backward()
-            running_loss += loss.detach()
+        try:
+            step_loss = _accumulate(model, data, mine, scale, device, precision, scaler, world)
+        except torch.OutOfMemoryError:
+            if world.size > 1:
+                raise  # one rank cannot re-plan its step alone: its peers wait in an all-reduce
+            # Same effective batch in smaller pieces: the step is redone from its first micro-batch.
+            optimizer.zero_grad(set_to_none=True)
+            _release_memory(device)
+            if micro == 1:
+                log.error("out of memory at micro-batch 1, step %d: failing the trial", step)
+                result = TrainResult(status="failed", fail_reason="oom")
+                break
+            micro = halved(micro)
+            per_step = cfg.batch_size // micro
+            # Cutting each drawn micro-batch keeps this epoch's data order and step boundaries.
+            batches = [b[i : i + micro] for b in batches for i in range(0, len(b), micro)]
+            log.warning("out of memory at step %d: micro-batch %d, accumulation %d", step, micro, per_step)
+            continue
+        running_loss += step_loss
+        for indices in mine:
             speed.add(
                 examples=len(indices), tokens=data.train.real_tokens(indices), padded=data.train.padded_tokens(indices)
             )
@@ -136,20 +148,13 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                 break
             if stopping:
                 if world.is_main:
-                    _save_resume(run, optimizer, scheduler, scaler, step, best_value, best_step)
+                    _save_resume(run, optimizer, scheduler, scaler, step, best_value, best_step, micro)
                 result = TrainResult(status="interrupted")
                 break
-            num_labels = data.labels.num_labels if data.labels else 0
-            metrics = evaluate(
-                compiled,
-                data.validation,
-                pad_id=data.pad_id,
-                batch_size=micro * 2,
-                device=device,
-                precision=precision,
-                num_labels=num_labels,
-                world=world,
-            )
+            metrics = _evaluate_fitting(compiled, data, micro * 2, device, precision, world)
+            if metrics is None:
+                result = TrainResult(status="failed", fail_reason="oom")
+                break
             curves.validation(step, metrics)
             value = metrics.objective(run.metric)
             shown = " ".join(f"val_{k} {v:.4f}" for k, v in metrics.values().items())
@@ -164,7 +169,9 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                 # The resumable state (weights + optimizer moments, ~3x the model) is costly to
                 # write, so it is refreshed at most every resume_every_minutes.
                 if step < total_steps and time.monotonic() - last_resume >= cfg.resume_every_minutes * 60:
-                    _save_resume(run, optimizer, scheduler, scaler, step, best_value, best_step)
+                    state = _save_resume(run, optimizer, scheduler, scaler, step, best_value, best_step, micro)
+                    # Recorded so that a retry on another worker can find it (see search/reap.py).
+                    reporter.set_attrs({RESUME_CHECKPOINT_ATTR: str(state.resolve())})
                     last_resume = time.monotonic()
                 reporter.report(value, step)
             if world.from_main(world.is_main and reporter.should_prune()):
@@ -189,20 +196,26 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     return result
 
 
-def _restore(run: Run, optimizer: Any, scheduler: Any, scaler: Any, reporter: Reporter) -> tuple[int, Any, Any]:
-    """Load a resumable checkpoint, if the run has one: (step, best value, best step)."""
+def _restore(
+    run: Run, optimizer: Any, scheduler: Any, scaler: Any, reporter: Reporter, micro: int
+) -> tuple[int, Any, Any, int]:
+    """Load a resumable checkpoint, if the run has one: (step, best value, best step, micro-batch)."""
     if run.resume_from is None:
-        return 0, None, None
+        return 0, None, None, micro
     state = ckpt.load_resume(run.resume_from)
     run.model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     scaler.load_state_dict(state["scaler"])
     ckpt.set_rng_state(state["rng"])
+    # A micro-batch that ran out of memory before the restart would do so again.
+    saved_micro = state.get("micro_batch_size")
+    if isinstance(saved_micro, int):
+        micro = min(micro, saved_micro)
     log.info("resumed from %s at optimizer step %d", run.resume_from, state["step"])
     if run.world.is_main:
         reporter.set_attrs({"resumed_from_step": state["step"]})
-    return state["step"], state["best_value"], state["best_step"]
+    return state["step"], state["best_value"], state["best_step"], micro
 
 
 def _ranks_attrs(world: World, speed: Throughput, model: torch.nn.Module) -> dict[str, Any]:
@@ -245,6 +258,69 @@ def flops_per_token(model: torch.nn.Module) -> float:
     return 6.0 * n
 
 
+def _accumulate(
+    model: torch.nn.Module,
+    data: Prepared,
+    mine: list[list[int]],
+    scale: float,
+    device: torch.device,
+    precision: str,
+    scaler: Any,
+    world: World,
+) -> torch.Tensor:
+    """Forward and backward over this rank's micro-batches of one optimizer step; returns their
+    loss (summed over targets, times ``scale``)."""
+    step_loss = torch.zeros((), device=device)
+    for i, indices in enumerate(mine):
+        batch = _to_device(collate(data.train, indices, data.pad_id), device)
+        with world.no_sync(model, is_accumulating=i < len(mine) - 1):
+            with prec.autocast(precision, device):
+                logits = tasks.logits(model, batch, data.task)
+            loss = tasks.loss_sum(logits, batch["labels"], data.task) * scale
+            scaler.scale(loss).backward()
+        step_loss += loss.detach()
+    return step_loss
+
+
+def halved(micro: int) -> int:
+    """The largest divisor of ``micro`` up to half of it: the effective batch stays a whole
+    number of micro-batches, and each drawn micro-batch splits into equal pieces."""
+    return max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
+
+
+def _evaluate_fitting(
+    model: torch.nn.Module, data: Prepared, batch_size: int, device: torch.device, precision: str, world: World
+) -> Metrics | None:
+    """Validation, halving its batch until it fits in memory; None if even one example does not."""
+    num_labels = data.labels.num_labels if data.labels else 0
+    while True:
+        try:
+            return evaluate(
+                model,
+                data.validation,
+                pad_id=data.pad_id,
+                batch_size=batch_size,
+                device=device,
+                precision=precision,
+                num_labels=num_labels,
+                world=world,
+            )
+        except torch.OutOfMemoryError:
+            if world.size > 1:
+                raise  # the ranks' shards are cut by the batch size: they must all use the same
+            _release_memory(device)
+            if batch_size == 1:
+                return None
+            batch_size //= 2
+            log.warning("out of memory in validation: batch %d", batch_size)
+
+
+def _release_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        # The failed step's activations are garbage now; hand their blocks back before retrying.
+        torch.cuda.empty_cache()
+
+
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     if device.type != "cuda":
         return batch
@@ -260,8 +336,9 @@ def _save_resume(
     step: int,
     best_value: float | None,
     best_step: int | None,
-) -> None:
-    ckpt.save_resume(
+    micro: int,
+) -> Path:
+    return ckpt.save_resume(
         run.out_dir,
         {
             "model": run.model.state_dict(),  # the plain module: no DDP / compile prefixes
@@ -272,7 +349,7 @@ def _save_resume(
             "best_value": best_value,
             "best_step": best_step,
             "config": vars(run.cfg),
-            "micro_batch_size": run.cfg.micro_batch_size,
+            "micro_batch_size": micro,
         },
     )
 

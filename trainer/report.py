@@ -36,6 +36,9 @@ class NullReporter:
         self.attrs.update(attrs)
 
 
+RESUME_CHECKPOINT_ATTR = "resume_checkpoint"
+"""The attribute holding the path of a run's latest resumable state, for whoever retries it."""
+
 Status = Literal["complete", "pruned", "failed", "interrupted"]
 
 

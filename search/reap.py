@@ -1,0 +1,148 @@
+"""Reaping: a trial whose worker vanished (host shut down, network cut) is failed and retried.
+
+A crashed child on a live host is handed back at once by its supervisor (dispatch.py). When
+the whole host goes, nobody is left to do that, so the trial's registry row stops beating.
+Every worker runs a ``Reaper`` thread, and `hpsearch reap` runs one pass by hand: a trial
+whose worker's heartbeat is older than the grace period (by the database clock) is marked
+failed and queued again, resuming from the last resumable checkpoint it recorded when the
+retrying host can reach that path (the same instance after a restart, or a shared disk).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from hpsearch.search import retry
+from hpsearch.storage import budget, registry
+from hpsearch.storage.errors import StorageError
+from hpsearch.storage.open import Storage
+
+log = logging.getLogger(__name__)
+
+WORKER_LOST = "worker_lost"
+
+
+@dataclass(frozen=True)
+class Reaped:
+    trial_number: int
+    worker: str
+    host: str
+    heartbeat_age_s: float
+    retried: bool
+
+
+def reap(
+    storage: Storage, study_name: str, *, max_retries: int, grace_s: float | None = None, orphans: bool = False
+) -> list[Reaped]:
+    """One pass: fail and retry every trial whose worker is past the grace period.
+
+    ``orphans`` also looks at budget slots whose worker vanished before the registry knew its
+    trial (a window of milliseconds); that scan reads every slot, so the background reaper
+    leaves it to `hpsearch reap` and to workers that find the budget used up.
+    """
+    stale = registry.stale_trials(storage.db, study_name, grace_s=grace_s)
+    if not stale and not orphans:
+        return []
+    study = optuna.load_study(study_name=study_name, storage=storage.optuna)
+    reaped = []
+    for s in stale:
+        # Of several reapers (every worker runs one), exactly one wins each trial.
+        if not registry.release_stale(storage.db, s):
+            continue
+        log.warning(
+            "trial %d: worker %s on %s has not beaten for %.0fs; failing it for a retry",
+            s.trial_number,
+            s.worker,
+            s.host,
+            s.heartbeat_age_s,
+        )
+        retried = _fail_for_retry(storage, study, s.trial_number, max_retries)
+        if retried is not None:
+            reaped.append(Reaped(s.trial_number, s.worker, s.host, s.heartbeat_age_s, retried))
+    if not orphans:
+        return reaped
+    grace = grace_s if grace_s is not None else registry.MISSED_BEATS * registry.heartbeat_interval()
+    running = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    for slot, number in budget.orphaned_slots(storage.db, study_name, older_than_s=grace):
+        if number is not None and number not in running:
+            continue  # a finished trial keeps its slot
+        if number is None:
+            log.warning("budget slot %d was claimed by a worker that vanished before its trial began", slot)
+            budget.release_slot(storage.db, study_name, slot=slot)
+            continue
+        retried = _fail_for_retry(storage, study, number, max_retries)
+        if retried is not None:
+            log.warning("trial %d: its worker vanished as the trial began; failing it for a retry", number)
+            reaped.append(Reaped(number, "unknown", "unknown", grace, retried))
+    return reaped
+
+
+def _fail_for_retry(storage: Storage, study: optuna.Study, number: int, max_retries: int) -> bool | None:
+    """Hand a running trial back for a retry; None if it is not running (nothing to do)."""
+    study_id = storage.optuna.get_study_id_from_name(study.study_name)
+    trial_id = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, number)
+    trial = storage.optuna.get_trial(trial_id)
+    if trial.state != TrialState.RUNNING:
+        return None  # its supervisor already handed it back, or it finished in time
+    resume = trial.user_attrs.get(retry.RESUME_CHECKPOINT)
+    return retry.hand_back(
+        storage,
+        study,
+        trial_id,
+        reason=WORKER_LOST,
+        resume_from=Path(resume) if resume else None,
+        max_retries=max_retries,
+        local=False,
+    )
+
+
+class Reaper:
+    """A worker's background reaper: one pass every third of a heartbeat interval.
+
+    It only reaps once its own connection to the database has been healthy for a whole grace
+    period. After a database outage every worker's heartbeat is old at once; reaping then
+    would fail trials that are training fine and are about to beat again.
+    """
+
+    def __init__(self, storage: Storage, study_name: str, *, max_retries: int, interval_s: float) -> None:
+        self.storage, self.study_name, self.max_retries = storage, study_name, max_retries
+        self.poll_s = interval_s / 3
+        self.grace_s = registry.MISSED_BEATS * interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hpsearch-reaper", daemon=True)
+
+    def __enter__(self) -> Reaper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        healthy_since: float | None = None
+        while not self._stop.wait(self.poll_s):
+            began = time.monotonic()
+            try:
+                self.storage.db.now()
+            except StorageError:
+                healthy_since = None
+                continue
+            now = time.monotonic()
+            # A slow answer means the storage layer was retrying through an outage.
+            if healthy_since is None or now - began > self.poll_s:
+                healthy_since = now
+            if now - healthy_since < self.grace_s:
+                continue
+            try:
+                reap(self.storage, self.study_name, max_retries=self.max_retries)
+            except StorageError as err:
+                log.warning("reaping stale trials failed: %s", err)
+                healthy_since = None

@@ -1,0 +1,53 @@
+"""Attention kernels: SDPA, with the CPU's bf16 weak spot worked around.
+
+Under bf16 autocast on CPU, PyTorch runs scaled_dot_product_attention in bf16, and its CPU
+kernels are slow there: on this project's test machine (AMD EPYC, AVX512-BF16) a BERT-sized
+attention took 5x longer in bf16 than in fp32, while bf16 matmuls ran 2x faster. So on CPU
+the linear layers keep bf16 and only attention is computed in fp32 (a few percent of the
+model's FLOPs at fine-tuning lengths). GPUs keep bf16 attention: there it is the fast path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+NAME = "hpsearch_sdpa"
+"""The attention implementation's registered name (transformers' AttentionInterface)."""
+
+
+def sdpa_fp32_on_cpu(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.device.type != "cpu" or query.dtype == torch.float32:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    dtype = query.dtype
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.float()
+    # Autocast would cast fp32 inputs straight back to bf16 for SDPA.
+    with torch.autocast("cpu", enabled=False):
+        out, weights = sdpa_attention_forward(
+            module, query.float(), key.float(), value.float(), attention_mask, **kwargs
+        )
+    return out.to(dtype), weights
+
+
+def use_fast_attention(model: torch.nn.Module, device: torch.device, precision: str) -> None:
+    """Switch a model loaded with "sdpa" to the fp32-on-CPU variant when that is faster."""
+    if device.type != "cpu" or precision != "bf16":
+        return
+    config: Any = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, sdpa_fp32_on_cpu)
+    model.set_attn_implementation(NAME)  # type: ignore[operator]
