@@ -102,7 +102,8 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         torch.backends.cudnn.allow_tf32 = True
     from hpsearch.trainer.distributed import World
 
-    # A device group's peer ranks start first: they load while this process opens the study.
+    # A device group's peer ranks start first and join this rank's process group; they stay
+    # for every trial of this worker (see ranks.py).
     peers = None
     if args.peer_devices:
         peers = ranks.Peers(args.device, args.peer_devices, args.name, args.output_dir, args.threads)
