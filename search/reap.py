@@ -39,20 +39,28 @@ class Reaped:
 
 
 def reap(
-    storage: Storage, study_name: str, *, max_retries: int, grace_s: float | None = None, orphans: bool = False
+    storage: Storage,
+    study_name: str,
+    *,
+    max_retries: int,
+    grace_s: float | None = None,
+    orphans: bool = False,
+    stale: bool = True,
 ) -> list[Reaped]:
     """One pass: fail and retry every trial whose worker is past the grace period.
 
     ``orphans`` also looks at budget slots whose worker vanished before the registry knew its
     trial (a window of milliseconds); that scan reads every slot, so the background reaper
-    leaves it to `hpsearch reap` and to workers that find the budget used up.
+    leaves it to `hpsearch reap` and to workers that find the budget used up. ``stale=False``
+    skips the heartbeat rows: only a reaper that knows its own connection was healthy for a
+    whole grace period (``Reaper``, or a user running `hpsearch reap`) should judge those.
     """
-    stale = registry.stale_trials(storage.db, study_name, grace_s=grace_s)
-    if not stale and not orphans:
+    stale_rows = registry.stale_trials(storage.db, study_name, grace_s=grace_s) if stale else []
+    if not stale_rows and not orphans:
         return []
     study = optuna.load_study(study_name=study_name, storage=storage.optuna)
     reaped = []
-    for s in stale:
+    for s in stale_rows:
         # Of several reapers (every worker runs one), exactly one wins each trial.
         if not registry.release_stale(storage.db, s):
             continue

@@ -224,7 +224,8 @@ class Worker:
         one is freed (or its trial retried) at once.
         """
         study, retries = self.args.study, self.spec.search.max_retries
-        reap.reap(self.storage, study, max_retries=retries, orphans=True)
+        # Stale heartbeat rows are left to the Reaper thread, which knows our connection was healthy.
+        reap.reap(self.storage, study, max_retries=retries, orphans=True, stale=False)
         if budget.used_slots(self.storage.db, study) < studies.n_trials(self.study, self.spec):
             return True
         waiting = registry.stale_trials(self.storage.db, study, missed_beats=1.5)
