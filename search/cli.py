@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     start = sub.add_parser("start", help="create or resume a study and run workers on this host's devices")
-    start.add_argument("--study", required=True, help="study name (a built-in preset: bert-lr)")
+    start.add_argument("--study", required=True, help="study name (built-in presets: bert-lr, gpt2-lr)")
     start.add_argument(
         "--config", metavar="FILE", type=Path, help="study spec (.toml); default ./STUDY.toml or a preset"
     )
@@ -162,7 +162,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     spec = _spec_for_start(args, url)
     if args.n_trials is not None:
         spec.search.n_trials = args.n_trials
-    _check_inputs(spec)
+    device_list = devices.group(device_list, spec.train.devices_per_trial, args.devices)
+    _check_inputs(spec, args.output_dir)
     storage = open_storage(url, create=True)
     try:
         studies.check_spec_before_create(storage, args.study, spec)
@@ -182,7 +183,6 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from hpsearch.search import devices, study as studies
-    from hpsearch.search.spec import resolved
     from hpsearch.storage import urls
     from hpsearch.storage.open import open_storage
 
@@ -193,7 +193,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         spec = studies.stored_spec(storage, args.study)
     finally:
         storage.close()
-    _check_inputs(resolved(spec))
+    device_list = devices.group(device_list, spec.train.devices_per_trial, args.devices)
+    _check_inputs(spec, args.output_dir)
     return _run_and_report(args, url, device_list)
 
 
@@ -317,15 +318,15 @@ def _spec_for_start(args: argparse.Namespace, url: str) -> Any:
     )
 
 
-def _check_inputs(spec: Any) -> None:
+def _check_inputs(spec: Any, output_dir: Path) -> None:
     """Read the data and the tokenizer once before any worker starts (and before storage is
     touched), so bad input is one clear line, not N failed trials."""
     from hpsearch.search.spec import resolved
     from hpsearch.trainer.dataset import read_splits
     from hpsearch.trainer.model import load_tokenizer
 
-    spec = resolved(spec)
-    read_splits(spec.data)
+    spec = resolved(spec, output_dir)
+    read_splits(spec.data, spec.model.task)
     load_tokenizer(spec.model.name)
 
 

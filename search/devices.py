@@ -12,12 +12,20 @@ class DeviceError(ValueError):
 
 @dataclass(frozen=True)
 class Device:
+    """What one worker process trains on: one device, or a group of them (its first one and
+    ``peers``, the others, for train.devices_per_trial > 1)."""
+
     kind: str  # "cuda" or "cpu"
     index: int  # GPU index as the host numbers it, or the CPU worker's ordinal
+    peers: tuple[int, ...] = ()
 
     @property
     def label(self) -> str:
-        return f"{self.kind}:{self.index}"
+        return f"{self.kind}:{'+'.join(str(i) for i in (self.index, *self.peers))}"
+
+    @property
+    def count(self) -> int:
+        return 1 + len(self.peers)
 
 
 def visible_gpus() -> list[int]:
@@ -56,17 +64,40 @@ def parse(value: str | None) -> list[Device]:
     return [Device("cuda", i) for i in indices]
 
 
+def group(devices: list[Device], per_trial: int, flag: str | None) -> list[Device]:
+    """The devices in groups of ``per_trial`` (train.devices_per_trial), one worker per group.
+
+    With no ``--devices`` on a host without GPUs, the default is one group of CPU ranks.
+    """
+    if per_trial == 1:
+        return devices
+    if flag is None and devices == [Device("cpu", 0)]:
+        devices = [Device("cpu", i) for i in range(per_trial)]
+    if len(devices) % per_trial:
+        kind = devices[0].kind
+        example = f"cpu:{per_trial}" if kind == "cpu" else ",".join(str(d.index) for d in devices[:per_trial])
+        raise DeviceError(
+            f"--devices {flag or '(all GPUs)'}: {len(devices)} devices cannot be split into groups of "
+            f"train.devices_per_trial = {per_trial}; give a multiple of {per_trial} devices "
+            f"(e.g. --devices {example}) or change train.devices_per_trial"
+        )
+    return [
+        Device(devices[i].kind, devices[i].index, tuple(d.index for d in devices[i + 1 : i + per_trial]))
+        for i in range(0, len(devices), per_trial)
+    ]
+
+
 def threads_per_worker(devices: list[Device]) -> int | None:
-    """CPU workers split the cores, or take ``OMP_NUM_THREADS`` each when it is set; GPU
+    """CPU ranks split the cores, or take ``OMP_NUM_THREADS`` each when it is set; GPU
     workers keep torch's default.
 
     On a machine shared with other jobs, fewer threads than cores is often faster: OpenMP
     threads that wait for a busy core stall every operation of the step.
     """
-    cpu = [d for d in devices if d.kind == "cpu"]
+    cpu = sum(d.count for d in devices if d.kind == "cpu")  # a device group runs one rank per device
     if not cpu:
         return None
     omp = os.environ.get("OMP_NUM_THREADS", "").strip()
     if omp.isdigit() and int(omp) > 0:
         return int(omp)
-    return max(1, (os.cpu_count() or 1) // len(cpu))
+    return max(1, (os.cpu_count() or 1) // cpu)

@@ -19,7 +19,7 @@ from typing import Any
 
 import optuna
 
-from hpsearch.search import progress, retry, study as studies, worker
+from hpsearch.search import progress, ranks, retry, study as studies, worker
 from hpsearch.search.devices import Device, threads_per_worker
 from hpsearch.storage import registry
 from hpsearch.storage.open import open_storage
@@ -90,6 +90,7 @@ class Supervisor:
             threads=self.threads,
             log_level=self.log_level,
             device_label=device.label,
+            peer_devices=device.peers,  # the worker spawns a peer rank per other device of its group
         )
         parent_conn, child_conn = self.ctx.Pipe(duplex=False)
         process = self.ctx.Process(target=worker.main, args=(args, child_conn), name=f"hpsearch-{device.label}")
@@ -134,7 +135,13 @@ class Supervisor:
             if not self.stopping:
                 self._spawn(child.device, child.crashes)
             return
-        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        if code == ranks.GROUP_RESTART:
+            # The worker recorded its failed trial; its ranks start afresh (counted as a crash).
+            how = "restart after a failed trial"
+        elif code == ranks.PEER_DIED:
+            how = "a peer rank died"
+        else:
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         log.error(
             "worker %s died unexpectedly (%s)%s",
             child.name,

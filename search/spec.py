@@ -18,10 +18,14 @@ import tomllib
 from hpsearch.trainer.config import ConfigError, DataConfig, ModelConfig, TrainConfig, from_dict
 
 SPEC_ATTR = "hpsearch_spec"
-PRESETS = ("bert-lr",)
+PRESETS = ("bert-lr", "gpt2-lr")
 # Values that may change between runs of one study: raising the budget is not a new study.
 BUDGET_KEYS = ("n_trials", "timeout_minutes", "gpu_hours", "keep_top_k", "max_disk_gb")
 PKG_SCHEME = "pkg://"
+BUILTIN_SCHEME = "builtin://"
+"""A model built from hpsearch's own code on first use (``builtin://tiny-gpt2``), under the output folder."""
+BUILTIN_MODELS = ("tiny-gpt2",)
+UNSEARCHABLE = {"devices_per_trial": "the workers' device groups are fixed when they start; set it in [train]"}
 
 
 class SpecError(ConfigError):
@@ -223,8 +227,20 @@ class StudySpec:
             raise SpecError(str(exc)) from None
         self.search.validate()
         self._validate_sampler()
-        train_keys = {f.name for f in fields(TrainConfig)}
+        if self.model.task == "causal-lm" and self.search.metric != "loss":
+            raise SpecError(
+                f'search.metric: {self.search.metric!r} is not defined for model.task = "causal-lm"; use '
+                'metric = "loss" (the validation perplexity is recorded too, as best_val_perplexity)'
+            )
+        if self.model.name.startswith(BUILTIN_SCHEME) and self.model.name[len(BUILTIN_SCHEME) :] not in BUILTIN_MODELS:
+            raise SpecError(
+                f"model.name: {self.model.name!r} is not a built-in model; built-in: "
+                + ", ".join(BUILTIN_SCHEME + m for m in BUILTIN_MODELS)
+            )
+        train_keys = {f.name for f in fields(TrainConfig)} - set(UNSEARCHABLE)
         for name, param in self.space.items():
+            if name in UNSEARCHABLE:
+                raise SpecError(f"search.space.{name}: cannot be searched: {UNSEARCHABLE[name]}")
             if name not in train_keys:
                 raise SpecError(
                     f"search.space.{name}: not a [train] key; searchable keys: {', '.join(sorted(train_keys))}"
@@ -323,7 +339,7 @@ def preset_file(name: str) -> Path | None:
 
 
 def _resolve(value: str, base_dir: Path) -> str:
-    if value.startswith(PKG_SCHEME):
+    if value.startswith((PKG_SCHEME, BUILTIN_SCHEME)):
         return value
     path = Path(value).expanduser()
     return str(path if path.is_absolute() else (base_dir / path).resolve())
@@ -349,8 +365,14 @@ def locate(value: str) -> str:
     return str(Path(str(root / inner)))
 
 
-def resolved(spec: StudySpec) -> StudySpec:
-    """The spec with pkg:// references turned into local paths (done per host, at run time)."""
+def resolved(spec: StudySpec, output_dir: Path = Path("hpsearch-runs")) -> StudySpec:
+    """The spec with pkg:// and builtin:// references turned into local paths (done per host,
+    at run time; a built-in model is built under ``output_dir/builtin`` on first use)."""
     data = replace(spec.data, train=locate(spec.data.train), validation=locate(spec.data.validation))
-    model = replace(spec.model, name=locate(spec.model.name))
+    name = spec.model.name
+    if name.startswith(BUILTIN_SCHEME):
+        from hpsearch.search.presets import tiny_gpt2
+
+        name = str(tiny_gpt2.ensure_built(output_dir.resolve() / "builtin"))
+    model = replace(spec.model, name=locate(name))
     return replace(spec, data=data, model=model)

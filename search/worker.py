@@ -20,7 +20,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import reap, retry, study as studies
+from hpsearch.search import ranks, reap, retry, study as studies
 from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import StudySpec, resolved
 from hpsearch.storage import budget, checkpoints as retention, registry
@@ -42,7 +42,9 @@ class WorkerArgs:
     threads: int | None = None
     log_level: int = logging.INFO
     device_label: str = ""
-    """The device as the registry shows it ("cuda:1", "cpu:0"); defaults to ``device``."""
+    """The device as the registry shows it ("cuda:1", "cpu:0", "cuda:0+1"); defaults to ``device``."""
+    peer_devices: tuple[int, ...] = ()
+    """The other devices of this worker's group (train.devices_per_trial > 1): one peer rank each."""
 
 
 class TrialReporter:
@@ -98,17 +100,33 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         # TF32 tensor cores for fp32 matmuls: ~free speed on Ampere and newer.
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    from hpsearch.trainer.distributed import World
+
+    # A device group's peer ranks start first and join this rank's process group; they stay
+    # for every trial of this worker (see ranks.py).
+    peers = None
+    if args.peer_devices:
+        peers = ranks.Peers(args.device, args.peer_devices, args.name, args.output_dir, args.threads)
+    world = peers.start(_device(args)) if peers else World()
     storage = open_storage(args.storage_url, create=False, retry=PATIENT_RETRY)
     try:
         # Registered (and heartbeating) from the start, so status shows a worker still loading.
         device = args.device_label or args.device
         with registry.Registration(storage.db, args.study, args.name, device) as reg:
-            worker = Worker(args, storage, stop, conn, registration=reg)
+            worker = Worker(args, storage, stop, conn, registration=reg, world=world, peers=peers)
             # Every worker also reaps trials of workers that vanished (see reap.py).
             with Reaper(storage, args.study, max_retries=worker.spec.search.max_retries, interval_s=reg.interval_s):
                 worker.run()
+    except ranks.GroupRestart as exc:
+        log.error("%s; restarting the device group", exc)
+        if peers:
+            peers.close(kill=True)
+        raise SystemExit(ranks.GROUP_RESTART) from None
     finally:
         storage.close()
+    if peers:
+        peers.close()
+        world.close()
     if stop.requested:
         # Tell the supervisor we were stopped (its trial is already handed back), so it
         # restarts us unless it is stopping too.
@@ -123,14 +141,17 @@ class Worker:
         stop: StopFlag,
         conn: Connection | None,
         registration: registry.Registration | None = None,
+        world: Any = None,
+        peers: ranks.Peers | None = None,
     ) -> None:
-        import torch
-
+        from hpsearch.trainer.distributed import World
         from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 
         self.args, self.storage, self.stop, self.conn = args, storage, stop, conn
         self.registration = registration
-        self.spec: StudySpec = resolved(studies.stored_spec(storage, args.study))
+        self.world: World = world or World()
+        self.peers = peers
+        self.spec: StudySpec = resolved(studies.stored_spec(storage, args.study), Path(args.output_dir))
         place = args.name.rsplit("/", 1)[0]  # host/device, without the pid
         n_existing = len(
             storage.optuna.get_all_trials(storage.optuna.get_study_id_from_name(args.study), deepcopy=False)
@@ -142,7 +163,7 @@ class Worker:
             sampler=studies.make_sampler(self.spec, seed),
             pruner=studies.make_pruner(self.spec),
         )
-        self.device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+        self.device = _device(args)
         self.tokenizer = load_tokenizer(self.spec.model.name)
         self.models = PretrainedCache()
         self.root = Path(args.output_dir) / args.study
@@ -155,7 +176,8 @@ class Worker:
             # One cache folder for every study under this output folder: same files, same
             # tokenizer and max_length are tokenised once per host, whatever the study.
             cache = Path(self.args.output_dir) / "token-cache"
-            self._data = prepare(self.spec.data, self.tokenizer, self.spec.model.max_length, cache)
+            model = self.spec.model
+            self._data = prepare(self.spec.data, self.tokenizer, model.max_length, cache, task=model.task)
         return self._data
 
     def run(self) -> None:
@@ -179,6 +201,8 @@ class Worker:
                 self.registration.trial_started(trial.number)
             try:
                 self.run_trial(trial)
+            except ranks.GroupRestart:
+                raise  # the failure is recorded; the device group's ranks must start afresh
             except Exception:
                 if not self._finished_elsewhere(trial):
                     raise
@@ -236,8 +260,16 @@ class Worker:
         log.info("trial %d starts: %s", trial.number, params)
         started = time.monotonic()  # first_step_seconds and device time count from here
         try:
+            if self.peers is not None:
+                # First, so the peers prepare their copy while this rank prepares its own.
+                spec = self.spec
+                resume_from = str(resume) if resume else None
+                job = ranks.TrialJob(
+                    trial.number, spec.model, spec.data, cfg, spec.search.metric, str(out_dir), resume_from
+                )
+                self.peers.run(job)
             data = self.data()
-            model = self.models.fresh(self.spec.model.name, data.labels.num_labels, data.labels.id2label(), cfg.seed)
+            model = self.models.trial_model(self.spec.model.name, data.labels, cfg.seed)
             run = Run(
                 model=model,
                 tokenizer=self.tokenizer,
@@ -250,6 +282,7 @@ class Worker:
                 should_stop=self.stop,
                 meta={"study": self.args.study, "trial": trial.number, "params": params},
                 started=started,
+                world=self.world,
             )
             result = fit(run, reporter)
         except CheckpointError as exc:
@@ -263,12 +296,14 @@ class Worker:
         finally:
             logging.getLogger().removeHandler(handler)
             handler.close()
-        # Device time of this attempt, added to earlier attempts' (the gpu_hours budget);
-        # recorded before the trial is told, since a finished trial takes no more attributes.
-        spent = trial.user_attrs.get(studies.DEVICE_SECONDS, 0.0) + time.monotonic() - started
-        trial.set_user_attr(studies.DEVICE_SECONDS, round(spent, 3))
+        # Device time of this attempt (x its devices), added to earlier attempts' (the gpu_hours
+        # budget); recorded before the trial is told, since a finished trial takes no more attributes.
+        spent = (time.monotonic() - started) * self.world.size
+        trial.set_user_attr(studies.DEVICE_SECONDS, round(trial.user_attrs.get(studies.DEVICE_SECONDS, 0.0) + spent, 3))
         if failure is not None:
             self._fail(trial, failure)
+            if self.world.size > 1:
+                raise ranks.GroupRestart(f"trial {trial.number} failed on a {self.world.size}-device group")
             return
         if result.status in ("pruned", "failed"):
             # Never in the top k: only complete trials compete for a kept checkpoint.
@@ -348,6 +383,8 @@ class Worker:
         self.study.tell(trial, state=TrialState.FAIL)
 
     def _device_name(self) -> str:
+        if self.world.size > 1:
+            return self.args.device_label
         if self.device.type == "cuda":
             import torch
 
@@ -357,6 +394,13 @@ class Worker:
     def _notify(self, *message: Any) -> None:
         if self.conn is not None:
             self.conn.send(message)
+
+
+def _device(args: WorkerArgs) -> Any:
+    import torch
+
+    # The supervisor narrowed CUDA_VISIBLE_DEVICES to this worker's GPU: it is always cuda:0.
+    return torch.device("cuda:0" if args.device == "cuda" else "cpu")
 
 
 def _trial_log(out_dir: Path) -> logging.Handler:

@@ -255,7 +255,8 @@ class WorkerView:
     current_trial: int | None
     trials_finished: int
     device_seconds: float
-    """Finished trials plus the running one (up to the last heartbeat for a lost worker)."""
+    """Finished trials plus the running one (up to the last heartbeat for a lost worker), times
+    the worker's devices: a worker that trains each trial on "cuda:0+1" uses two GPUs."""
 
     @property
     def is_gpu(self) -> bool:
@@ -292,6 +293,7 @@ def _view(r: WorkerRecord, now: float) -> WorkerView:
     if r.trial_started_at is not None:
         # A lost worker stopped using its device at its last heartbeat, as far as anyone knows.
         seconds += max(0.0, (now if state == "live" else r.heartbeat_at) - r.trial_started_at)
+    seconds *= 1 + r.device.count("+")  # a device group's label joins its devices with "+"
     return WorkerView(
         name=r.name,
         host=r.host,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny import build_tiny_bert, write_demo_split
+from tests.tiny import build_tiny_bert, build_tiny_gpt2, write_demo_split, write_lm_split
 
 PG_ADMIN_URL = os.environ.get("HPSEARCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -25,6 +25,48 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def demo_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("data")
     return write_demo_split(root / "train.jsonl", 320, 1), write_demo_split(root / "dev.jsonl", 96, 2)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_gpt2(tmp_path_factory.mktemp("tiny-gpt2") / "model")
+
+
+@pytest.fixture(scope="session")
+def lm_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Causal-LM text rows ({"text": ...}): train and validation."""
+    root = tmp_path_factory.mktemp("lm-data")
+    return write_lm_split(root / "train.jsonl", 192, 1), write_lm_split(root / "dev.jsonl", 48, 2)
+
+
+def lm_spec_text(model: Path, train: Path, dev: Path, *, extra_train: str = "", search: str = "") -> str:
+    """A causal-LM spec for a tiny model: a few optimizer steps, fp32, median pruning."""
+    return f"""
+[model]
+name = "{model}"
+task = "causal-lm"
+max_length = 48
+[data]
+train = "{train}"
+validation = "{dev}"
+[train]
+learning_rate = 3e-3
+batch_size = 16
+micro_batch_size = 8
+epochs = 1
+eval_every = 4
+precision = "fp32"
+resume_every_minutes = 0
+{extra_train}
+[search]
+n_trials = 1
+sampler = "random"
+pruner = "median"
+metric = "loss"
+{search}
+[search.space]
+learning_rate = {{ type = "float", low = 1e-4, high = 3e-2, log = true }}
+"""
 
 
 def spec_text(

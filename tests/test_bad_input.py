@@ -7,7 +7,11 @@ from pathlib import Path
 import pytest
 
 from hpsearch.search.cli import main
-from tests.conftest import hpsearch, spec_text
+from tests.conftest import hpsearch, lm_spec_text, spec_text
+
+
+def _causal_lm(spec: str) -> str:
+    return spec.replace("max_length = 32", 'max_length = 32\ntask = "causal-lm"')
 
 
 class Result:
@@ -70,6 +74,34 @@ SPEC_CASES = [
     ("unknown_table", lambda s: s + "\n[optimizer]\nname = 'sgd'\n", "optimizer: unknown table"),
     ("not_toml", lambda s: s.replace("[model]", "[model"), "not valid TOML"),
     ("missing_model", lambda s: s.replace("[model]\nname", "[model]\nnam"), "model.nam"),
+    ("bad_task", lambda s: s.replace("max_length = 32", 'max_length = 32\ntask = "seq2seq"'), "model.task"),
+    (
+        "causal_lm_accuracy",
+        lambda s: _causal_lm(s).replace('metric = "loss"', 'metric = "accuracy"'),
+        'search.metric: \'accuracy\' is not defined for model.task = "causal-lm"; use metric = "loss"',
+    ),
+    (
+        "devices_per_trial_zero",
+        lambda s: s.replace("[train]", "[train]\ndevices_per_trial = 0"),
+        "train.devices_per_trial: 0 must be between 1 and 64",
+    ),
+    (
+        "global_batch_not_multiple",
+        lambda s: s.replace("[train]", "[train]\ndevices_per_trial = 4"),
+        "train.batch_size: 32 must be a multiple of micro_batch_size x devices_per_trial (16 x 4)",
+    ),
+    (
+        "devices_per_trial_searched",
+        lambda s: s.replace(
+            "[search.space]", '[search.space]\ndevices_per_trial = { type = "categorical", choices = [1, 2] }'
+        ),
+        "search.space.devices_per_trial: cannot be searched",
+    ),
+    (
+        "unknown_builtin_model",
+        lambda s: s.replace('name = "', 'name = "builtin://gpt5"\n# "', 1),
+        "model.name: 'builtin://gpt5' is not a built-in model; built-in: builtin://tiny-gpt2",
+    ),
     (
         "space_choice_invalid",
         lambda s: s.replace(
@@ -139,6 +171,57 @@ def test_bad_train_data(
     spec = tmp_path / "s.toml"
     spec.write_text(spec_text(tiny_model, make(tmp_path), demo_files[1]))
     _assert_refused(cli, spec, tmp_path, expected)
+
+
+LM_DATA_CASES = [
+    ("empty_file", lambda d: _write(d / "empty.jsonl", ""), "has no rows"),
+    (
+        "no_text_field",
+        lambda d: _write(d / "cols.jsonl", '{"sentence": "hi"}\n'),
+        "row at line 1 has no column 'text' (nor 'prompt' + 'response'; columns: sentence)",
+    ),
+    (
+        "prompt_without_response",
+        lambda d: _write(d / "p.jsonl", '{"text": "fine"}\n{"prompt": "q"}\n'),
+        "row at line 2 has no column 'text' (nor 'prompt' + 'response'",
+    ),
+    ("empty_response", lambda d: _write(d / "e.jsonl", '{"prompt": "q", "response": " "}\n'), "'response' is empty"),
+    ("text_not_string", lambda d: _write(d / "n.jsonl", '{"text": 3}\n'), "line 1: 'text' must be text, got 3"),
+]
+
+
+@pytest.mark.parametrize("name,make,expected", LM_DATA_CASES, ids=[c[0] for c in LM_DATA_CASES])
+def test_bad_causal_lm_data(
+    cli, tmp_path: Path, tiny_gpt2: Path, lm_files: tuple[Path, Path], name: str, make, expected: str
+) -> None:
+    spec = tmp_path / "s.toml"
+    spec.write_text(lm_spec_text(tiny_gpt2, make(tmp_path), lm_files[1]))
+    _assert_refused(cli, spec, tmp_path, expected)
+
+
+def test_devices_not_divisible_by_devices_per_trial(
+    cli, tmp_path: Path, tiny_gpt2: Path, lm_files: tuple[Path, Path]
+) -> None:
+    spec = tmp_path / "s.toml"
+    spec.write_text(lm_spec_text(tiny_gpt2, *lm_files, extra_train="devices_per_trial = 2"))
+    db = tmp_path / "study.db"
+    result = cli(
+        "start",
+        "--study",
+        "x",
+        "--config",
+        str(spec),
+        "--storage",
+        f"sqlite:///{db}",
+        "--devices",
+        "cpu:3",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2 and not db.exists()
+    assert result.stderr.strip().splitlines() == [
+        "hpsearch start: error: --devices cpu:3: 3 devices cannot be split into groups of train.devices_per_trial "
+        "= 2; give a multiple of 2 devices (e.g. --devices cpu:2) or change train.devices_per_trial"
+    ]
 
 
 def test_validation_label_unseen_in_training(

@@ -13,7 +13,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from tests.conftest import spec_text
+from tests.conftest import lm_spec_text, spec_text
 
 
 def _spawned_workers(parent: int) -> list[int]:
@@ -44,7 +44,7 @@ def _slow_spec(tmp_path: Path, model: Path, data: tuple[Path, Path], n_trials: i
     return spec
 
 
-def _start(tmp_path: Path, spec: Path, url: str, **env: str) -> subprocess.Popen[str]:
+def _start(tmp_path: Path, spec: Path, url: str, devices: str = "cpu:1", **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [
             sys.executable,
@@ -58,7 +58,7 @@ def _start(tmp_path: Path, spec: Path, url: str, **env: str) -> subprocess.Popen
             "--storage",
             url,
             "--devices",
-            "cpu:1",
+            devices,
             "--output-dir",
             str(tmp_path / "runs"),
         ],
@@ -121,6 +121,34 @@ def test_killed_worker_trial_is_retried_from_its_checkpoint(
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
     _assert_recovered(pg_url, 2, reason)
+
+
+def test_a_dead_peer_rank_hands_the_trial_back_and_the_group_restarts(
+    tmp_path: Path, tiny_gpt2: Path, lm_files: tuple[Path, Path], sqlite_url: str
+) -> None:
+    spec = tmp_path / "dp.toml"
+    # 192 examples, batch 16 in micro-batches of 2: 12 slow-ish steps per epoch, 3 epochs.
+    spec.write_text(
+        lm_spec_text(tiny_gpt2, *lm_files, extra_train="devices_per_trial = 2\nepochs = 3", search="max_retries = 2")
+        .replace("micro_batch_size = 8", "micro_batch_size = 2")
+        .replace("epochs = 1\n", "")
+        .replace('pruner = "median"', 'pruner = "none"')
+    )
+    proc = _start(tmp_path, spec, sqlite_url, devices="cpu:2")
+    try:
+        _wait_for_report(sqlite_url, min_step=4)
+        (rank0,) = _spawned_workers(proc.pid)
+        (rank1,) = _spawned_workers(rank0)
+        os.kill(rank1, signal.SIGKILL)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert f"peer rank 1 (pid {rank1}) died (signal SIGKILL)" in err
+    _assert_recovered(sqlite_url, 1, "worker_crash (a peer rank died)")
+    retry = optuna.load_study(study_name="f", storage=sqlite_url).best_trial
+    digests = retry.user_attrs["rank_parameter_digests"]
+    assert len(digests) == 2 and digests[0] == digests[1], "the restarted ranks resumed the same state"
 
 
 def test_sigterm_of_start_hands_back_and_next_start_resumes(

@@ -1,11 +1,11 @@
-"""A tiny BERT and its tokenizer, built locally (no hub), for fast real training on CPU."""
+"""A tiny BERT and a tiny GPT-2 with their tokenizers, built locally (no hub), for fast real training on CPU."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from hpsearch.search.presets import demo_data
+from hpsearch.search.presets import demo_data, tiny_gpt2
 
 
 def build_tiny_bert(folder: Path, *, hidden: int = 32, layers: int = 2, dropout: float = 0.1) -> Path:
@@ -45,4 +45,22 @@ def write_demo_split(path: Path, n: int, seed: int, *, label_as: str = "string")
         for row in demo_data.generate(n, seed):
             label: object = row["label"] if label_as == "string" else int(row["label"] == "positive")
             f.write(json.dumps({"text": row["text"], "label": label}) + "\n")
+    return path
+
+
+def build_tiny_gpt2(folder: Path, *, dropout: float = 0.1) -> Path:
+    """The gpt2-lr preset's tiny causal LM (2 layers, 64 wide, byte-level BPE), built locally."""
+    return tiny_gpt2.build(folder, dropout=dropout)
+
+
+def write_lm_split(path: Path, n: int, seed: int, *, pairs: bool = False) -> Path:
+    """Causal-LM rows: {"text": ...}, or {"prompt": review, "response": verdict} with ``pairs``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for row in demo_data.generate(n, seed):
+            if pairs:
+                record = {"prompt": f"{row['text']}. verdict:", "response": f" {row['label']}"}
+            else:
+                record = {"text": f"{row['text']}. verdict: {row['label']}"}
+            f.write(json.dumps(record) + "\n")
     return path

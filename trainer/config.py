@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+TASKS = ("classification", "causal-lm")
 
 
 class ConfigError(ValueError):
@@ -23,13 +24,19 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = ""
-    """Local path or hub id, loaded with AutoModelForSequenceClassification + AutoTokenizer."""
+    """Local path or hub id, loaded with AutoTokenizer and AutoModelForSequenceClassification
+    (task "classification") or AutoModelForCausalLM (task "causal-lm")."""
     max_length: int = 128
     """Tokens per example; longer texts are truncated."""
+    task: Literal["classification", "causal-lm"] = "classification"
+    """classification: text -> label, objective loss/accuracy/f1. causal-lm: next-token
+    prediction on text (or on the response of a prompt/response pair), objective loss."""
 
     def validate(self, where: str = "model") -> None:
         if not self.name:
             raise ConfigError(f"{where}.name: missing; set it to a local model folder or a hub id")
+        if self.task not in TASKS:
+            raise ConfigError(f"{where}.task: {self.task!r} must be one of {', '.join(TASKS)}")
         if not 8 <= self.max_length <= 65536:
             raise ConfigError(f"{where}.max_length: {self.max_length} must be between 8 and 65536")
 
@@ -41,15 +48,19 @@ class DataConfig:
     validation: str = ""
     """Validation file, same format; the objective is measured on it."""
     text_column: str = "text"
-    """Column (or JSON key) holding the input text."""
+    """Column (or JSON key) holding the input text (causal-lm: the whole text is trained on)."""
     label_column: str = "label"
     """Column holding the label: integers, or strings that are mapped to ids and saved."""
+    prompt_column: str = "prompt"
+    """causal-lm: a row without text_column holds a prompt here; it is not trained on."""
+    response_column: str = "response"
+    """causal-lm: the response that follows the prompt; only its tokens count in the loss."""
 
     def validate(self, where: str = "data") -> None:
         for name in ("train", "validation"):
             if not getattr(self, name):
                 raise ConfigError(f"{where}.{name}: missing; set it to a .jsonl, .csv or .tsv file")
-        for name in ("text_column", "label_column"):
+        for name in ("text_column", "label_column", "prompt_column", "response_column"):
             if not getattr(self, name):
                 raise ConfigError(f"{where}.{name}: must not be empty")
 
@@ -59,9 +70,10 @@ class TrainConfig:
     learning_rate: float = 5e-5
     """Peak learning rate of AdamW, reached after warm-up, then decayed linearly to 0."""
     batch_size: int = 32
-    """Effective batch: examples per optimizer step (micro_batch_size x accumulation steps)."""
+    """Effective (global) batch: examples per optimizer step, summed over the trial's devices
+    (micro_batch_size x devices_per_trial x accumulation steps)."""
     micro_batch_size: int | Literal["auto"] = 16
-    """Examples per forward pass; "auto" picks the largest that fits, up to batch_size."""
+    """Examples per forward pass on one device; "auto": batch_size / devices_per_trial."""
     epochs: int = 1
     """Passes over the training data."""
     max_steps: int = 0
@@ -82,6 +94,12 @@ class TrainConfig:
     """Batch examples of similar length together (shuffled buckets) to avoid padding."""
     compile: bool = False
     """Wrap the model in torch.compile (worth it for long trials on GPU)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass instead of storing them: far less memory
+    for ~30% more compute (for models or sequences that do not fit otherwise)."""
+    devices_per_trial: int = 1
+    """Devices of one host that train one trial together, data-parallel (DDP); the workers
+    of a host get the devices in groups of this size."""
     resume_every_minutes: float = 5.0
     """Minimum minutes between resumable checkpoints (model + optimizer state, written at a
     validation point; 0 = at every validation point). A crash loses at most this much work;
@@ -94,13 +112,26 @@ class TrainConfig:
 
         rule(self.learning_rate > 0, "learning_rate", "must be > 0")
         rule(self.batch_size >= 1, "batch_size", "must be >= 1")
-        if self.micro_batch_size != "auto":
+        rule(1 <= self.devices_per_trial <= 64, "devices_per_trial", "must be between 1 and 64")
+        n = self.devices_per_trial
+        if self.micro_batch_size == "auto":
+            rule(self.batch_size % n == 0, "batch_size", f"must be divisible by devices_per_trial ({n})")
+        else:
             rule(self.micro_batch_size >= 1, "micro_batch_size", 'must be >= 1 or "auto"')
-            rule(
-                self.batch_size % self.micro_batch_size == 0,
-                "micro_batch_size",
-                f"must divide batch_size ({self.batch_size})",
-            )
+            if n == 1:
+                rule(
+                    self.batch_size % self.micro_batch_size == 0,
+                    "micro_batch_size",
+                    f"must divide batch_size ({self.batch_size})",
+                )
+            else:
+                # batch_size is the global batch: every device runs the same number of micro-batches.
+                per_step = self.micro_batch_size * n
+                rule(
+                    self.batch_size % per_step == 0,
+                    "batch_size",
+                    f"must be a multiple of micro_batch_size x devices_per_trial ({self.micro_batch_size} x {n})",
+                )
         rule(self.epochs >= 1, "epochs", "must be >= 1")
         rule(self.max_steps >= 0, "max_steps", "must be >= 0 (0 = no cap)")
         rule(self.eval_every >= 1, "eval_every", "must be >= 1")

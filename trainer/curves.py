@@ -106,7 +106,7 @@ def event(
 class Curves:
     """Writes one trial's curves to ``<out_dir>/tensorboard/events.out.tfevents.*``."""
 
-    def __init__(self, out_dir: Path, device: torch.device) -> None:
+    def __init__(self, out_dir: Path, device: torch.device, *, enabled: bool = True) -> None:
         self.device = device
         folder = out_dir / FOLDER
         # One file per attempt: a resumed trial continues the same curve in a second file,
@@ -115,6 +115,9 @@ class Curves:
         self.path: Path | None = folder / f"{name}.{id(self)}"
         self._last_examples = 0
         self._last_seconds = 0.0
+        if not enabled:  # data-parallel ranks other than 0: one curve per trial
+            self.path = None
+            return
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -133,7 +136,7 @@ class Curves:
         self.write(step, scalars)
 
     def validation(self, step: int, metrics: Any) -> None:
-        self.write(step, {"validation/loss": metrics.loss, "validation/accuracy": metrics.accuracy})
+        self.write(step, {f"validation/{name}": value for name, value in metrics.values().items()})
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         self._append(event(time.time(), step=step, scalars={k: float(v) for k, v in scalars.items()}))

@@ -7,7 +7,7 @@ import functools
 import json
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,25 +27,9 @@ class Rows:
 
 def read_rows(path: Path, text_column: str, label_column: str) -> Rows:
     """Read (text, label) pairs from a .jsonl, .csv or .tsv file, with errors that say where."""
-    if not path.exists():
-        raise DataError(f"data file {path} does not exist; check the path in the spec's [data] table")
-    if path.is_dir():
-        raise DataError(f"data file {path} is a folder; point [data] at a .jsonl, .csv or .tsv file")
-    suffix = path.suffix.lower()
-    if suffix not in SUFFIXES:
-        raise DataError(f"data file {path}: unsupported extension {suffix!r}; use .jsonl, .csv or .tsv")
-    try:
-        raw = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise DataError(
-            f"data file {path} is not UTF-8 (bad byte at offset {exc.start}); re-save it as UTF-8"
-        ) from None
-    records = _read_jsonl(raw, path) if suffix == ".jsonl" else _read_table(raw, path, suffix)
-    if not records:
-        raise DataError(f"data file {path} has no rows; it needs a header and at least one example")
     texts: list[str] = []
     labels: list[Any] = []
-    for line_no, record in records:
+    for line_no, record in read_records(path):
         for column in (text_column, label_column):
             if column not in record:
                 known = ", ".join(sorted(record)) or "none"
@@ -62,6 +46,60 @@ def read_rows(path: Path, text_column: str, label_column: str) -> Rows:
         texts.append(text)
         labels.append(label)
     return Rows(texts, labels, path)
+
+
+@dataclass(frozen=True)
+class TextRows:
+    """Causal-LM rows: the text trained on, after a prompt that is not (empty for plain text)."""
+
+    prompts: list[str]
+    texts: list[str]
+    path: Path
+
+
+def read_text_rows(path: Path, text_column: str, prompt_column: str, response_column: str) -> TextRows:
+    """Read causal-LM rows: each has ``text_column``, or ``prompt_column`` and ``response_column``."""
+    prompts: list[str] = []
+    texts: list[str] = []
+    for line_no, record in read_records(path):
+        columns = (text_column,) if text_column in record else (prompt_column, response_column)
+        if not all(c in record for c in columns):
+            known = ", ".join(sorted(record)) or "none"
+            raise DataError(
+                f"data file {path}: row at line {line_no} has no column {text_column!r} (nor {prompt_column!r} + "
+                f"{response_column!r}; columns: {known}); fix the file or set data.text_column "
+                "(or data.prompt_column and data.response_column)"
+            )
+        for column in columns:
+            if not isinstance(record[column], str):
+                raise DataError(f"data file {path}: line {line_no}: {column!r} must be text, got {record[column]!r}")
+        text = record[columns[-1]]
+        if not text.strip():
+            raise DataError(f"data file {path}: line {line_no}: {columns[-1]!r} is empty; fill it or remove the row")
+        prompts.append(record[prompt_column] if len(columns) == 2 else "")
+        texts.append(text)
+    return TextRows(prompts, texts, path)
+
+
+def read_records(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, row) of a .jsonl, .csv or .tsv file; at least one row, or a DataError."""
+    if not path.exists():
+        raise DataError(f"data file {path} does not exist; check the path in the spec's [data] table")
+    if path.is_dir():
+        raise DataError(f"data file {path} is a folder; point [data] at a .jsonl, .csv or .tsv file")
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise DataError(f"data file {path}: unsupported extension {suffix!r}; use .jsonl, .csv or .tsv")
+    try:
+        raw = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"data file {path} is not UTF-8 (bad byte at offset {exc.start}); re-save it as UTF-8"
+        ) from None
+    records = _read_jsonl(raw, path) if suffix == ".jsonl" else _read_table(raw, path, suffix)
+    if not records:
+        raise DataError(f"data file {path} has no rows; it needs a header and at least one example")
+    return records
 
 
 def _read_jsonl(raw: str, path: Path) -> list[tuple[int, dict[str, Any]]]:
@@ -153,15 +191,24 @@ def _as_int(value: Any) -> int | None:
     return None
 
 
+CLASSIFICATION, CAUSAL_LM = "classification", "causal-lm"
+IGNORE_INDEX = -100
+"""Label of a token left out of the loss (cross_entropy's ignore_index): prompt and padding."""
+
+
 @dataclass
 class Encoded:
-    """A tokenised split: variable-length id lists (no padding is stored) and class ids."""
+    """A tokenised split: variable-length id lists (no padding is stored) and what they are
+    trained to predict: a class id each (classification), or their own next tokens after
+    ``prompt_lengths[i]`` prompt tokens (causal-lm)."""
 
     input_ids: list[list[int]]
-    labels: list[int]
+    labels: list[int] = field(default_factory=list)
+    prompt_lengths: list[int] = field(default_factory=list)
+    task: str = CLASSIFICATION
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return len(self.input_ids)
 
     @functools.cached_property
     def lengths(self) -> list[int]:
@@ -177,6 +224,14 @@ class Encoded:
         """Tokens the model processes for this batch once padded to its longest sequence."""
         lengths = self.lengths
         return len(indices) * max(lengths[i] for i in indices)
+
+    def targets(self, indices: Sequence[int]) -> int:
+        """What the loss is averaged over: examples, or predicted tokens for causal-lm (a
+        sequence's first token and its prompt are never predicted)."""
+        if self.task == CLASSIFICATION:
+            return len(indices)
+        lengths, prompts = self.lengths, self.prompt_lengths
+        return sum(lengths[i] - max(prompts[i], 1) for i in indices)
 
 
 def micro_batches(
@@ -204,6 +259,24 @@ def micro_batches(
     return batches
 
 
+def even_shards(batches: list[list[int]], n: int) -> list[list[int]]:
+    """Split the largest micro-batches in two until their count is a multiple of ``n``.
+
+    Data-parallel ranks take every n-th micro-batch of an optimizer step, and each must run
+    the same number of forward/backward passes (DDP all-reduces in each rank's last one), so
+    the epoch's short last step must divide evenly too. The loss is normalised by the step's
+    targets over every rank, so smaller micro-batches change no gradient.
+    """
+    batches = [list(b) for b in batches]
+    while len(batches) % n:
+        i = max(range(len(batches)), key=lambda j: (len(batches[j]), j))
+        if len(batches[i]) < 2:
+            raise ValueError(f"{sum(map(len, batches))} examples cannot feed {n} devices; use fewer devices")
+        half = len(batches[i]) // 2
+        batches[i : i + 1] = [batches[i][:half], batches[i][half:]]
+    return batches
+
+
 def eval_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     """Validation batches sorted by length: same result, far less padding."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
@@ -220,7 +293,13 @@ def collate(data: Encoded, indices: Sequence[int], pad_id: int) -> dict[str, Any
     rows = [data.input_ids[i] + [pad_id] * (width - lengths[i]) for i in indices]
     ids = torch.tensor(rows, dtype=torch.long)
     mask = torch.tensor([[1] * lengths[i] + [0] * (width - lengths[i]) for i in indices], dtype=torch.long)
-    labels = torch.tensor([data.labels[i] for i in indices], dtype=torch.long)
+    if data.task == CLASSIFICATION:
+        labels = torch.tensor([data.labels[i] for i in indices], dtype=torch.long)
+    else:
+        # A causal LM predicts its own tokens; the prompt and the padding are kept out of the loss.
+        labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+        for row, i in enumerate(indices):
+            labels[row, : data.prompt_lengths[i]] = IGNORE_INDEX
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 

@@ -15,21 +15,35 @@ from pathlib import Path
 from typing import Any
 
 from hpsearch.trainer.config import DataConfig
-from hpsearch.trainer.data import DataError, Encoded, LabelMap, Rows, read_rows
+from hpsearch.trainer.data import (
+    CAUSAL_LM,
+    CLASSIFICATION,
+    DataError,
+    Encoded,
+    LabelMap,
+    Rows,
+    TextRows,
+    read_rows,
+    read_text_rows,
+)
 
 log = logging.getLogger(__name__)
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 @dataclass
 class Splits:
-    train: Rows
-    validation: Rows
-    labels: LabelMap
+    train: Rows | TextRows
+    validation: Rows | TextRows
+    labels: LabelMap | None
+    """Classification only: label value <-> class id."""
 
 
-def read_splits(cfg: DataConfig) -> Splits:
+def read_splits(cfg: DataConfig, task: str = CLASSIFICATION) -> Splits:
     """Read both files and check their labels agree; no tokenizer needed (cheap validation)."""
+    if task == CAUSAL_LM:
+        columns = (cfg.text_column, cfg.prompt_column, cfg.response_column)
+        return Splits(read_text_rows(Path(cfg.train), *columns), read_text_rows(Path(cfg.validation), *columns), None)
     train = read_rows(Path(cfg.train), cfg.text_column, cfg.label_column)
     validation = read_rows(Path(cfg.validation), cfg.text_column, cfg.label_column)
     labels = LabelMap.fit(train.labels, train.path)
@@ -41,19 +55,22 @@ def read_splits(cfg: DataConfig) -> Splits:
 class Prepared:
     train: Encoded
     validation: Encoded
-    labels: LabelMap
+    labels: LabelMap | None
     pad_id: int
+    task: str = CLASSIFICATION
 
 
-def prepare(cfg: DataConfig, tokenizer: Any, max_length: int, cache_dir: Path | None) -> Prepared:
+def prepare(
+    cfg: DataConfig, tokenizer: Any, max_length: int, cache_dir: Path | None, task: str = CLASSIFICATION
+) -> Prepared:
     """Tokenised splits; read from ``cache_dir`` when the same files were tokenised before.
 
-    The cache is keyed by the files' contents, the tokenizer and ``max_length``, so every
-    trial and every worker pointing at the same folder shares one tokenisation.
+    The cache is keyed by the files' contents, the task, the tokenizer and ``max_length``, so
+    every trial and every worker pointing at the same folder shares one tokenisation.
     """
     if cache_dir is None:
-        return _tokenise(cfg, tokenizer, max_length)
-    key = _cache_key(cfg, tokenizer, max_length)
+        return _tokenise(cfg, tokenizer, max_length, task)
+    key = _cache_key(cfg, tokenizer, max_length, task)
     path = cache_dir / f"tokens-{key}.pkl"
     cached = _load(path)
     if cached is not None:
@@ -64,20 +81,25 @@ def prepare(cfg: DataConfig, tokenizer: Any, max_length: int, cache_dir: Path | 
         cached = _load(path)
         if cached is not None:
             return cached
-        prepared = _tokenise(cfg, tokenizer, max_length)
+        prepared = _tokenise(cfg, tokenizer, max_length, task)
         _write_atomic(path, prepared)
     return prepared
 
 
-def _tokenise(cfg: DataConfig, tokenizer: Any, max_length: int) -> Prepared:
-    splits = read_splits(cfg)
+def _tokenise(cfg: DataConfig, tokenizer: Any, max_length: int, task: str) -> Prepared:
+    splits = read_splits(cfg, task)
     log.info("tokenising %s and %s (max_length %d)", cfg.train, cfg.validation, max_length)
-    return Prepared(
-        train=_encode(splits.train, splits.labels, tokenizer, max_length),
-        validation=_encode(splits.validation, splits.labels, tokenizer, max_length),
-        labels=splits.labels,
-        pad_id=int(tokenizer.pad_token_id or 0),
-    )
+    # GPT-style tokenizers have no padding token; padded positions are masked out anyway.
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    labels = splits.labels
+
+    def encode(rows: Any) -> Encoded:
+        if labels is None:  # causal-lm
+            return _encode_text(rows, tokenizer, max_length)
+        return _encode(rows, labels, tokenizer, max_length)
+
+    train, validation = encode(splits.train), encode(splits.validation)
+    return Prepared(train=train, validation=validation, labels=splits.labels, pad_id=int(pad_id or 0), task=task)
 
 
 def _load(path: Path) -> Prepared | None:
@@ -120,8 +142,32 @@ def _encode(rows: Rows, labels: LabelMap, tokenizer: Any, max_length: int) -> En
     return Encoded(input_ids=[list(x) for x in ids], labels=labels.encode(rows.labels, rows.path))
 
 
-def _cache_key(cfg: DataConfig, tokenizer: Any, max_length: int) -> str:
-    h = hashlib.sha256(f"v{CACHE_VERSION}|{max_length}|{cfg.text_column}|{cfg.label_column}".encode())
+def _encode_text(rows: TextRows, tokenizer: Any, max_length: int) -> Encoded:
+    """Causal-LM sequences: prompt tokens (with the tokenizer's BOS, if it adds one), then the
+    text and an EOS so the model learns where a response ends; cut at ``max_length``."""
+    prompts = tokenizer(rows.prompts, return_attention_mask=False)["input_ids"]
+    texts = tokenizer(rows.texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids, prompt_lengths = [], []
+    for prompt, text in zip(prompts, texts, strict=True):
+        sequence = (list(prompt) + list(text) + eos)[:max_length]
+        # Keep only sequences with something to predict after the prompt.
+        if len(sequence) > max(len(prompt), 1):
+            ids.append(sequence)
+            prompt_lengths.append(len(prompt))
+    if not ids:
+        raise DataError(
+            f"data file {rows.path}: no example has a token to train on within model.max_length ({max_length}); "
+            "raise model.max_length or shorten the prompts"
+        )
+    if len(ids) < len(rows.texts):
+        log.warning("%s: %d examples dropped: prompt fills model.max_length", rows.path, len(rows.texts) - len(ids))
+    return Encoded(input_ids=ids, prompt_lengths=prompt_lengths, task=CAUSAL_LM)
+
+
+def _cache_key(cfg: DataConfig, tokenizer: Any, max_length: int, task: str) -> str:
+    columns = f"{cfg.text_column}|{cfg.label_column}|{cfg.prompt_column}|{cfg.response_column}"
+    h = hashlib.sha256(f"v{CACHE_VERSION}|{task}|{max_length}|{columns}".encode())
     for name in (cfg.train, cfg.validation):
         with open(name, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -1,26 +1,36 @@
-"""Validation: loss, accuracy and macro F1 over a split, without gradients and with little padding."""
+"""Validation: loss and accuracy / macro F1 (classification) or perplexity (causal LM), without
+gradients and with little padding, sharded over data-parallel ranks."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from hpsearch.trainer import precision as prec
-from hpsearch.trainer.data import Encoded, collate, eval_batches
+from hpsearch.trainer import precision as prec, tasks
+from hpsearch.trainer.data import CAUSAL_LM, Encoded, collate, eval_batches
+from hpsearch.trainer.distributed import World
 
 
 @dataclass(frozen=True)
 class Metrics:
     loss: float
-    accuracy: float
-    f1: float = 0.0
+    """Mean cross-entropy per example (classification) or per predicted token (causal LM)."""
+    accuracy: float | None = None
+    f1: float | None = None
     """Macro F1: the mean over labels of per-label F1, so a rare label counts as much as a
     frequent one (accuracy rewards always predicting the majority label)."""
+    perplexity: float | None = None
+    """Causal LM: exp(loss)."""
 
     def objective(self, metric: str) -> float:
-        return {"loss": self.loss, "accuracy": self.accuracy, "f1": self.f1}[metric]
+        return self.values()[metric]
+
+    def values(self) -> dict[str, float]:
+        """The metrics this task has, by name: loss, accuracy, f1 or loss, perplexity."""
+        named = {"loss": self.loss, "accuracy": self.accuracy, "f1": self.f1, "perplexity": self.perplexity}
+        return {k: v for k, v in named.items() if v is not None}
 
 
 def macro_f1(confusion: torch.Tensor) -> float:
@@ -37,27 +47,40 @@ def macro_f1(confusion: torch.Tensor) -> float:
 
 @torch.inference_mode()
 def evaluate(
-    model: torch.nn.Module, data: Encoded, *, pad_id: int, batch_size: int, device: torch.device, precision: str
+    model: torch.nn.Module,
+    data: Encoded,
+    *,
+    pad_id: int,
+    batch_size: int,
+    device: torch.device,
+    precision: str,
+    num_labels: int = 0,
+    world: World | None = None,
 ) -> Metrics:
+    """Metrics over the whole split; each data-parallel rank scores every n-th batch and the
+    sums are added up, so every rank returns the same figures."""
+    world = world or World()
     was_training = model.training
     model.eval()
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    confusion: torch.Tensor | None = None
-    for indices in eval_batches(data.lengths, batch_size):
+    # One vector of sums (loss, targets, then the confusion matrix): one all-reduce for all.
+    sums = torch.zeros(2 + num_labels * num_labels, device=device, dtype=torch.float64)
+    for indices in eval_batches(data.lengths, batch_size)[world.rank :: world.size]:
         batch = {k: v.to(device, non_blocking=True) for k, v in collate(data, indices, pad_id).items()}
         with prec.autocast(precision, device):
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        logits = logits.float()
-        loss_sum += F.cross_entropy(logits, batch["labels"], reduction="sum").double()
-        n_labels = logits.shape[-1]
-        pairs = batch["labels"] * n_labels + logits.argmax(-1)
-        counts = torch.bincount(pairs, minlength=n_labels * n_labels).view(n_labels, n_labels)
-        confusion = counts if confusion is None else confusion + counts
+            logits = tasks.logits(model, batch, data.task)
+        sums[0] += tasks.loss_sum(logits, batch["labels"], data.task).double()
+        sums[1] += data.targets(indices)
+        if data.task != CAUSAL_LM:
+            pairs = batch["labels"] * num_labels + logits.argmax(-1)
+            sums[2:] += torch.bincount(pairs, minlength=num_labels * num_labels).double()
     model.train(was_training)
-    n = len(data)
-    if confusion is None:
-        return Metrics(loss=float("nan"), accuracy=0.0, f1=0.0)
-    # One host sync for the whole pass.
-    confusion = confusion.cpu()
-    accuracy = confusion.diag().sum().item() / n
-    return Metrics(loss=loss_sum.item() / n, accuracy=accuracy, f1=macro_f1(confusion))
+    world.all_sum(sums)
+    sums = sums.cpu()  # one host sync for the whole pass
+    if sums[1] == 0:
+        return Metrics(loss=float("nan"))
+    loss = sums[0].item() / sums[1].item()
+    if data.task == CAUSAL_LM:
+        return Metrics(loss=loss, perplexity=math.exp(min(loss, 700.0)))  # exp overflows past ~709
+    confusion = sums[2:].view(num_labels, num_labels)
+    accuracy = confusion.diag().sum().item() / len(data)
+    return Metrics(loss=loss, accuracy=accuracy, f1=macro_f1(confusion))

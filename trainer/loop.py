@@ -12,14 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from hpsearch.trainer import attention, checkpoint as ckpt, precision as prec
+from hpsearch.trainer import attention, checkpoint as ckpt, precision as prec, tasks
 from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.curves import Curves
-from hpsearch.trainer.data import collate, micro_batches
+from hpsearch.trainer.data import collate, even_shards, micro_batches
 from hpsearch.trainer.dataset import Prepared
+from hpsearch.trainer.distributed import World, parameter_digest
 from hpsearch.trainer.evaluate import Metrics, evaluate
+from hpsearch.trainer.model import enable_gradient_checkpointing
 from hpsearch.trainer.optim import build_optimizer, build_scheduler, plan_steps
 from hpsearch.trainer.report import RESUME_CHECKPOINT_ATTR, Reporter, TrainResult
 from hpsearch.trainer.stats import Throughput
@@ -43,41 +44,34 @@ class Run:
     meta: dict[str, Any] = field(default_factory=dict)
     started: float | None = None
     """time.monotonic() when the trial began (before the model copy); default: fit's entry."""
+    world: World = field(default_factory=World)
+    """The trial's data-parallel ranks (one by default); only rank 0 reports and saves."""
 
 
 def fit(run: Run, reporter: Reporter) -> TrainResult:
     started = run.started if run.started is not None else time.monotonic()
-    cfg, device, data = run.cfg, run.device, run.data
+    cfg, device, data, world = run.cfg, run.device, run.data, run.world
     precision = prec.resolve(cfg.precision, device)
-    torch.manual_seed(cfg.seed)
+    # Ranks draw different dropout masks; their weights are equal anyway (DDP starts from rank 0's).
+    torch.manual_seed(cfg.seed + world.rank)
     run.model.to(device).train()
     attention.use_fast_attention(run.model, device, precision)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(run.model)
     # The optimizer and checkpoints hold the plain module; only the forward pass is compiled.
-    model = compile_model(run.model) if cfg.compile else run.model
-    micro = cfg.batch_size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
+    # Validation runs `compiled` without DDP: each rank scores its own share of the batches.
+    compiled = compile_model(run.model) if cfg.compile else run.model
+    model = world.wrap(compiled, device)
+    micro = cfg.batch_size // world.size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
     total_steps, steps_per_epoch = plan_steps(len(data.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
     optimizer = build_optimizer(run.model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg, total_steps)
     scaler = prec.grad_scaler(precision, device)
-    step, best_value, best_step = 0, None, None
-    if run.resume_from is not None:
-        state = ckpt.load_resume(run.resume_from)
-        run.model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        ckpt.set_rng_state(state["rng"])
-        # A micro-batch that ran out of memory before the restart would do so again.
-        saved_micro = state.get("micro_batch_size")
-        if isinstance(saved_micro, int):
-            micro = min(micro, saved_micro)
-        step, best_value, best_step = state["step"], state["best_value"], state["best_step"]
-        log.info("resumed from %s at optimizer step %d", run.resume_from, step)
-        reporter.set_attrs({"resumed_from_step": step})
-    accum = cfg.batch_size // micro
+    step, best_value, best_step, micro = _restore(run, optimizer, scheduler, scaler, reporter, micro)
+    per_step = cfg.batch_size // micro  # micro-batches of one optimizer step, over every rank
     better = (lambda a, b: a < b) if run.metric == "loss" else (lambda a, b: a > b)
     speed = Throughput(device, flops_per_token=flops_per_token(run.model))
-    curves = Curves(run.out_dir, device)  # TensorBoard event files under the trial's folder
+    curves = Curves(run.out_dir, device, enabled=world.is_main)  # TensorBoard files under the trial's folder
     first_step: float | None = None
     result = TrainResult(status="complete")
     # Loss is accumulated on the device and read with .item() only at validation points:
@@ -94,16 +88,23 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
             batches = micro_batches(
                 data.train.lengths, micro, seed=cfg.seed, epoch=epoch, group_by_length=cfg.group_by_length
             )
+            batches = even_shards(batches, world.size)  # every rank gets as many micro-batches
             batches_epoch = epoch
-        group = batches[group_in_epoch * accum : (group_in_epoch + 1) * accum]
-        step_examples = sum(len(b) for b in group)
+        group = batches[group_in_epoch * per_step : (group_in_epoch + 1) * per_step]
+        # Normalise by the targets (examples, or predicted tokens) of the whole optimizer step
+        # on every rank, not per micro-batch: the summed gradient then equals one big batch's,
+        # even when the last micro-batch is short. x world.size because DDP averages over ranks.
+        scale = world.size / data.train.targets([i for b in group for i in b])
+        mine = group[world.rank :: world.size]
         if first_step is None:
             # How long the trial took to get going (model copy, optimizer, data, resume).
             first_step = time.monotonic() - started
         speed.resume()
         try:
-            step_loss = _accumulate(model, data, group, step_examples, device, precision, scaler)
+            step_loss = _accumulate(model, data, mine, scale, device, precision, scaler, world)
         except torch.OutOfMemoryError:
+            if world.size > 1:
+                raise  # one rank cannot re-plan its step alone: its peers wait in an all-reduce
             # Same effective batch in smaller pieces: the step is redone from its first micro-batch.
             optimizer.zero_grad(set_to_none=True)
             _release_memory(device)
@@ -112,13 +113,13 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                 result = TrainResult(status="failed", fail_reason="oom")
                 break
             micro = halved(micro)
-            accum = cfg.batch_size // micro
+            per_step = cfg.batch_size // micro
             # Cutting each drawn micro-batch keeps this epoch's data order and step boundaries.
             batches = [b[i : i + micro] for b in batches for i in range(0, len(b), micro)]
-            log.warning("out of memory at step %d: micro-batch %d, accumulation %d", step, micro, accum)
+            log.warning("out of memory at step %d: micro-batch %d, accumulation %d", step, micro, per_step)
             continue
         running_loss += step_loss
-        for indices in group:
+        for indices in mine:
             speed.add(
                 examples=len(indices), tokens=data.train.real_tokens(indices), padded=data.train.padded_tokens(indices)
             )
@@ -133,9 +134,10 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
         step += 1
         running_steps += 1
 
-        stopping = run.should_stop()
+        stopping = world.from_main(run.should_stop())  # rank 0's stop request ends every rank here
         if step % cfg.eval_every == 0 or step == total_steps or stopping:
-            train_loss = running_loss.item() / running_steps
+            # Summed over ranks, every rank sees the same loss (and the same NaN).
+            train_loss = world.all_sum(running_loss).item() / world.size / running_steps
             speed.pause()
             curves.train(step, loss=train_loss, lr=scheduler.get_last_lr()[0], speed=speed)
             running_loss.zero_()
@@ -145,40 +147,34 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                 log.warning("train loss is %s at step %d: pruning", train_loss, step)
                 break
             if stopping:
-                _save_resume(run, model, optimizer, scheduler, scaler, step, best_value, best_step, micro)
+                if world.is_main:
+                    _save_resume(run, optimizer, scheduler, scaler, step, best_value, best_step, micro)
                 result = TrainResult(status="interrupted")
                 break
-            metrics = _evaluate_fitting(model, data, micro * 2, device, precision)
+            metrics = _evaluate_fitting(compiled, data, micro * 2, device, precision, world)
             if metrics is None:
                 result = TrainResult(status="failed", fail_reason="oom")
                 break
             curves.validation(step, metrics)
             value = metrics.objective(run.metric)
-            log.info(
-                "step %d/%d train_loss %.4f val_loss %.4f val_acc %.4f",
-                step,
-                total_steps,
-                train_loss,
-                metrics.loss,
-                metrics.accuracy,
-            )
+            shown = " ".join(f"val_{k} {v:.4f}" for k, v in metrics.values().items())
+            log.info("step %d/%d train_loss %.4f %s", step, total_steps, train_loss, shown)
             # Order of a validation point: evaluate, save if best, report, then ask to prune.
             if best_value is None or better(value, best_value):
                 best_value, best_step = value, step
-                path = ckpt.save_best(model, run.tokenizer, run.out_dir, _meta(run, metrics, step))
-                reporter.set_attrs(
-                    {"best_checkpoint": str(path.resolve()), "best_step": step, **_metric_attrs(metrics)}
-                )
-            # The resumable state (weights + optimizer moments, ~3x the model) is costly to
-            # write, so it is refreshed at most every resume_every_minutes.
-            due = time.monotonic() - last_resume >= cfg.resume_every_minutes * 60
-            if step < total_steps and due:
-                state = _save_resume(run, model, optimizer, scheduler, scaler, step, best_value, best_step, micro)
-                # Recorded so that a retry on another worker can find it (see search/reap.py).
-                reporter.set_attrs({RESUME_CHECKPOINT_ATTR: str(state.resolve())})
-                last_resume = time.monotonic()
-            reporter.report(value, step)
-            if reporter.should_prune():
+                if world.is_main:
+                    path = ckpt.save_best(run.model, run.tokenizer, run.out_dir, _meta(run, metrics, step))
+                    reporter.set_attrs({"best_checkpoint": str(path.resolve()), "best_step": step, **_best(metrics)})
+            if world.is_main:
+                # The resumable state (weights + optimizer moments, ~3x the model) is costly to
+                # write, so it is refreshed at most every resume_every_minutes.
+                if step < total_steps and time.monotonic() - last_resume >= cfg.resume_every_minutes * 60:
+                    state = _save_resume(run, optimizer, scheduler, scaler, step, best_value, best_step, micro)
+                    # Recorded so that a retry on another worker can find it (see search/reap.py).
+                    reporter.set_attrs({RESUME_CHECKPOINT_ATTR: str(state.resolve())})
+                    last_resume = time.monotonic()
+                reporter.report(value, step)
+            if world.from_main(world.is_main and reporter.should_prune()):
                 result = TrainResult(status="pruned")
                 break
 
@@ -187,16 +183,54 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     if best_step is not None:
         result.best_checkpoint = str((run.out_dir / ckpt.BEST).resolve())
     result.attrs = {
-        **speed.attrs(),
+        **_ranks_attrs(world, speed, run.model),
         "precision": precision,
         "micro_batch_size": micro,
-        "accumulation_steps": accum,
+        "accumulation_steps": per_step // world.size,
         "compiled": cfg.compile,
     }
     if first_step is not None:
         result.attrs["first_step_seconds"] = round(first_step, 3)
-    reporter.set_attrs(result.attrs)
+    if world.is_main:
+        reporter.set_attrs(result.attrs)
     return result
+
+
+def _restore(
+    run: Run, optimizer: Any, scheduler: Any, scaler: Any, reporter: Reporter, micro: int
+) -> tuple[int, Any, Any, int]:
+    """Load a resumable checkpoint, if the run has one: (step, best value, best step, micro-batch)."""
+    if run.resume_from is None:
+        return 0, None, None, micro
+    state = ckpt.load_resume(run.resume_from)
+    run.model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    scaler.load_state_dict(state["scaler"])
+    ckpt.set_rng_state(state["rng"])
+    # A micro-batch that ran out of memory before the restart would do so again.
+    saved_micro = state.get("micro_batch_size")
+    if isinstance(saved_micro, int):
+        micro = min(micro, saved_micro)
+    log.info("resumed from %s at optimizer step %d", run.resume_from, state["step"])
+    if run.world.is_main:
+        reporter.set_attrs({"resumed_from_step": state["step"]})
+    return state["step"], state["best_value"], state["best_step"], micro
+
+
+def _ranks_attrs(world: World, speed: Throughput, model: torch.nn.Module) -> dict[str, Any]:
+    """Throughput over every rank and, with several, each rank's parameter digest: equal
+    digests are the evidence that data parallelism kept the ranks' parameters identical."""
+    if world.size == 1:
+        return speed.attrs()
+    digest = parameter_digest(model)
+    counts = world.gather((speed.examples, speed.tokens, speed.padded, digest))
+    speed.examples, speed.tokens, speed.padded = (sum(c[k] for c in counts) for k in range(3))
+    digests = [c[3] for c in counts]
+    log.info("rank %d of %d: parameter digest %s", world.rank, world.size, digest)
+    if len(set(digests)) > 1:
+        log.error("the ranks' parameters differ (digests %s)", digests)
+    return {**speed.attrs(), "devices": world.size, "rank_parameter_digests": digests}
 
 
 COMPILE_BACKEND_ENV = "HPSEARCH_COMPILE_BACKEND"
@@ -227,22 +261,23 @@ def flops_per_token(model: torch.nn.Module) -> float:
 def _accumulate(
     model: torch.nn.Module,
     data: Prepared,
-    group: list[list[int]],
-    step_examples: int,
+    mine: list[list[int]],
+    scale: float,
     device: torch.device,
     precision: str,
     scaler: Any,
+    world: World,
 ) -> torch.Tensor:
-    """Forward and backward over one optimizer step's micro-batches; returns the step's loss."""
+    """Forward and backward over this rank's micro-batches of one optimizer step; returns their
+    loss (summed over targets, times ``scale``)."""
     step_loss = torch.zeros((), device=device)
-    for indices in group:
+    for i, indices in enumerate(mine):
         batch = _to_device(collate(data.train, indices, data.pad_id), device)
-        with prec.autocast(precision, device):
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        # Normalise by the examples of the whole optimizer step, not per micro-batch: the
-        # summed gradient then equals one big batch's, even when the last micro-batch is short.
-        loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum") / step_examples
-        scaler.scale(loss).backward()
+        with world.no_sync(model, is_accumulating=i < len(mine) - 1):
+            with prec.autocast(precision, device):
+                logits = tasks.logits(model, batch, data.task)
+            loss = tasks.loss_sum(logits, batch["labels"], data.task) * scale
+            scaler.scale(loss).backward()
         step_loss += loss.detach()
     return step_loss
 
@@ -254,15 +289,25 @@ def halved(micro: int) -> int:
 
 
 def _evaluate_fitting(
-    model: torch.nn.Module, data: Prepared, batch_size: int, device: torch.device, precision: str
+    model: torch.nn.Module, data: Prepared, batch_size: int, device: torch.device, precision: str, world: World
 ) -> Metrics | None:
     """Validation, halving its batch until it fits in memory; None if even one example does not."""
+    num_labels = data.labels.num_labels if data.labels else 0
     while True:
         try:
             return evaluate(
-                model, data.validation, pad_id=data.pad_id, batch_size=batch_size, device=device, precision=precision
+                model,
+                data.validation,
+                pad_id=data.pad_id,
+                batch_size=batch_size,
+                device=device,
+                precision=precision,
+                num_labels=num_labels,
+                world=world,
             )
         except torch.OutOfMemoryError:
+            if world.size > 1:
+                raise  # the ranks' shards are cut by the batch size: they must all use the same
             _release_memory(device)
             if batch_size == 1:
                 return None
@@ -285,7 +330,6 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
 
 def _save_resume(
     run: Run,
-    model: torch.nn.Module,
     optimizer: Any,
     scheduler: Any,
     scaler: Any,
@@ -294,12 +338,10 @@ def _save_resume(
     best_step: int | None,
     micro: int,
 ) -> Path:
-    from hpsearch.trainer.model import unwrap
-
     return ckpt.save_resume(
         run.out_dir,
         {
-            "model": unwrap(model).state_dict(),
+            "model": run.model.state_dict(),  # the plain module: no DDP / compile prefixes
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(),
@@ -313,14 +355,10 @@ def _save_resume(
 
 
 def _meta(run: Run, metrics: Metrics, step: int) -> dict[str, Any]:
-    return {
-        **run.meta,
-        "step": step,
-        "val_loss": metrics.loss,
-        "val_accuracy": metrics.accuracy,
-        "train": vars(run.cfg),
-    }
+    values = {f"val_{k}": v for k, v in metrics.values().items()}
+    return {**run.meta, "step": step, **values, "train": vars(run.cfg)}
 
 
-def _metric_attrs(metrics: Metrics) -> dict[str, float]:
-    return {"best_val_loss": metrics.loss, "best_val_accuracy": metrics.accuracy, "best_val_f1": metrics.f1}
+def _best(metrics: Metrics) -> dict[str, float]:
+    """best_val_loss and best_val_accuracy / best_val_f1, or best_val_perplexity for a causal LM."""
+    return {f"best_val_{k}": v for k, v in metrics.values().items()}

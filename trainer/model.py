@@ -1,4 +1,4 @@
-"""Loading a pre-trained classifier once per process and handing each trial a fresh copy."""
+"""Loading a pre-trained model once per process and handing each trial a fresh copy."""
 
 from __future__ import annotations
 
@@ -51,8 +51,9 @@ def _explain(name: str, exc: BaseException) -> str:
 class PretrainedCache:
     """Keeps each pre-trained model in host memory so later trials skip the disk read.
 
-    A trial gets a deep copy of the pristine model with a freshly, deterministically
-    initialised classification head, which is what ``from_pretrained`` would produce.
+    A trial gets a deep copy of the pristine model; a classifier's new head is freshly,
+    deterministically initialised, which is what ``from_pretrained`` would produce. A causal
+    LM has no new head: its copy is exactly the pre-trained model.
     """
 
     def __init__(self) -> None:
@@ -69,20 +70,43 @@ class PretrainedCache:
         _reinit_head(model, seed)
         return model
 
+    def trial_model(self, name: str, labels: Any, seed: int) -> torch.nn.Module:
+        """A fresh copy for one trial: a classifier for ``labels`` (a LabelMap), or a causal LM
+        when there are none."""
+        if labels is None:
+            return self.fresh_causal_lm(name)
+        return self.fresh(name, labels.num_labels, labels.id2label(), seed)
+
+    def fresh_causal_lm(self, name: str) -> torch.nn.Module:
+        key = (name, 0)
+        if key not in self._models:
+            self._models[key] = load_model(name, 0)
+        return copy.deepcopy(self._models[key])
+
 
 def load_model(name: str, num_labels: int) -> torch.nn.Module:
-    from transformers import AutoModelForSequenceClassification
+    """A sequence classifier with ``num_labels`` labels, or a causal LM when ``num_labels`` is 0."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     _quiet_transformers()
+    auto: Any = AutoModelForCausalLM if num_labels == 0 else AutoModelForSequenceClassification
+    kwargs = {"num_labels": num_labels} if num_labels else {}
     try:
-        return AutoModelForSequenceClassification.from_pretrained(
-            name, num_labels=num_labels, attn_implementation="sdpa"
-        )
+        return auto.from_pretrained(name, attn_implementation="sdpa", **kwargs)
     except (OSError, ValueError) as exc:
         if "sdpa" in str(exc).lower():
             # Architectures without an SDPA kernel fall back to their default attention.
-            return AutoModelForSequenceClassification.from_pretrained(name, num_labels=num_labels)
+            return auto.from_pretrained(name, **kwargs)
         raise ModelError(_explain(name, exc)) from None
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each layer's activations in the backward pass (non-reentrant: works under DDP)."""
+    pretrained: Any = model
+    if hasattr(pretrained, "activation_checkpointing_enable"):  # transformers >= 5 renamed it
+        pretrained.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        pretrained.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _reinit_head(model: torch.nn.Module, seed: int) -> None:
@@ -106,6 +130,14 @@ def _head_modules(model: torch.nn.Module) -> list[torch.nn.Linear]:
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain model under torch.compile / DDP wrappers (what gets saved)."""
-    inner = getattr(model, "_orig_mod", model)
-    return getattr(inner, "module", inner)
+    """The plain model under torch.compile / DDP wrappers, in either order (what gets saved)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    inner: Any = model
+    while True:
+        if isinstance(inner, DistributedDataParallel):
+            inner = inner.module
+        elif hasattr(inner, "_orig_mod"):
+            inner = inner._orig_mod
+        else:
+            return inner

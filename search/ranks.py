@@ -1,0 +1,233 @@
+"""The other ranks of a trial that spans several devices (train.devices_per_trial > 1).
+
+The worker process of a device group is rank 0, and the only one that talks to the study.
+When it starts, it spawns one peer process per other device of its group (ranks 1..N-1),
+which join its torch.distributed group. For every trial, rank 0 sends each peer what to
+train (a ``TrialJob``: the same inputs its own fit() gets) and they run fit() together;
+inside fit, rank 0's stop and prune decisions are broadcast, so every rank ends the trial
+at the same step. Peers keep their tokenizer, data and pre-trained model between trials.
+
+Every way a rank can end reaches the supervisor as the end of the worker process (rank 0):
+
+- a peer dies (killed, OOM, an error): rank 0's watchdog sees it at once, kills the other
+  peers and exits with ``PEER_DIED``; the supervisor hands the trial back as for any crash;
+- rank 0 dies: each peer sees its parent gone and exits;
+- a trial fails with an exception on rank 0: the ranks' collectives are no longer in step,
+  so rank 0 records the failure and exits with ``GROUP_RESTART``; the supervisor starts the
+  group afresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+from hpsearch.trainer.config import DataConfig, ModelConfig, TrainConfig
+
+log = logging.getLogger(__name__)
+PEER_DIED = 75
+"""Exit code of rank 0 when a peer rank died: the supervisor hands the trial back."""
+GROUP_RESTART = 76
+"""Exit code of rank 0 after a failed trial left the ranks out of step: restart the group."""
+CLOSE_TIMEOUT_S = 30.0
+
+
+class GroupRestart(Exception):
+    """A trial failed on a multi-device group; its ranks must be started afresh."""
+
+
+@dataclass(frozen=True)
+class TrialJob:
+    """What rank 0 sends its peers for one trial."""
+
+    trial: int
+    model: ModelConfig
+    data: DataConfig
+    cfg: TrainConfig
+    metric: str
+    out_dir: str
+    resume_from: str | None
+
+
+@dataclass(frozen=True)
+class PeerArgs:
+    rank: int
+    size: int
+    port: int
+    device: str
+    """"cpu" or "cuda" (CUDA_VISIBLE_DEVICES is narrowed to this rank's GPU)."""
+    name: str
+    output_dir: str
+    threads: int | None
+    log_level: int
+
+
+class Peers:
+    """Rank 0's side: spawns ranks 1..N-1, sends them trials, and watches them."""
+
+    def __init__(self, kind: str, devices: tuple[int, ...], name: str, output_dir: str, threads: int | None) -> None:
+        self.kind, self.devices, self.name = kind, devices, name
+        self.output_dir, self.threads = output_dir, threads
+        self.size = 1 + len(devices)
+        self.processes: list[Any] = []
+        self.conns: list[Connection] = []
+        self.closing = False
+
+    def start(self, device: Any) -> Any:
+        """Spawn the peers and join the process group with them; returns rank 0's World."""
+        from hpsearch.trainer import distributed
+
+        store = distributed.main_store(self.size)  # a free port, bound before the peers look for it
+        ctx = mp.get_context("spawn")
+        for rank, index in enumerate(self.devices, start=1):
+            reader, writer = ctx.Pipe(duplex=False)
+            args = PeerArgs(
+                rank=rank,
+                size=self.size,
+                port=store.port,
+                device=self.kind,
+                name=f"{self.name}/rank{rank}",
+                output_dir=self.output_dir,
+                threads=self.threads,
+                log_level=logging.getLogger().level,
+            )
+            process = ctx.Process(target=peer_main, args=(args, reader), name=f"hpsearch-rank{rank}")
+            # Like the supervisor for rank 0: the peer's torch must see only its own GPU.
+            saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if self.kind == "cuda":
+                os.environ["CUDA_VISIBLE_DEVICES"] = str(index)
+            try:
+                process.start()
+            finally:
+                if self.kind == "cuda":
+                    _restore_env("CUDA_VISIBLE_DEVICES", saved)
+            reader.close()
+            self.processes.append(process)
+            self.conns.append(writer)
+        threading.Thread(target=self._watch, name="hpsearch-peer-watch", daemon=True).start()
+        log.info("started %d peer ranks (pids %s)", len(self.processes), [p.pid for p in self.processes])
+        return distributed.join(0, self.size, store.port, device, store=store)
+
+    def run(self, job: TrialJob) -> None:
+        for conn in self.conns:
+            conn.send(job)
+
+    def close(self, *, kill: bool = False) -> None:
+        """Tell the peers to exit (or kill them) and wait for them."""
+        self.closing = True
+        for conn, process in zip(self.conns, self.processes, strict=True):
+            if kill:
+                process.kill()
+                continue
+            with contextlib.suppress(OSError):  # a peer that already died has closed its end
+                conn.send(None)
+        for process in self.processes:
+            process.join(CLOSE_TIMEOUT_S)
+            if process.is_alive():
+                log.warning("peer rank %s did not exit in %gs; killing it", process.name, CLOSE_TIMEOUT_S)
+                process.kill()
+                process.join()
+
+    def _watch(self) -> None:
+        # Returns as soon as any peer ends; outside close() that is always a death.
+        ended = wait([p.sentinel for p in self.processes])
+        if self.closing:
+            return
+        for rank, process in enumerate(self.processes, start=1):
+            if process.sentinel in ended:
+                process.join(5.0)  # the sentinel closes a moment before the exit status exists
+                code = process.exitcode
+                how = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
+                log.error("peer rank %d (pid %d) died (%s): ending the device group", rank, process.pid, how)
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+        # os._exit: the main thread may be blocked in a collective that will never complete.
+        os._exit(PEER_DIED)
+
+
+def peer_main(args: PeerArgs, conn: Connection) -> None:
+    """Entry point of a spawned peer rank: train whatever rank 0 sends, until it says stop."""
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s [{args.name}] %(levelname)s %(message)s")
+    # Rank 0 decides when to stop and broadcasts it; a Ctrl-C in the terminal reaches every
+    # process of the group, so the peers must not act on it themselves.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    _exit_with_parent(parent)
+    import torch
+
+    from hpsearch.trainer import distributed
+    from hpsearch.trainer.dataset import prepare
+    from hpsearch.trainer.loop import Run, fit
+    from hpsearch.trainer.model import PretrainedCache, load_tokenizer
+    from hpsearch.trainer.report import NullReporter
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    world = distributed.join(args.rank, args.size, args.port, device)
+    models = PretrainedCache()
+    loaded: dict[str, Any] = {}
+    while True:
+        try:
+            job: TrialJob | None = conn.recv()
+        except EOFError:  # rank 0 is gone
+            break
+        if job is None:
+            break
+        if loaded.get("name") != job.model.name:
+            tokenizer = load_tokenizer(job.model.name)
+            cache = Path(args.output_dir) / "token-cache"  # rank 0 tokenised already: a cache hit
+            data = prepare(job.data, tokenizer, job.model.max_length, cache, task=job.model.task)
+            loaded = {"name": job.model.name, "tokenizer": tokenizer, "data": data}
+        data = loaded["data"]
+        run = Run(
+            model=models.trial_model(job.model.name, data.labels, job.cfg.seed),
+            tokenizer=loaded["tokenizer"],
+            data=data,
+            cfg=job.cfg,
+            metric=job.metric,
+            device=device,
+            out_dir=Path(job.out_dir),
+            resume_from=Path(job.resume_from) if job.resume_from else None,
+            world=world,
+        )
+        try:
+            result = fit(run, NullReporter())
+        except Exception:
+            # A collective fails at once when rank 0 dies; give its death a moment to show, as
+            # that is the news (the supervisor reports it), not this rank's error.
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+            raise
+        log.info("trial %d ended on rank %d: %s at step %d", job.trial, args.rank, result.status, result.steps)
+    world.close()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Exit when rank 0 dies: a peer blocked in a collective would otherwise wait for it forever."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="hpsearch-parent-watch", daemon=True).start()
+
+
+def _restore_env(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value

@@ -1,0 +1,104 @@
+"""Data parallelism over the devices of one host, with torch.distributed.
+
+A trial that spans N devices (``train.devices_per_trial``) runs in N processes, its ranks.
+Every rank holds the same model wrapped in DDP and trains on its own share of each optimizer
+step's micro-batches; DDP averages the gradients, so the parameters stay identical. Rank 0
+alone talks to the search, and decides when the loop ends (stop request, pruning): its
+decision is broadcast, so every rank leaves the loop at the same step.
+
+With one device, ``World()`` is a single rank and every method here is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+HOST = "127.0.0.1"  # the ranks of a trial share one host
+
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    control: Any = None
+    """A gloo group for decisions: a broadcast of a CPU flag there never waits for the GPU."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """The model as this rank trains it: DDP-wrapped when there are several ranks."""
+        if self.size == 1:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index or 0] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+    def no_sync(self, model: torch.nn.Module, is_accumulating: bool) -> contextlib.AbstractContextManager[Any]:
+        """DDP all-reduces the gradients in every backward pass; while a step is still
+        accumulating micro-batches that would be wasted traffic, so only its last one syncs."""
+        if self.size == 1 or not is_accumulating:
+            return contextlib.nullcontext()
+        sync: contextlib.AbstractContextManager[Any] = model.no_sync()  # type: ignore[operator]
+        return sync
+
+    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place."""
+        if self.size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def from_main(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank (what the others pass is ignored)."""
+        if self.size == 1:
+            return flag
+        value = torch.tensor([int(flag)])
+        dist.broadcast(value, src=0, group=self.control)
+        return bool(value.item())
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.control)
+        return out
+
+    def close(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main_store(size: int) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free port (``store.port``), created before the others start."""
+    return dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False)
+
+
+def join(rank: int, size: int, port: int, device: torch.device, store: dist.TCPStore | None = None) -> World:
+    """Join the trial group (every rank calls this; rank 0 passes its ``main_store``)."""
+    if store is None:
+        store = dist.TCPStore(HOST, port, size, is_master=False)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size)
+    # With nccl, decisions go through a second, CPU (gloo) group: see World.control.
+    control = dist.new_group(backend="gloo") if backend != "gloo" else None
+    return World(rank=rank, size=size, control=control)
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of every parameter's bytes: equal digests on two ranks mean equal parameters."""
+    h = hashlib.sha256()
+    for name, param in model.named_parameters():
+        h.update(name.encode())
+        h.update(param.detach().contiguous().flatten().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
