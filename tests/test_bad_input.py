@@ -122,8 +122,8 @@ def test_bad_spec(
     _assert_refused(cli, spec, tmp_path, expected)
 
 
-def _assert_refused(cli, spec: Path, tmp_path: Path, expected: str) -> None:  # type: ignore[no-untyped-def]
-    """`start` with this spec: exit 2, one line naming the problem, no storage created."""
+def _assert_refused(cli, spec: Path, tmp_path: Path, expected: str, devices: str = "cpu:1") -> str:  # type: ignore[no-untyped-def]
+    """`start` with this spec: exit 2, one line naming the problem, no storage created; returns the line."""
     db = tmp_path / "study.db"
     result = cli(
         "start",
@@ -134,7 +134,7 @@ def _assert_refused(cli, spec: Path, tmp_path: Path, expected: str) -> None:  # 
         "--storage",
         f"sqlite:///{db}",
         "--devices",
-        "cpu:1",
+        devices,
         cwd=tmp_path,
     )
     assert result.returncode == 2, result.stderr
@@ -142,6 +142,7 @@ def _assert_refused(cli, spec: Path, tmp_path: Path, expected: str) -> None:  # 
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not db.exists(), "bad input must not create the storage"
+    return result.stderr.strip()
 
 
 def _write(path: Path, text: str, encoding: str = "utf-8") -> Path:
@@ -204,24 +205,11 @@ def test_devices_not_divisible_by_devices_per_trial(
 ) -> None:
     spec = tmp_path / "s.toml"
     spec.write_text(lm_spec_text(tiny_gpt2, *lm_files, extra_train="devices_per_trial = 2"))
-    db = tmp_path / "study.db"
-    result = cli(
-        "start",
-        "--study",
-        "x",
-        "--config",
-        str(spec),
-        "--storage",
-        f"sqlite:///{db}",
-        "--devices",
-        "cpu:3",
-        cwd=tmp_path,
-    )
-    assert result.returncode == 2 and not db.exists()
-    assert result.stderr.strip().splitlines() == [
+    message = (
         "hpsearch start: error: --devices cpu:3: 3 devices cannot be split into groups of train.devices_per_trial "
         "= 2; give a multiple of 2 devices (e.g. --devices cpu:2) or change train.devices_per_trial"
-    ]
+    )
+    assert _assert_refused(cli, spec, tmp_path, message, devices="cpu:3") == message
 
 
 def test_validation_label_unseen_in_training(

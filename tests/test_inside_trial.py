@@ -7,7 +7,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.search import study as studies
 from hpsearch.search.spec import load_file
@@ -16,15 +16,25 @@ from hpsearch.storage.open import open_storage
 from hpsearch.trainer import checkpoint
 
 
+def _run_two_trials(tmp_path: Path, spec_file: Path, url: str, study: str, **train: object) -> list[FrozenTrial]:
+    """One in-process worker runs a two-trial study; returns its trials."""
+    spec = load_file(spec_file)
+    spec.search.n_trials = 2
+    for key, value in train.items():
+        setattr(spec.train, key, value)
+    storage = open_storage(url, create=True)
+    studies.create_or_resume(storage, study, spec)
+    args = WorkerArgs(
+        study=study, storage_url=url, device="cpu", name="test/cpu:0/1", output_dir=str(tmp_path / "runs")
+    )
+    Worker(args, storage, StopFlag(), None).run()
+    storage.close()
+    return optuna.load_study(study_name=study, storage=url).trials
+
+
 def test_full_disk_fails_one_trial_and_worker_carries_on(
     tmp_path: Path, spec_file: Path, sqlite_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spec = load_file(spec_file)
-    spec.search.n_trials = 2
-    spec.train.resume_every_minutes = 0  # write resumable state at every validation point
-    storage = open_storage(sqlite_url, create=True)
-    studies.create_or_resume(storage, "disk", spec)
-
     real_save = checkpoint.torch.save
     calls = {"n": 0}
 
@@ -35,13 +45,8 @@ def test_full_disk_fails_one_trial_and_worker_carries_on(
         return real_save(obj, f, *a, **kw)
 
     monkeypatch.setattr(checkpoint.torch, "save", full_disk_once)
-    args = WorkerArgs(
-        study="disk", storage_url=sqlite_url, device="cpu", name="test/cpu:0/1", output_dir=str(tmp_path / "runs")
-    )
-    Worker(args, storage, StopFlag(), None).run()
-    storage.close()
-
-    trials = optuna.load_study(study_name="disk", storage=sqlite_url).trials
+    # resume_every_minutes = 0: resumable state at every validation point.
+    trials = _run_two_trials(tmp_path, spec_file, sqlite_url, "disk", resume_every_minutes=0)
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE]
     assert trials[0].user_attrs["fail_reason"] == "disk_full"
     assert not list((tmp_path / "runs" / "disk" / "trial-0").glob(".*tmp-*")), "no half-written checkpoint left"
@@ -54,10 +59,6 @@ def test_out_of_memory_at_micro_batch_one_fails_that_trial_and_worker_carries_on
 
     from hpsearch.trainer import loop
 
-    spec = load_file(spec_file)
-    spec.search.n_trials = 2
-    storage = open_storage(sqlite_url, create=True)
-    studies.create_or_resume(storage, "oom", spec)
     real_collate = loop.collate
     first_trial = {"done": False}
 
@@ -78,14 +79,8 @@ def test_out_of_memory_at_micro_batch_one_fails_that_trial_and_worker_carries_on
 
     monkeypatch.setattr(loop, "collate", collate)
     monkeypatch.setattr(loop, "fit", fit)
-    args = WorkerArgs(
-        study="oom", storage_url=sqlite_url, device="cpu", name="test/cpu:0/1", output_dir=str(tmp_path / "runs")
-    )
-    Worker(args, storage, StopFlag(), None).run()
-    storage.close()
-
-    trials = optuna.load_study(study_name="oom", storage=sqlite_url).trials
+    trials = _run_two_trials(tmp_path, spec_file, sqlite_url, "oom")
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE]
     assert trials[0].user_attrs["fail_reason"] == "oom"
     assert trials[1].user_attrs["micro_batch_size"] == 4
-    assert trials[1].user_attrs["accumulation_steps"] * 4 == spec.train.batch_size
+    assert trials[1].user_attrs["accumulation_steps"] * 4 == load_file(spec_file).train.batch_size
