@@ -101,7 +101,7 @@ class Throughput:
         out: dict[str, Any] = {
             "train_samples_per_second": round(self.examples / secs, 2),
             "train_tokens_per_second": round(self.tokens / secs, 1),
-            "train_seconds": round(self.seconds, 2),
+            "train_seconds": round(self.seconds, 3),  # ms: short trials on fast devices last under a second
             "train_samples": self.examples,
             "train_tokens": self.tokens,
             # Tokens processed per real token: 1.0 means no padding at all.
