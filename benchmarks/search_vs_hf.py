@@ -210,7 +210,6 @@ weight_decay = {{ type = "float", low = 0.0, high = {MAX_DECAY} }}
     study = optuna.load_study(study_name="bench", storage=url)
     trials = study.get_trials()
     best = study.best_trial
-    states = ", ".join(f"{t.number}:{t.state.name[0]}@{t.user_attrs.get('train_samples', 0)}" for t in trials)
     return Side(
         name="hpsearch",
         best_val_accuracy=float(best.value),
@@ -218,7 +217,7 @@ weight_decay = {{ type = "float", low = 0.0, high = {MAX_DECAY} }}
         train_samples=sum(int(t.user_attrs.get("train_samples", 0)) for t in trials),
         wall_s=wall,
         checkpoint_bytes=sum(du(d) for d in (runs / "bench").glob("trial-*")),
-        trials=states,
+        trials=describe(trials),
     )
 
 
@@ -284,6 +283,7 @@ def run_hf(args: argparse.Namespace, train: Path, dev: Path) -> Side:
         compute_metrics=compute_metrics,
     )
     log.info("hf: Trainer.hyperparameter_search(backend='optuna', n_trials=%d)", args.n_trials)
+    url = f"sqlite:///{args.work_dir / 'hf.db'}"
     t0 = time.perf_counter()
     best = trainer.hyperparameter_search(
         hp_space=hp_space,
@@ -291,6 +291,9 @@ def run_hf(args: argparse.Namespace, train: Path, dev: Path) -> Side:
         n_trials=args.n_trials,
         direction="maximize",
         sampler=optuna.samplers.TPESampler(seed=args.seed),
+        # Passed on to optuna.create_study: kept only to list the trials below.
+        study_name="hf",
+        storage=url,
     )
     wall = time.perf_counter() - t0
     run_dir = out / f"run-{best.run_id}"
@@ -305,8 +308,20 @@ def run_hf(args: argparse.Namespace, train: Path, dev: Path) -> Side:
         train_samples=args.n_trials * len(train_ds) * args.epochs,
         wall_s=wall,
         checkpoint_bytes=du(out),
-        trials=f"{args.n_trials} complete, no pruning",
+        trials=describe(optuna.load_study(study_name="hf", storage=url).get_trials()),
     )
+
+
+def describe(trials: list[Any]) -> str:
+    """One line per trial: state (Complete/Pruned), value, steps reached, parameters."""
+    lines = []
+    for t in trials:
+        steps = max(t.intermediate_values, default=None)
+        params = " ".join(f"{k}={v:.3g}" for k, v in sorted(t.params.items()))
+        value = "-" if t.value is None else f"{t.value:.4f}"
+        reached = f" step {steps}" if steps is not None else ""
+        lines.append(f"  {t.number:>3} {t.state.name[0]} {value}{reached}  {params}")
+    return "\n" + "\n".join(lines)
 
 
 # -- report -----------------------------------------------------------------------------------
