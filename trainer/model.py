@@ -59,11 +59,15 @@ class PretrainedCache:
     def __init__(self) -> None:
         self._models: dict[tuple[str, int], torch.nn.Module] = {}
 
-    def fresh(self, name: str, num_labels: int, id2label: dict[int, str], seed: int) -> torch.nn.Module:
+    def _copy(self, name: str, num_labels: int) -> torch.nn.Module:
+        """A deep copy of the pristine model, read from disk on first use only."""
         key = (name, num_labels)
         if key not in self._models:
             self._models[key] = load_model(name, num_labels)
-        model = copy.deepcopy(self._models[key])
+        return copy.deepcopy(self._models[key])
+
+    def fresh(self, name: str, num_labels: int, id2label: dict[int, str], seed: int) -> torch.nn.Module:
+        model = self._copy(name, num_labels)
         config: Any = model.config
         config.id2label = dict(id2label)
         config.label2id = {v: k for k, v in id2label.items()}
@@ -78,10 +82,7 @@ class PretrainedCache:
         return self.fresh(name, labels.num_labels, labels.id2label(), seed)
 
     def fresh_causal_lm(self, name: str) -> torch.nn.Module:
-        key = (name, 0)
-        if key not in self._models:
-            self._models[key] = load_model(name, 0)
-        return copy.deepcopy(self._models[key])
+        return self._copy(name, 0)  # 0 labels: load_model's causal LM
 
 
 def load_model(name: str, num_labels: int) -> torch.nn.Module:
