@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 
 class DeviceError(ValueError):
@@ -101,3 +102,11 @@ def threads_per_worker(devices: list[Device]) -> int | None:
     if omp.isdigit() and int(omp) > 0:
         return int(omp)
     return max(1, (os.cpu_count() or 1) // cpu)
+
+
+def torch_device(kind: str) -> Any:
+    """The torch device a worker or peer rank of ``kind`` ("cuda" or "cpu") trains on."""
+    import torch  # not at import time: the CLI starts without torch
+
+    # The supervisor narrowed CUDA_VISIBLE_DEVICES to the process's own GPU: it is always cuda:0.
+    return torch.device("cuda:0" if kind == "cuda" else "cpu")

@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from hpsearch.search.devices import torch_device
 from hpsearch.trainer.config import DataConfig, ModelConfig, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    device = torch_device(args.device)
     world = distributed.join(args.rank, args.size, args.port, device)
     models = PretrainedCache()
     loaded: dict[str, Any] = {}

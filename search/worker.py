@@ -21,6 +21,7 @@ import optuna
 from optuna.trial import TrialState
 
 from hpsearch.search import ranks, reap, retry, study as studies
+from hpsearch.search.devices import torch_device
 from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import StudySpec, resolved
 from hpsearch.storage import budget, checkpoints as retention, registry
@@ -107,7 +108,7 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     peers = None
     if args.peer_devices:
         peers = ranks.Peers(args.device, args.peer_devices, args.name, args.output_dir, args.threads)
-    world = peers.start(_device(args)) if peers else World()
+    world = peers.start(torch_device(args.device)) if peers else World()
     storage = open_storage(args.storage_url, create=False, retry=PATIENT_RETRY)
     try:
         # Registered (and heartbeating) from the start, so status shows a worker still loading.
@@ -163,7 +164,7 @@ class Worker:
             sampler=studies.make_sampler(self.spec, seed),
             pruner=studies.make_pruner(self.spec),
         )
-        self.device = _device(args)
+        self.device = torch_device(args.device)
         self.tokenizer = load_tokenizer(self.spec.model.name)
         self.models = PretrainedCache()
         self.root = Path(args.output_dir) / args.study
@@ -394,13 +395,6 @@ class Worker:
     def _notify(self, *message: Any) -> None:
         if self.conn is not None:
             self.conn.send(message)
-
-
-def _device(args: WorkerArgs) -> Any:
-    import torch
-
-    # The supervisor narrowed CUDA_VISIBLE_DEVICES to this worker's GPU: it is always cuda:0.
-    return torch.device("cuda:0" if args.device == "cuda" else "cpu")
 
 
 def _trial_log(out_dir: Path) -> logging.Handler:
