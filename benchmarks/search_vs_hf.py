@@ -223,9 +223,10 @@ weight_decay = {{ type = "float", low = 0.0, high = {MAX_DECAY} }}
     study = optuna.load_study(study_name="bench", storage=url)
     trials = study.get_trials()
     best = study.best_trial
+    assert best.value is not None  # best_trial is a finished trial
     return Side(
         name="hpsearch",
-        best_val_accuracy=float(best.value or 0.0),  # a finished best trial has a value
+        best_val_accuracy=float(best.value),
         glue_dev_accuracy=glue_dev_accuracy(Path(best.user_attrs["best_checkpoint"]), args),
         train_samples=sum(int(t.user_attrs.get("train_samples", 0)) for t in trials),
         wall_s=wall,
@@ -346,19 +347,23 @@ def report(args: argparse.Namespace, sides: list[Side]) -> None:
         f"\nMiniLM on SST-2: {args.train_size} train / {args.dev_size} dev examples, {args.n_trials} trials, "
         f"{args.epochs} epoch(s), batch {args.batch_size}, seed {args.seed}, threads {args.threads or 'all'}"
     )
-    print(f"{'':10}{'best val acc':>14}{'glue_dev acc':>14}{'train samples':>15}{'wall s':>9}{'ckpt MB':>10}")
-    for s in sides:
-        print(
-            f"{s.name:10}{s.best_val_accuracy:>14.4f}{s.glue_dev_accuracy:>14.4f}{s.train_samples:>15}"
-            f"{s.wall_s:>9.1f}{s.checkpoint_bytes / 1e6:>10.1f}"
-        )
+    table(sides)
     for s in sides:
         print(f"{s.name} trials: {s.trials}")
     if len(sides) == 2:
         verdict("ratios hpsearch/hf", *sides)
 
 
-def verdict(what: str, hp: Side, hf: Side) -> bool:
+def table(sides: list[Side]) -> None:
+    print(f"{'':10}{'best val acc':>14}{'glue_dev acc':>14}{'train samples':>15}{'wall s':>9}{'ckpt MB':>10}")
+    for s in sides:
+        print(
+            f"{s.name:10}{s.best_val_accuracy:>14.4f}{s.glue_dev_accuracy:>14.4f}{s.train_samples:>15}"
+            f"{s.wall_s:>9.1f}{s.checkpoint_bytes / 1e6:>10.1f}"
+        )
+
+
+def verdict(what: str, hp: Side, hf: Side) -> None:
     samples, wall = hp.train_samples / hf.train_samples, hp.wall_s / hf.wall_s
     glue = hp.glue_dev_accuracy - hf.glue_dev_accuracy
     met = samples <= 0.5 and wall <= 1 / 3 and glue >= 0
@@ -366,11 +371,10 @@ def verdict(what: str, hp: Side, hf: Side) -> bool:
         f"{what}: samples {samples:.3f} (target <= 0.5), wall time {wall:.3f} (target <= 0.333), "
         f"glue_dev {glue:+.4f} (target >= 0): target {'MET' if met else 'NOT MET'}"
     )
-    return met
 
 
 def pooled(runs: list[list[Side]]) -> None:
-    """All seeds together: mean accuracies, summed samples and wall time.
+    """All seeds together: mean accuracies, summed samples and wall time, the largest disk use.
 
     With a dozen trials, which side's best model scores higher on glue_dev is largely decided by
     the seed's draws (see the README); the pooled line is the steadier comparison."""
@@ -388,12 +392,8 @@ def pooled(runs: list[list[Side]]) -> None:
         )
 
     hp, hf = pool([r[0] for r in runs]), pool([r[1] for r in runs])
-    print(f"\npooled over {len(runs)} seeds (mean accuracies, total samples and wall time):")
-    print(f"{'':10}{'best val acc':>14}{'glue_dev acc':>14}{'train samples':>15}{'wall s':>9}")
-    for s in (hp, hf):
-        print(
-            f"{s.name:10}{s.best_val_accuracy:>14.4f}{s.glue_dev_accuracy:>14.4f}{s.train_samples:>15}{s.wall_s:>9.1f}"
-        )
+    print(f"\npooled over {len(runs)} seeds (mean accuracies, total samples and wall time, largest disk use):")
+    table([hp, hf])
     verdict("pooled ratios hpsearch/hf", hp, hf)
 
 
