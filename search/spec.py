@@ -63,6 +63,12 @@ class SearchConfig:
     validation point)."""
     pruner_reduction_factor: int = 3
     """asha/hyperband: 1 in this many trials is promoted to the next rung."""
+    prune_at_chance: int = 2
+    """Classification, any pruner but none: stop a trial once this many validation points in
+    a row, after its warm-up and its first fifth of steps, were no better than predicting
+    the label prior (validation loss
+    at least the labels' entropy and accuracy within a standard error of the majority rate):
+    a learning rate that does not learn or that diverged (0 = never)."""
     timeout_minutes: float = 0.0
     """Stop starting new trials after this many minutes of the study (0 = no limit)."""
     gpu_hours: float = 0.0
@@ -85,6 +91,7 @@ class SearchConfig:
         rule(0 < self.pruner_percentile < 100, "pruner_percentile", "must be between 0 and 100 (exclusive)")
         rule(self.pruner_min_resource >= 0, "pruner_min_resource", "must be >= 0 (0 = train.eval_every)")
         rule(self.pruner_reduction_factor >= 2, "pruner_reduction_factor", "must be >= 2")
+        rule(self.prune_at_chance >= 0, "prune_at_chance", "must be >= 0 (0 = never)")
         rule(self.keep_top_k >= 1, "keep_top_k", "must be >= 1 (the best trial's checkpoint is always kept)")
         for name in ("timeout_minutes", "gpu_hours", "max_disk_gb"):
             rule(getattr(self, name) >= 0, name, "must be >= 0 (0 = no limit)")

@@ -78,7 +78,10 @@ def spec_text(
     extra_train: str = "",
     space: str = 'learning_rate = { type = "float", low = 1e-4, high = 3e-3, log = true }',
     search: str = "",
+    prune_at_chance: int = 0,
 ) -> str:
+    # The tiny random-initialised BERT learns nothing in these few steps: with the default
+    # prune_at_chance every trial would stop at chance; tests that want that turn it on.
     return f"""
 [model]
 name = "{model}"
@@ -100,6 +103,7 @@ sampler = "tpe"
 pruner = "median"
 metric = "loss"
 seed = 0
+prune_at_chance = {prune_at_chance}
 {search}
 [search.space]
 {space}

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from hpsearch.trainer import attention, checkpoint as ckpt, precision as prec, tasks
+from hpsearch.trainer.chance import Chance
 from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.curves import Curves
 from hpsearch.trainer.data import collate, even_shards, micro_batches
@@ -21,7 +22,7 @@ from hpsearch.trainer.dataset import Prepared
 from hpsearch.trainer.distributed import World, parameter_digest
 from hpsearch.trainer.evaluate import Metrics, evaluate
 from hpsearch.trainer.model import enable_gradient_checkpointing
-from hpsearch.trainer.optim import build_optimizer, build_scheduler, plan_steps
+from hpsearch.trainer.optim import build_optimizer, build_scheduler, plan_steps, warmup_steps
 from hpsearch.trainer.report import RESUME_CHECKPOINT_ATTR, Reporter, TrainResult
 from hpsearch.trainer.stats import Throughput
 
@@ -46,6 +47,11 @@ class Run:
     """time.monotonic() when the trial began (before the model copy); default: fit's entry."""
     world: World = field(default_factory=World)
     """The trial's data-parallel ranks (one by default); only rank 0 reports and saves."""
+    stop_at_chance: int = 0
+    """Stop the run (as pruned, reason "at_chance") once this many validation points in a
+    row, after its warm-up and its first fifth, were no better than predicting the label
+    prior (see trainer/chance.py; 0 = never).
+    Classification only; read on rank 0, which decides for every rank."""
 
 
 def fit(run: Run, reporter: Reporter) -> TrainResult:
@@ -78,6 +84,10 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     # .item() forces a host-device sync that would stall the GPU's queue every step.
     running_loss = torch.zeros((), device=device)
     running_steps = 0
+    chance = Chance.of(data.validation.labels) if run.stop_at_chance else None
+    # Judged once the rate has warmed up and the run has had a fifth of its steps: any run is
+    # at chance at its first steps, and validation may come every few steps of a long run.
+    judged_from, at_chance = max(warmup_steps(cfg, total_steps), -(-total_steps // 5)), 0
 
     batches: list[list[int]] = []
     batches_epoch = -1
@@ -174,6 +184,11 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                     reporter.set_attrs({RESUME_CHECKPOINT_ATTR: str(state.resolve())})
                     last_resume = time.monotonic()
                 reporter.report(value, step)
+            at_chance = at_chance + 1 if chance and step >= judged_from and chance.matches(metrics) else 0
+            if world.from_main(world.is_main and 0 < run.stop_at_chance <= at_chance):
+                log.info("step %d: no better than the label prior %d points in a row: stopping", step, at_chance)
+                result = TrainResult(status="pruned", fail_reason="at_chance")
+                break
             if world.from_main(world.is_main and reporter.should_prune()):
                 result = TrainResult(status="pruned")
                 break

@@ -39,10 +39,14 @@ def _torch_at_least(major: int, minor: int) -> bool:
     return (int(parts[0]), int(parts[1])) >= (major, minor)
 
 
+def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
+    return round(cfg.warmup_ratio * total_steps)
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    warmup = round(cfg.warmup_ratio * total_steps)
+    warmup = warmup_steps(cfg, total_steps)
 
     def factor(step: int) -> float:
         if step < warmup:

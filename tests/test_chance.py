@@ -1,0 +1,125 @@
+"""Chance level: of a validation split, of a validation point, and a run stopped at it."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+
+from hpsearch.trainer.chance import Chance
+from hpsearch.trainer.config import DataConfig, TrainConfig
+from hpsearch.trainer.dataset import prepare
+from hpsearch.trainer.evaluate import Metrics
+from hpsearch.trainer.loop import Run, fit
+from hpsearch.trainer.model import PretrainedCache, load_tokenizer
+from hpsearch.trainer.report import NullReporter, TrainResult
+from tests.conftest import spec_text, start_study
+
+CPU = torch.device("cpu")
+
+
+def test_chance_of_labels() -> None:
+    chance = Chance.of([1] * 147 + [0] * 109)  # seed 2's SST-2 validation subset in search_vs_hf
+    assert chance is not None
+    assert chance.accuracy == pytest.approx(147 / 256)
+    assert chance.loss == pytest.approx(0.68209, abs=1e-5)
+    assert chance.margin == pytest.approx(math.sqrt(0.5742 * 0.4258 / 256), abs=1e-4)
+    assert Chance.of([]) is None
+    three = Chance.of([0, 1, 2] * 10)
+    assert three is not None and three.loss == pytest.approx(math.log(3))
+
+
+# Points measured on that subset with MiniLM (loss, accuracy).
+@pytest.mark.parametrize(
+    "loss,accuracy,expected",
+    [
+        (0.6903, 0.5781, True),  # lr 8e-6: the prior and nothing else
+        (0.6937, 0.4258, True),  # lr 1e-3, diverged: flips between the two labels
+        (0.6746, 0.5742, False),  # lr 4e-5 just out of warm-up: majority label, but the loss is falling
+        (0.6867, 0.8047, False),  # lr 6e-4: over-confident, loss above the prior, accuracy far above it
+        (float("nan"), 0.5742, False),  # NaN is the NaN check's business
+    ],
+)
+def test_a_point_matches_chance_only_when_loss_and_accuracy_both_say_so(
+    loss: float, accuracy: float, expected: bool
+) -> None:
+    chance = Chance.of([1] * 147 + [0] * 109)
+    assert chance is not None
+    assert chance.matches(Metrics(loss=loss, accuracy=accuracy, f1=0.0)) is expected
+
+
+def test_causal_lm_points_never_match() -> None:
+    chance = Chance.of([0, 1])
+    assert chance is not None and not chance.matches(Metrics(loss=9.0, perplexity=math.exp(9.0)))
+
+
+# -- in the training loop and in a search, for real ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def words_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A split the tiny BERT learns within a few steps at lr 1e-2 (it learns nothing of the
+    demo data in the steps a test can afford): the label is in every word."""
+    folder = tmp_path_factory.mktemp("words")
+    rng = random.Random(0)
+    paths = []
+    for name, n in (("train", 256), ("dev", 64)):
+        path = folder / f"{name}.jsonl"
+        with path.open("w") as f:
+            for _ in range(n):
+                positive = rng.random() < 0.5
+                words = rng.choices(["good", "great", "fine"] if positive else ["bad", "terrible"], k=3)
+                f.write(json.dumps({"text": " ".join(words), "label": "positive" if positive else "negative"}) + "\n")
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def _fit(model_dir: Path, files: tuple[Path, Path], cfg: TrainConfig, out: Path, stop_at_chance: int) -> TrainResult:
+    tok = load_tokenizer(str(model_dir))
+    data = prepare(DataConfig(train=str(files[0]), validation=str(files[1])), tok, 32, None)
+    assert data.labels is not None
+    model = PretrainedCache().fresh(str(model_dir), data.labels.num_labels, data.labels.id2label(), cfg.seed)
+    run = Run(model=model, tokenizer=tok, data=data, cfg=cfg, metric="loss", device=CPU, out_dir=out)
+    run.stop_at_chance = stop_at_chance
+    return fit(run, NullReporter())
+
+
+def test_a_run_that_does_not_learn_stops_at_the_second_judged_point(
+    tiny_model: Path, words_files: tuple[Path, Path], tmp_path: Path
+) -> None:
+    # lr 1e-9 leaves the random head predicting the prior. 16 steps, warm-up 0.3 = 5 steps:
+    # judged from step 5 (warm-up; a fifth would be 4), so at 6 and 8: stopped at 8.
+    cfg = TrainConfig(learning_rate=1e-9, batch_size=32, micro_batch_size=32, epochs=2, eval_every=2, warmup_ratio=0.3)
+    result = _fit(tiny_model, words_files, cfg, tmp_path / "flat", stop_at_chance=2)
+    assert (result.status, result.fail_reason, result.steps) == ("pruned", "at_chance", 8)
+    # Off (what a plain fine-tune or pruner "none" gets), the same run trains to its end.
+    result = _fit(tiny_model, words_files, cfg, tmp_path / "off", stop_at_chance=0)
+    assert (result.status, result.steps) == ("complete", 16)
+
+
+def test_a_learning_run_is_not_stopped(tiny_model: Path, words_files: tuple[Path, Path], tmp_path: Path) -> None:
+    cfg = TrainConfig(learning_rate=1e-2, batch_size=32, micro_batch_size=32, epochs=2, eval_every=2)
+    result = _fit(tiny_model, words_files, cfg, tmp_path / "learns", stop_at_chance=1)
+    assert (result.status, result.steps) == ("complete", 16)
+    assert result.best_value is not None and result.best_value < 0.3
+
+
+def test_a_search_records_why_a_trial_stopped(tiny_model: Path, demo_files: tuple[Path, Path], tmp_path: Path) -> None:
+    # The tiny model learns nothing of the demo data in these steps: every trial is at chance.
+    spec = tmp_path / "chance.toml"
+    spec.write_text(
+        spec_text(tiny_model, *demo_files, n_trials=2, prune_at_chance=2).replace("eval_every = 5", "eval_every = 2")
+    )
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    start_study("c", spec, url, tmp_path)
+    trials = optuna.load_study(study_name="c", storage=url).trials
+    assert [t.state for t in trials] == [optuna.trial.TrialState.PRUNED] * 2
+    for t in trials:
+        assert t.user_attrs["fail_reason"] == "at_chance"
+        assert max(t.intermediate_values) < 20  # 20 steps in all
+        assert t.user_attrs["best_checkpoint"].startswith("deleted")

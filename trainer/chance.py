@@ -1,0 +1,51 @@
+"""Chance level: what a classifier that learned nothing but the label frequencies scores.
+
+A learning rate too low to move the weights, or so high that training diverged, leaves a
+model that predicts the label prior. Searches over 1e-6..1e-3 draw such rates often, and a
+successive-halving pruner promotes the first trials to reach a rung for want of competitors,
+so without this test a run at chance level can train to its last step.
+
+The test needs both signs of "no signal", because each alone misleads early in a run:
+validation accuracy stays at the majority rate for a while after the loss has started to
+fall (a good rate just out of warm-up), and an over-confident model that does have signal
+can have a loss above the prior's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hpsearch.trainer.evaluate import Metrics
+
+
+@dataclass(frozen=True)
+class Chance:
+    loss: float
+    """Entropy of the validation labels: the cross-entropy of the best constant prediction."""
+    accuracy: float
+    """Share of the most frequent validation label."""
+    margin: float
+    """One standard error of an accuracy at that rate on this many examples."""
+
+    @classmethod
+    def of(cls, labels: Sequence[int]) -> Chance | None:
+        """From the validation labels; None without labels (causal LM, empty split)."""
+        if not labels:
+            return None
+        n = len(labels)
+        shares = [c / n for c in Counter(labels).values()]
+        top = max(shares)
+        return cls(
+            loss=-sum(p * math.log(p) for p in shares),
+            accuracy=top,
+            margin=math.sqrt(top * (1 - top) / n),
+        )
+
+    def matches(self, metrics: Metrics) -> bool:
+        """Whether a validation point is no better than the label prior."""
+        if metrics.accuracy is None or not math.isfinite(metrics.loss):
+            return False
+        return metrics.loss >= self.loss and metrics.accuracy <= self.accuracy + self.margin
