@@ -66,9 +66,9 @@ class SearchConfig:
     prune_at_chance: int = 2
     """Classification, any pruner but none: stop a trial once this many validation points in
     a row, after its warm-up and its first fifth of steps, were no better than predicting
-    the label prior (validation loss
-    at least the labels' entropy and accuracy within a standard error of the majority rate):
-    a learning rate that does not learn or that diverged (0 = never)."""
+    the label prior (validation loss at least the labels' entropy and accuracy within a
+    standard error of the majority rate): a learning rate that does not learn or that
+    diverged (0 = never)."""
     timeout_minutes: float = 0.0
     """Stop starting new trials after this many minutes of the study (0 = no limit)."""
     gpu_hours: float = 0.0

@@ -9,18 +9,15 @@ from pathlib import Path
 
 import optuna
 import pytest
-import torch
 
 from hpsearch.trainer.chance import Chance
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.evaluate import Metrics
-from hpsearch.trainer.loop import Run, fit
-from hpsearch.trainer.model import PretrainedCache, load_tokenizer
-from hpsearch.trainer.report import NullReporter, TrainResult
+from hpsearch.trainer.model import load_tokenizer
+from hpsearch.trainer.report import TrainResult
 from tests.conftest import spec_text, start_study
-
-CPU = torch.device("cpu")
+from tests.tiny import train_tiny
 
 
 def test_chance_of_labels() -> None:
@@ -82,11 +79,7 @@ def words_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def _fit(model_dir: Path, files: tuple[Path, Path], cfg: TrainConfig, out: Path, stop_at_chance: int) -> TrainResult:
     tok = load_tokenizer(str(model_dir))
     data = prepare(DataConfig(train=str(files[0]), validation=str(files[1])), tok, 32, None)
-    assert data.labels is not None
-    model = PretrainedCache().fresh(str(model_dir), data.labels.num_labels, data.labels.id2label(), cfg.seed)
-    run = Run(model=model, tokenizer=tok, data=data, cfg=cfg, metric="loss", device=CPU, out_dir=out)
-    run.stop_at_chance = stop_at_chance
-    return fit(run, NullReporter())
+    return train_tiny(model_dir, (tok, data), cfg, out, stop_at_chance=stop_at_chance)[1]
 
 
 def test_a_run_that_does_not_learn_stops_at_the_second_judged_point(

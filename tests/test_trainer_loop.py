@@ -12,10 +12,8 @@ from hpsearch.trainer import loop
 from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE, load_resume
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.dataset import prepare
-from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
-from hpsearch.trainer.report import NullReporter
-from tests.tiny import build_tiny_bert
+from tests.tiny import build_tiny_bert, train_tiny
 
 CPU = torch.device("cpu")
 
@@ -32,16 +30,6 @@ def prepared(no_dropout_model: Path, demo_files: tuple[Path, Path]):  # type: ig
     return tok, prepare(DataConfig(train=str(demo_files[0]), validation=str(demo_files[1])), tok, 32, None)
 
 
-def _train(model_dir: Path, prepared, cfg: TrainConfig, out: Path, **kw):  # type: ignore[no-untyped-def]
-    tok, data = prepared
-    model = PretrainedCache().fresh(str(model_dir), data.labels.num_labels, data.labels.id2label(), cfg.seed)
-    reporter = NullReporter()
-    result = fit(
-        Run(model=model, tokenizer=tok, data=data, cfg=cfg, metric="loss", device=CPU, out_dir=out, **kw), reporter
-    )
-    return model, result, reporter
-
-
 def test_accumulation_matches_one_big_batch(no_dropout_model: Path, prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     base = TrainConfig(
         learning_rate=1e-3,
@@ -53,8 +41,8 @@ def test_accumulation_matches_one_big_batch(no_dropout_model: Path, prepared, tm
         group_by_length=False,
         max_grad_norm=0.0,
     )
-    big, _, _ = _train(no_dropout_model, prepared, replace(base, micro_batch_size=32), tmp_path / "a")
-    acc, _, _ = _train(no_dropout_model, prepared, replace(base, micro_batch_size=8), tmp_path / "b")
+    big, _, _ = train_tiny(no_dropout_model, prepared, replace(base, micro_batch_size=32), tmp_path / "a")
+    acc, _, _ = train_tiny(no_dropout_model, prepared, replace(base, micro_batch_size=8), tmp_path / "b")
     init = PretrainedCache().fresh(str(no_dropout_model), 2, {0: "negative", 1: "positive"}, 0)
     moved = 0
     for (name, p_big), (_, p_acc), (_, p0) in zip(
@@ -94,9 +82,9 @@ def test_out_of_memory_halves_the_micro_batch_and_trains_the_same(  # type: igno
         group_by_length=False,
         max_grad_norm=0.0,
     )
-    whole, _, _ = _train(no_dropout_model, prepared, base, tmp_path / "a")
+    whole, _, _ = train_tiny(no_dropout_model, prepared, base, tmp_path / "a")
     sizes = _oom_above(monkeypatch, 5)
-    halved, result, rep = _train(no_dropout_model, prepared, base, tmp_path / "b")
+    halved, result, rep = train_tiny(no_dropout_model, prepared, base, tmp_path / "b")
     assert result.status == "complete" and result.steps == 3
     # 24 -> 12 -> 6 -> 3: accumulation 8 keeps the effective batch at 24.
     assert rep.attrs["micro_batch_size"] == 3 and rep.attrs["accumulation_steps"] == 8
@@ -110,7 +98,7 @@ def test_out_of_memory_at_micro_batch_one_fails_with_reason(  # type: ignore[no-
 ) -> None:
     _oom_above(monkeypatch, 0)
     cfg = TrainConfig(learning_rate=1e-3, batch_size=8, micro_batch_size=8, max_steps=2, precision="fp32")
-    _, result, _ = _train(no_dropout_model, prepared, cfg, tmp_path / "t")
+    _, result, _ = train_tiny(no_dropout_model, prepared, cfg, tmp_path / "t")
     assert result.status == "failed" and result.fail_reason == "oom" and result.steps == 0
 
 
@@ -126,19 +114,19 @@ def test_checkpoint_saved_and_resume_continues(tiny_model: Path, demo_files: tup
         calls["n"] += 1
         return calls["n"] >= 10
 
-    _, first, _ = _train(tiny_model, prepared, cfg, tmp_path / "t0", should_stop=stop_after_step_10)
+    _, first, _ = train_tiny(tiny_model, prepared, cfg, tmp_path / "t0", should_stop=stop_after_step_10)
     assert first.status == "interrupted" and first.steps == 10
     state_file = tmp_path / "t0" / RESUME / RESUME_FILE
     state = load_resume(state_file)
     assert state["step"] == 10 and "optimizer" in state and "scheduler" in state and "rng" in state
     assert (tmp_path / "t0" / "best" / "config.json").exists()
 
-    _, resumed, rep = _train(tiny_model, prepared, cfg, tmp_path / "t1", resume_from=state_file)
+    _, resumed, rep = train_tiny(tiny_model, prepared, cfg, tmp_path / "t1", resume_from=state_file)
     assert resumed.status == "complete"
     assert sorted(rep.values) == [15, 20], "the resumed run continues at step 10, it does not restart"
 
     # The resumed run ends where an uninterrupted run ends (same data order, RNG and schedule).
-    _, _straight, rep_straight = _train(tiny_model, prepared, cfg, tmp_path / "t2")
+    _, _straight, rep_straight = train_tiny(tiny_model, prepared, cfg, tmp_path / "t2")
     assert rep.values[20] == pytest.approx(rep_straight.values[20], rel=1e-4)
 
 
@@ -152,7 +140,7 @@ def test_nan_loss_prunes_with_reason(tiny_model: Path, prepared, tmp_path: Path)
         precision="fp32",
         max_grad_norm=0.0,
     )
-    _, result, _ = _train(tiny_model, prepared, cfg, tmp_path / "nan")
+    _, result, _ = train_tiny(tiny_model, prepared, cfg, tmp_path / "nan")
     assert result.status == "pruned" and result.fail_reason == "nan_loss"
 
 
@@ -173,6 +161,6 @@ def test_resumable_state_is_written_at_most_every_resume_every_minutes(
         precision="fp32",
         resume_every_minutes=minutes,
     )
-    _, result, _ = _train(tiny_model, prepared, cfg, tmp_path / "r")
+    _, result, _ = train_tiny(tiny_model, prepared, cfg, tmp_path / "r")
     assert result.status == "complete"
     assert (tmp_path / "r" / RESUME / RESUME_FILE).exists() is expected

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from hpsearch.search.presets import demo_data, tiny_gpt2
+from hpsearch.trainer.config import TrainConfig
+from hpsearch.trainer.dataset import Prepared
+from hpsearch.trainer.loop import Run, fit
+from hpsearch.trainer.model import PretrainedCache
+from hpsearch.trainer.report import NullReporter, TrainResult
+
+Trained = tuple[torch.nn.Module, TrainResult, NullReporter]
 
 
 def build_tiny_bert(folder: Path, *, hidden: int = 32, layers: int = 2, dropout: float = 0.1) -> Path:
@@ -64,3 +74,26 @@ def write_lm_split(path: Path, n: int, seed: int, *, pairs: bool = False) -> Pat
                 record = {"text": f"{row['text']}. verdict: {row['label']}"}
             f.write(json.dumps(record) + "\n")
     return path
+
+
+def train_tiny(model_dir: Path, prepared: tuple[Any, Prepared], cfg: TrainConfig, out: Path, **run: Any) -> Trained:
+    """One real fine-tune on CPU outside any search: (model, result, what it reported).
+    ``run`` sets further fields of the trainer's Run (resume_from, should_stop, ...)."""
+    tok, data = prepared
+    assert data.labels is not None
+    model = PretrainedCache().fresh(str(model_dir), data.labels.num_labels, data.labels.id2label(), cfg.seed)
+    reporter = NullReporter()
+    result = fit(
+        Run(
+            model=model,
+            tokenizer=tok,
+            data=data,
+            cfg=cfg,
+            metric="loss",
+            device=torch.device("cpu"),
+            out_dir=out,
+            **run,
+        ),
+        reporter,
+    )
+    return model, result, reporter

@@ -50,8 +50,8 @@ class Run:
     stop_at_chance: int = 0
     """Stop the run (as pruned, reason "at_chance") once this many validation points in a
     row, after its warm-up and its first fifth, were no better than predicting the label
-    prior (see trainer/chance.py; 0 = never).
-    Classification only; read on rank 0, which decides for every rank."""
+    prior (see trainer/chance.py; 0 = never). Classification only; read on rank 0, which
+    decides for every rank."""
 
 
 def fit(run: Run, reporter: Reporter) -> TrainResult:
@@ -185,12 +185,12 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                     last_resume = time.monotonic()
                 reporter.report(value, step)
             at_chance = at_chance + 1 if chance and step >= judged_from and chance.matches(metrics) else 0
-            if world.from_main(world.is_main and 0 < run.stop_at_chance <= at_chance):
-                log.info("step %d: no better than the label prior %d points in a row: stopping", step, at_chance)
-                result = TrainResult(status="pruned", fail_reason="at_chance")
-                break
-            if world.from_main(world.is_main and reporter.should_prune()):
-                result = TrainResult(status="pruned")
+            stuck = 0 < run.stop_at_chance <= at_chance  # only rank 0 has the option; it decides for all
+            # One broadcast for both reasons; the pruner is not asked about a run stopped at chance.
+            if world.from_main(world.is_main and (stuck or reporter.should_prune())):
+                if stuck:
+                    log.info("step %d: no better than the label prior %d points in a row: stopping", step, at_chance)
+                result = TrainResult(status="pruned", fail_reason="at_chance" if stuck else None)
                 break
 
     speed.pause()
