@@ -12,8 +12,9 @@ validation every 16):
 - each validation point has noise (256 examples: sd ~0.02) and the held-out score of a trial
   differs from its validation score by a trial-specific amount (sd ~0.012).
 
-The sampler and pruner are hpsearch's own (``make_sampler``/``make_pruner`` from a spec), so the
-script follows the defaults as they change; ``--pruner``/``--reduction-factor``/... try others.
+The sampler and pruner are hpsearch's own (``make_sampler``/``make_pruner`` from a spec), with the
+trainer's chance stop (``search.prune_at_chance``, on accuracy alone), so the script follows the
+defaults as they change; ``--pruner``/``--reduction-factor``/... try others.
 HF's side is ``TPESampler(seed)`` with every trial run to the end. As in the real benchmark, the
 two sides draw from different seeds: optuna's TPE starts with the draws of ``RandomSampler(seed)``,
 so with one seed for both the first trials would be the same and the comparison far too kind.
@@ -36,8 +37,13 @@ import optuna
 
 from hpsearch.search import study as studies
 from hpsearch.search.spec import PRUNERS, SAMPLERS, StudySpec
+from hpsearch.trainer.chance import Chance
 
 STEPS, EVAL_EVERY, BATCH = 128, 16, 16
+# Balanced labels, 256 validation examples: the majority rate plus one standard error.
+_prior = Chance.of([0, 1] * 128)
+assert _prior is not None
+CHANCE = _prior.accuracy + _prior.margin
 
 
 def final_accuracy(lr: float, warmup: float) -> float:
@@ -75,22 +81,32 @@ class OraclePruner(optuna.pruners.BasePruner):
 
 
 def search(
-    sampler: optuna.samplers.BaseSampler, pruner: optuna.pruners.BasePruner, spec: StudySpec, seed: int
+    sampler: optuna.samplers.BaseSampler,
+    pruner: optuna.pruners.BasePruner,
+    spec: StudySpec,
+    seed: int,
+    *,
+    stop_at_chance: int = 0,
 ) -> tuple[float, int]:
     """One search; returns the held-out score of its best finished trial and the samples trained.
 
-    ``seed`` also seeds the validation noise; the two sides pass different seeds."""
+    ``seed`` also seeds the validation noise; the two sides pass different seeds.
+    ``stop_at_chance`` is the trainer's chance stop (search.prune_at_chance), judged on
+    accuracy alone: the surrogate has no loss, and a run at chance has the prior's loss anyway."""
     rng = random.Random(seed * 7 + 1)
     study = optuna.create_study(direction="maximize", sampler=sampler, pruner=pruner)
     best, held_out, samples = -1.0, float("nan"), 0
     for _ in range(spec.search.n_trials):
         trial = study.ask()
-        points, score = run_trial(studies.suggest(trial, spec), rng)
-        top, pruned, step = -1.0, False, 0
+        params = studies.suggest(trial, spec)
+        points, score = run_trial(params, rng)
+        judged_from = Chance.judged_from(round(params["warmup_ratio"] * STEPS), STEPS)
+        top, pruned, step, at_chance = -1.0, False, 0, 0
         for step, value in points.items():
             top = max(top, value)
             trial.report(value, step)
-            if trial.should_prune():
+            at_chance = at_chance + 1 if step >= judged_from and value <= CHANCE else 0
+            if 0 < stop_at_chance <= at_chance or trial.should_prune():
                 pruned = True
                 break
         samples += step * BATCH
@@ -111,6 +127,7 @@ def main() -> None:
     p.add_argument("--pruner", choices=PRUNERS, default=None, help="default: hpsearch's")
     p.add_argument("--reduction-factor", type=int, default=None)
     p.add_argument("--min-resource", type=int, default=None)
+    p.add_argument("--prune-at-chance", type=int, default=None, help="default: hpsearch's (0 = off)")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -121,6 +138,7 @@ def main() -> None:
         ("pruner", args.pruner),
         ("pruner_reduction_factor", args.reduction_factor),
         ("pruner_min_resource", args.min_resource),
+        ("prune_at_chance", args.prune_at_chance),
     ):
         if value is not None:
             search_raw[key] = value
@@ -140,7 +158,11 @@ def main() -> None:
     full = args.n_trials * STEPS * BATCH
     # hpsearch's worker derives its sampler seed from search.seed and its device, as here.
     seeds = [studies.worker_seed(spec, "cpu:0", 0) + seed for seed in range(args.seeds)]
-    ours = [search(studies.make_sampler(spec, s), studies.make_pruner(spec), spec, s) for s in seeds]
+    # As the worker sets it: the chance stop comes with every pruner but none.
+    chance = spec.search.prune_at_chance if spec.search.pruner != "none" else 0
+    ours = [
+        search(studies.make_sampler(spec, s), studies.make_pruner(spec), spec, s, stop_at_chance=chance) for s in seeds
+    ]
     bound = [search(studies.make_sampler(spec, s), OraclePruner(), spec, s) for s in seeds]
     hf = [
         search(optuna.samplers.TPESampler(seed=seed), optuna.pruners.NopPruner(), spec, seed)

@@ -44,6 +44,13 @@ class Chance:
             margin=math.sqrt(top * (1 - top) / n),
         )
 
+    @staticmethod
+    def judged_from(warmup_steps: int, total_steps: int) -> int:
+        """First step at which a run is judged: once its rate has warmed up and it has had a
+        fifth of its steps, since any run is at chance at its first steps and validation may
+        come every few steps of a long run."""
+        return max(warmup_steps, -(-total_steps // 5))
+
     def matches(self, metrics: Metrics) -> bool:
         """Whether a validation point is no better than the label prior."""
         if metrics.accuracy is None or not math.isfinite(metrics.loss):

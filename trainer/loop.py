@@ -85,9 +85,7 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     running_loss = torch.zeros((), device=device)
     running_steps = 0
     chance = Chance.of(data.validation.labels) if run.stop_at_chance else None
-    # Judged once the rate has warmed up and the run has had a fifth of its steps: any run is
-    # at chance at its first steps, and validation may come every few steps of a long run.
-    judged_from, at_chance = max(warmup_steps(cfg, total_steps), -(-total_steps // 5)), 0
+    judged_from, at_chance = Chance.judged_from(warmup_steps(cfg, total_steps), total_steps), 0
 
     batches: list[list[int]] = []
     batches_epoch = -1
