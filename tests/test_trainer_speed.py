@@ -29,6 +29,7 @@ from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 from hpsearch.trainer.optim import build_optimizer
 from hpsearch.trainer.report import NullReporter
 from hpsearch.trainer.stats import PEAK_ENV, Throughput, mfu, peak_tflops
+from tests.tiny import tiny_run
 
 WORDS = ["good", "bad", "great", "terrible", "fine"]
 
@@ -78,17 +79,7 @@ def _run(tiny_model: Path, data_cfg: DataConfig, out: Path, **train: object) -> 
             **train,
         }
     )
-    model = PretrainedCache().fresh(str(tiny_model), data.labels.num_labels, data.labels.id2label(), cfg.seed)
-    run = Run(
-        model=model,
-        tokenizer=tokenizer,
-        data=data,
-        cfg=cfg,
-        metric="loss",
-        device=torch.device("cpu"),
-        out_dir=out,
-    )
-    return run, NullReporter()
+    return tiny_run(tiny_model, (tokenizer, data), cfg, out), NullReporter()
 
 
 # -- tokenise once ------------------------------------------------------------------------

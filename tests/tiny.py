@@ -76,24 +76,19 @@ def write_lm_split(path: Path, n: int, seed: int, *, pairs: bool = False) -> Pat
     return path
 
 
-def train_tiny(model_dir: Path, prepared: tuple[Any, Prepared], cfg: TrainConfig, out: Path, **run: Any) -> Trained:
-    """One real fine-tune on CPU outside any search: (model, result, what it reported).
-    ``run`` sets further fields of the trainer's Run (resume_from, should_stop, ...)."""
+def tiny_run(model_dir: Path, prepared: tuple[Any, Prepared], cfg: TrainConfig, out: Path, **run: Any) -> Run:
+    """The trainer's Run for a fresh model from ``model_dir`` on CPU, minimising the loss;
+    ``run`` sets further fields (resume_from, should_stop, ...)."""
     tok, data = prepared
     assert data.labels is not None
     model = PretrainedCache().fresh(str(model_dir), data.labels.num_labels, data.labels.id2label(), cfg.seed)
-    reporter = NullReporter()
-    result = fit(
-        Run(
-            model=model,
-            tokenizer=tok,
-            data=data,
-            cfg=cfg,
-            metric="loss",
-            device=torch.device("cpu"),
-            out_dir=out,
-            **run,
-        ),
-        reporter,
+    return Run(
+        model=model, tokenizer=tok, data=data, cfg=cfg, metric="loss", device=torch.device("cpu"), out_dir=out, **run
     )
-    return model, result, reporter
+
+
+def train_tiny(model_dir: Path, prepared: tuple[Any, Prepared], cfg: TrainConfig, out: Path, **run: Any) -> Trained:
+    """One real fine-tune on CPU outside any search: (model, result, what it reported)."""
+    built = tiny_run(model_dir, prepared, cfg, out, **run)
+    reporter = NullReporter()
+    return built.model, fit(built, reporter), reporter
