@@ -158,8 +158,7 @@ def main() -> None:
     full = args.n_trials * STEPS * BATCH
     # hpsearch's worker derives its sampler seed from search.seed and its device, as here.
     seeds = [studies.worker_seed(spec, "cpu:0", 0) + seed for seed in range(args.seeds)]
-    # As the worker sets it: the chance stop comes with every pruner but none.
-    chance = spec.search.prune_at_chance if spec.search.pruner != "none" else 0
+    chance = spec.search.stop_at_chance
     ours = [
         search(studies.make_sampler(spec, s), studies.make_pruner(spec), spec, s, stop_at_chance=chance) for s in seeds
     ]

@@ -284,7 +284,7 @@ class Worker:
                 meta={"study": self.args.study, "trial": trial.number, "params": params},
                 started=started,
                 world=self.world,
-                stop_at_chance=self.spec.search.prune_at_chance if self.spec.search.pruner != "none" else 0,
+                stop_at_chance=self.spec.search.stop_at_chance,
             )
             result = fit(run, reporter)
         except CheckpointError as exc:
