@@ -140,14 +140,21 @@ def model_dir() -> str:
 
 def glue_dev_correct(checkpoint: Path, args: argparse.Namespace) -> list[bool]:
     """Score a saved model on glue_dev.tsv, sentence by sentence (same code for both sides, not timed)."""
-    import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    rows = read_tsv(args.data_dir / "glue_dev.tsv")
     tok = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForSequenceClassification.from_pretrained(checkpoint).eval()
+    model = AutoModelForSequenceClassification.from_pretrained(checkpoint)
+    return score_glue_dev(model, tok, read_tsv(args.data_dir / "glue_dev.tsv"), args.max_length)
+
+
+def score_glue_dev(model: Any, tok: Any, rows: list[dict[str, Any]], max_length: int) -> list[bool]:
+    """Per row, whether ``model`` labels it right; leaves the model in the mode it found it in."""
+    import torch
+
     # hpsearch names integer labels "0", "1" (id i = label i); HF keeps LABEL_i: both map id -> label.
     label_of = {int(k): int(v) if str(v).isdigit() else int(k) for k, v in model.config.id2label.items()}
+    training = model.training
+    model.eval()
     correct: list[bool] = []
     with torch.inference_mode():
         for i in range(0, len(rows), 64):
@@ -155,12 +162,13 @@ def glue_dev_correct(checkpoint: Path, args: argparse.Namespace) -> list[bool]:
             enc = tok(
                 [r["text"] for r in batch],
                 truncation=True,
-                max_length=args.max_length,
+                max_length=max_length,
                 padding=True,
                 return_tensors="pt",
             )
             pred = model(**enc).logits.argmax(-1).tolist()
             correct += [label_of[p] == r["label"] for p, r in zip(pred, batch, strict=True)]
+    model.train(training)
     return correct
 
 
