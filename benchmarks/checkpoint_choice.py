@@ -28,13 +28,12 @@ from typing import Any
 import search_vs_hf as bench
 import torch
 
-from hpsearch.search.spec import StudySpec
+from hpsearch.search.spec import load_file
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 from hpsearch.trainer.report import NullReporter
 
-STEPS_PER_EPOCH_EVALS = 4
 # Learning rate, warm-up ratio, weight decay: the region both searches of search_vs_hf end in.
 CONFIGS = [(8.5e-5, 0.1, 0.05), (2e-4, 0.1, 0.05), (4e-4, 0.1, 0.05)]
 RULES = ("best", "best, latest of equals", "final")
@@ -45,10 +44,9 @@ class PointScorer(NullReporter):
     """Records, at every validation point, the validation accuracy and the glue_dev score of
     the model as it is at that point (the trainer reports right after validating)."""
 
-    def __init__(self, tok: Any, rows: list[dict[str, Any]], max_length: int) -> None:
+    def __init__(self, model: Any, tok: Any, rows: list[dict[str, Any]], max_length: int) -> None:
         super().__init__()
-        self.tok, self.rows, self.max_length = tok, rows, max_length
-        self.model: Any = None
+        self.model, self.tok, self.rows, self.max_length = model, tok, rows, max_length
         self.glue: dict[int, float] = {}
 
     def report(self, value: float, step: int) -> None:
@@ -75,6 +73,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-length", type=int, default=64)
+    p.add_argument("--evals-per-epoch", type=int, default=4, help="validation points per epoch")
     p.add_argument("--seed", type=int, nargs="+", default=[0])
     p.add_argument(
         "--config",
@@ -96,30 +95,16 @@ def main() -> None:
     for seed in args.seed:
         work_dir = args.work_dir / f"seed-{seed}"
         work_dir.mkdir(parents=True)
-        run = argparse.Namespace(**{**vars(args), "seed": seed, "work_dir": work_dir})
+        run = argparse.Namespace(**{**vars(args), "seed": seed, "work_dir": work_dir, "n_trials": len(configs)})
         train, dev = bench.subsets(run)
-        spec = StudySpec.from_dict(
-            {
-                "model": {"name": bench.model_dir(), "max_length": args.max_length},
-                "data": {"train": str(train), "validation": str(dev)},
-                "train": {
-                    "batch_size": args.batch_size,
-                    "micro_batch_size": args.batch_size,
-                    "epochs": args.epochs,
-                    "eval_every": max(1, -(-args.train_size // args.batch_size) // STEPS_PER_EPOCH_EVALS),
-                    "seed": seed,
-                },
-                # The configurations are fixed; a spec needs a space all the same.
-                "search": {"metric": "accuracy", "space": {"learning_rate": {"type": "float", "low": 1e-6, "high": 1}}},
-            }
-        )
+        # search_vs_hf's own spec: the same training settings as the benchmark's trials.
+        spec = load_file(bench.write_spec(run, train, dev))
         tok = load_tokenizer(spec.model.name)
         data = prepare(spec.data, tok, spec.model.max_length, None, task=spec.model.task)
         for i, (lr, warmup, decay) in enumerate(configs):
             cfg = replace(spec.train, learning_rate=lr, warmup_ratio=warmup, weight_decay=decay)
             model = PretrainedCache().trial_model(spec.model.name, data.labels, cfg.seed)
-            scorer = PointScorer(tok, glue_rows, args.max_length)
-            scorer.model = model
+            scorer = PointScorer(model, tok, glue_rows, args.max_length)
             out = work_dir / f"config-{i}"
             run_ = Run(model=model, tokenizer=tok, data=data, cfg=cfg, metric="accuracy", device=CPU, out_dir=out)
             fit(run_, scorer)

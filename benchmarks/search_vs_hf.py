@@ -179,9 +179,8 @@ def du(path: Path) -> int:
 # -- hpsearch ---------------------------------------------------------------------------------
 
 
-def run_hpsearch(args: argparse.Namespace, train: Path, dev: Path) -> Side:
-    import optuna
-
+def write_spec(args: argparse.Namespace, train: Path, dev: Path) -> Path:
+    """hpsearch's spec for this run: model, data, training settings, space and trial budget."""
     steps_per_epoch = -(-args.train_size // args.batch_size)
     spec = args.work_dir / "hpsearch.toml"
     # No pruner key: the benchmark measures hpsearch's default pruner.
@@ -207,6 +206,13 @@ learning_rate = {{ type = "float", low = {LOW_LR}, high = {HIGH_LR}, log = true 
 warmup_ratio = {{ type = "float", low = 0.0, high = {MAX_WARMUP} }}
 weight_decay = {{ type = "float", low = 0.0, high = {MAX_DECAY} }}
 """)
+    return spec
+
+
+def run_hpsearch(args: argparse.Namespace, train: Path, dev: Path) -> Side:
+    import optuna
+
+    spec = write_spec(args, train, dev)
     url = f"sqlite:///{args.work_dir / 'hpsearch.db'}"
     runs = args.work_dir / "hpsearch-runs"
     cmd = [
