@@ -212,6 +212,8 @@ weight_decay = {{ type = "float", low = 0.0, high = {MAX_DECAY} }}
 def run_hpsearch(args: argparse.Namespace, train: Path, dev: Path) -> Side:
     import optuna
 
+    from hpsearch.search import summary
+
     spec = write_spec(args, train, dev)
     url = f"sqlite:///{args.work_dir / 'hpsearch.db'}"
     runs = args.work_dir / "hpsearch-runs"
@@ -242,8 +244,13 @@ def run_hpsearch(args: argparse.Namespace, train: Path, dev: Path) -> Side:
         sys.exit(f"hpsearch failed ({done.returncode}):\n{done.stderr[-4000:]}")
     study = optuna.load_study(study_name="bench", storage=url)
     trials = study.get_trials()
-    best = study.best_trial
-    assert best.value is not None  # best_trial is a finished trial
+    best = summary.best_trial(study)
+    if best is None or best.value is None:
+        # At toy sizes every trial can be stopped at chance or pruned: nothing to score on glue_dev.
+        sys.exit(
+            f"hpsearch finished none of its {len(trials)} trials: every one was pruned or stopped at chance; "
+            "raise --train-size, --epochs or --n-trials"
+        )
     return Side(
         name="hpsearch",
         best_val_accuracy=float(best.value),
