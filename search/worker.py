@@ -256,7 +256,7 @@ class Worker:
         out_dir.mkdir(parents=True, exist_ok=True)
         reporter = TrialReporter(trial)
         reporter.set_attrs({"device": self._device_name(), "host": registry.this_host(), "worker": self.args.name})
-        resume = self._resume_point(trial, out_dir)
+        resume = self._resume_point(trial, out_dir, reporter)
         handler = _trial_log(out_dir)
         log.info("trial %d starts: %s", trial.number, params)
         started = time.monotonic()  # first_step_seconds and device time count from here
@@ -368,17 +368,33 @@ class Worker:
             max_disk_gb=search.max_disk_gb,
         )
 
-    def _resume_point(self, trial: optuna.Trial, out_dir: Path) -> Path | None:
+    def _resume_point(self, trial: optuna.Trial, out_dir: Path, reporter: TrialReporter) -> Path | None:
+        """Move the failed attempt's best model and resumable state into this attempt's folder.
+
+        Moved, not read in place: this attempt then owns them, so the usual clean-up (resume/
+        goes when the trial ends, best/ goes with retention) covers them, and a crash of this
+        attempt before it writes its own state hands back this same state (the supervisor
+        looks in the trial's folder, the reaper at the attribute set here).
+        """
+        from hpsearch.trainer.checkpoint import BEST, RESUME
+
         source = trial.user_attrs.get(retry.RESUME_FROM)
         if not source or not Path(source).exists():
             return None
-        # The failed attempt's best model becomes this attempt's starting best.
-        old_best = Path(source).parent.parent / "best"
-        if old_best.exists() and not (out_dir / "best").exists():
-            shutil.move(str(old_best), out_dir / "best")
+        state = Path(source)
+        old_dir = state.parent.parent
+        if old_dir.resolve() == out_dir.resolve():
+            return state
+        # fit() takes the best point from the moved model's own meta (see _restored_best).
+        if (old_dir / BEST).exists() and not (out_dir / BEST).exists():
+            shutil.move(old_dir / BEST, out_dir / BEST)
+        shutil.rmtree(out_dir / RESUME, ignore_errors=True)
+        shutil.move(state.parent, out_dir / RESUME)
+        moved = out_dir / RESUME / state.name
+        reporter.set_attrs({retry.RESUME_CHECKPOINT: str(moved.resolve())})
         # fit() loads the state and records resumed_from_step; reading it here too would load
         # the weights and optimizer moments twice.
-        return Path(source)
+        return moved
 
     def _fail(self, trial: optuna.Trial, reason: str) -> None:
         trial.set_user_attr(retry.FAIL_REASON, reason)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -92,7 +93,7 @@ def _sa_url(url: str) -> str:
     return url.replace("postgresql://", "postgresql+psycopg2://", 1)
 
 
-def _assert_recovered(url: str, n_trials: int, reason: str) -> None:
+def _assert_recovered(url: str, n_trials: int, reason: str, runs: Path) -> None:
     trials = optuna.load_study(study_name="f", storage=_sa_url(url)).get_trials()
     finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     assert len(finished) == n_trials, [(t.number, t.state, t.user_attrs) for t in trials]
@@ -104,6 +105,16 @@ def _assert_recovered(url: str, n_trials: int, reason: str) -> None:
     assert retry.user_attrs["resumed_from_step"] > 0
     # The retry continued: it reports only steps after the resume point.
     assert min(retry.intermediate_values) > retry.user_attrs["resumed_from_step"]
+    # Its best model is on record even when the best point came before the interruption
+    # (the model is moved into the retry's folder), and it is the model the value belongs to.
+    for t in trials:
+        if t.state == TrialState.COMPLETE:
+            best = Path(t.user_attrs["best_checkpoint"])
+            meta = json.loads((best / "hpsearch.json").read_text())
+            assert meta["step"] == t.user_attrs["best_step"] and best.parent == runs / "f" / f"trial-{t.number}"
+            assert any(v == pytest.approx(t.value) for k, v in meta.items() if k.startswith("val_")), (t.value, meta)
+    # Every attempt's resumable state is gone once its trial has ended, the failed one's included.
+    assert not list(runs.glob("f/trial-*/resume")), list(runs.glob("f/trial-*/resume"))
 
 
 @pytest.mark.parametrize("sig,reason", [(signal.SIGKILL, "worker_crash"), (signal.SIGTERM, "interrupted")])
@@ -120,7 +131,7 @@ def test_killed_worker_trial_is_retried_from_its_checkpoint(
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
-    _assert_recovered(pg_url, 2, reason)
+    _assert_recovered(pg_url, 2, reason, tmp_path / "runs")
 
 
 def test_a_dead_peer_rank_hands_the_trial_back_and_the_group_restarts(
@@ -145,7 +156,7 @@ def test_a_dead_peer_rank_hands_the_trial_back_and_the_group_restarts(
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
     assert f"peer rank 1 (pid {rank1}) died (signal SIGKILL)" in err
-    _assert_recovered(sqlite_url, 1, "worker_crash (a peer rank died)")
+    _assert_recovered(sqlite_url, 1, "worker_crash (a peer rank died)", tmp_path / "runs")
     retry = optuna.load_study(study_name="f", storage=sqlite_url).best_trial
     digests = retry.user_attrs["rank_parameter_digests"]
     assert len(digests) == 2 and digests[0] == digests[1], "the restarted ranks resumed the same state"
@@ -169,7 +180,7 @@ def test_sigterm_of_start_hands_back_and_next_start_resumes(
     again = _start(tmp_path, spec, sqlite_url)
     _, err = again.communicate(timeout=600)
     assert again.returncode == 0, err[-3000:]
-    _assert_recovered(sqlite_url, 1, "interrupted")
+    _assert_recovered(sqlite_url, 1, "interrupted", tmp_path / "runs")
 
 
 def test_database_restart_under_a_running_worker_loses_nothing(
@@ -244,7 +255,7 @@ def test_lost_host_is_marked_stale_and_reap_retries_its_trial(
     restart = _start(tmp_path, spec, pg_url, HPSEARCH_HOST="host-a")
     _, err = restart.communicate(timeout=600)
     assert restart.returncode == 0, err[-3000:]
-    _assert_recovered(pg_url, 1, "worker_lost")
+    _assert_recovered(pg_url, 1, "worker_lost", tmp_path / "runs")
 
 
 def test_a_worker_on_another_host_reaps_the_lost_trial_and_resumes_it(
@@ -258,6 +269,6 @@ def test_a_worker_on_another_host_reaps_the_lost_trial_and_resumes_it(
     _, err = host_b.communicate(timeout=600)
     assert host_b.returncode == 0, err[-3000:]
     assert "waiting for trial(s) 0" in err
-    _assert_recovered(pg_url, 1, "worker_lost")
+    _assert_recovered(pg_url, 1, "worker_lost", tmp_path / "runs")
     trials = optuna.load_study(study_name="f", storage=_sa_url(pg_url)).get_trials()
     assert {t.user_attrs["host"] for t in trials} == {"host-a", "host-b"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -124,10 +126,45 @@ def test_checkpoint_saved_and_resume_continues(tiny_model: Path, demo_files: tup
     _, resumed, rep = train_tiny(tiny_model, prepared, cfg, tmp_path / "t1", resume_from=state_file)
     assert resumed.status == "complete"
     assert sorted(rep.values) == [15, 20], "the resumed run continues at step 10, it does not restart"
+    # Its folder has no best model of steps 5-10 (nobody moved t0's there): the best point
+    # starts over, so the value it ends with is one whose model it saved.
+    assert resumed.best_step in (15, 20) and rep.attrs["best_step"] == resumed.best_step
+    assert json.loads((tmp_path / "t1" / "best" / "hpsearch.json").read_text())["step"] == resumed.best_step
 
     # The resumed run ends where an uninterrupted run ends (same data order, RNG and schedule).
     _, _straight, rep_straight = train_tiny(tiny_model, prepared, cfg, tmp_path / "t2")
     assert rep.values[20] == pytest.approx(rep_straight.values[20], rel=1e-4)
+
+
+def test_resume_keeps_the_best_model_it_was_given(
+    tiny_model: Path, demo_files: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A retry gets the interrupted attempt's best model in its folder (the worker moves it):
+    when no later point beats it, that model and its step are the retry's best, on record."""
+    tok = load_tokenizer(str(tiny_model))
+    data = prepare(DataConfig(train=str(demo_files[0]), validation=str(demo_files[1])), tok, 32, None)
+    cfg = TrainConfig(learning_rate=2e-3, batch_size=32, micro_batch_size=16, epochs=2, eval_every=5, precision="fp32")
+    calls = {"n": 0}
+
+    def stop_after_step_10() -> bool:
+        calls["n"] += 1
+        return calls["n"] >= 10
+
+    train_tiny(tiny_model, (tok, data), cfg, tmp_path / "t0", should_stop=stop_after_step_10)
+    retry = tmp_path / "t1"
+    retry.mkdir()
+    shutil.move(tmp_path / "t0" / "best", retry / "best")
+    meta_file = retry / "best" / "hpsearch.json"
+    meta = json.loads(meta_file.read_text())
+    # A loss no later point can beat stands in for "the best came before the interruption".
+    meta_file.write_text(json.dumps({**meta, "val_loss": 0.0}))
+    state_file = tmp_path / "t0" / RESUME / RESUME_FILE
+    _, resumed, rep = train_tiny(tiny_model, (tok, data), cfg, retry, resume_from=state_file)
+    assert resumed.status == "complete" and sorted(rep.values) == [15, 20]
+    assert (resumed.best_value, resumed.best_step) == (0.0, meta["step"])
+    assert rep.attrs["best_step"] == meta["step"] and rep.attrs["best_val_loss"] == 0.0
+    assert rep.attrs["best_checkpoint"] == str((retry / "best").resolve())
+    assert json.loads(meta_file.read_text())["val_loss"] == 0.0, "no later point replaced it"
 
 
 def test_nan_loss_prunes_with_reason(tiny_model: Path, prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -18,6 +18,8 @@ from hpsearch.trainer.model import unwrap
 BEST = "best"
 RESUME = "resume"
 RESUME_FILE = "state.pt"
+META = "hpsearch.json"
+"""Beside the best model: the study, trial, step, validation metrics and training config."""
 
 
 class CheckpointError(OSError):
@@ -35,10 +37,19 @@ def save_best(model: torch.nn.Module, tokenizer: Any, out_dir: Path, meta: dict[
     def write(tmp: Path) -> None:
         unwrap(model).save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / "hpsearch.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
 
     _atomic_dir(target, write)
     return target
+
+
+def best_meta(out_dir: Path) -> dict[str, Any] | None:
+    """The meta of the best model under ``out_dir``, or None if there is none (or it is unreadable)."""
+    try:
+        meta = json.loads((out_dir / BEST / META).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 def save_resume(out_dir: Path, state: dict[str, Any]) -> Path:

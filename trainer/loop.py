@@ -226,9 +226,31 @@ def _restore(
     if isinstance(saved_micro, int):
         micro = min(micro, saved_micro)
     log.info("resumed from %s at optimizer step %d", run.resume_from, state["step"])
+    best_value, best_step, best_attrs = _restored_best(run, state["best_step"])
     if run.world.is_main:
-        reporter.set_attrs({"resumed_from_step": state["step"]})
-    return state["step"], state["best_value"], state["best_step"], micro
+        reporter.set_attrs({"resumed_from_step": state["step"], **best_attrs})
+    return state["step"], best_value, best_step, micro
+
+
+def _restored_best(run: Run, saved_step: int | None) -> tuple[float | None, int | None, dict[str, Any]]:
+    """The best point a resumed run starts from, and its trial attributes: the one whose model
+    is in the run's folder (moved there from the interrupted attempt's), read from the model's
+    own meta, not from the resumable state. The state may be older than the last best model
+    (it is written at most every resume_every_minutes), and a best point whose model is gone
+    would leave the trial with a value no checkpoint has: then the best starts over."""
+    meta = ckpt.best_meta(run.out_dir)
+    value = meta.get(f"val_{run.metric}") if meta else None
+    step = meta.get("step") if meta else None
+    if meta is None or not isinstance(value, int | float) or not isinstance(step, int):
+        if saved_step is not None:
+            log.warning("the best model of step %d is not in %s: the best point starts over", saved_step, run.out_dir)
+        return None, None, {}
+    attrs = {
+        "best_checkpoint": str((run.out_dir / ckpt.BEST).resolve()),
+        "best_step": step,
+        **{f"best_{k}": v for k, v in meta.items() if k.startswith("val_")},  # as _best() names them
+    }
+    return float(value), step, attrs
 
 
 def _ranks_attrs(world: World, speed: Throughput, model: torch.nn.Module) -> dict[str, Any]:
