@@ -131,6 +131,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _is_user_error(exc):
             print(f"hpsearch {args.command}: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        from hpsearch.storage.errors import StorageError
+
+        if isinstance(exc, StorageError):
+            # Not the input's fault (the server went away, a disk filled): one line, no
+            # traceback, and an exit code that does not blame the input.
+            print(f"hpsearch {args.command}: error: {exc}", file=sys.stderr)
+            return 1
         raise
 
 
@@ -163,7 +170,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     if args.n_trials is not None:
         spec.search.n_trials = args.n_trials
     device_list = devices.group(device_list, spec.train.devices_per_trial, args.devices)
-    _check_inputs(spec, args.output_dir)
+    _check_inputs(spec, args.output_dir, device_list)
     storage = open_storage(url, create=True)
     try:
         studies.check_spec_before_create(storage, args.study, spec)
@@ -194,7 +201,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     finally:
         storage.close()
     device_list = devices.group(device_list, spec.train.devices_per_trial, args.devices)
-    _check_inputs(spec, args.output_dir)
+    _check_inputs(spec, args.output_dir, device_list)
     return _run_and_report(args, url, device_list)
 
 
@@ -318,16 +325,20 @@ def _spec_for_start(args: argparse.Namespace, url: str) -> Any:
     )
 
 
-def _check_inputs(spec: Any, output_dir: Path) -> None:
-    """Read the data and the tokenizer once before any worker starts (and before storage is
-    touched), so bad input is one clear line, not N failed trials."""
+def _check_inputs(spec: Any, output_dir: Path, device_list: list[Any]) -> None:
+    """Read the data, the tokenizer and the model's config once before any worker starts (and
+    before storage is touched), and check the precision against the devices, so bad input is
+    one clear line, not N failed trials."""
+    from hpsearch.search.devices import check_precision
     from hpsearch.search.spec import resolved
     from hpsearch.trainer.dataset import read_splits
-    from hpsearch.trainer.model import load_tokenizer
+    from hpsearch.trainer.model import check_model, load_tokenizer
 
     spec = resolved(spec, output_dir)
     read_splits(spec.data, spec.model.task)
     load_tokenizer(spec.model.name)
+    check_model(spec.model.name)
+    check_precision(spec.train.precision, device_list)
 
 
 def run() -> NoReturn:

@@ -110,3 +110,36 @@ def torch_device(kind: str) -> Any:
 
     # The supervisor narrowed CUDA_VISIBLE_DEVICES to the process's own GPU: it is always cuda:0.
     return torch.device("cuda:0" if kind == "cuda" else "cpu")
+
+
+def check_precision(requested: str, devices: list[Device]) -> None:
+    """Refuse a train.precision that a listed device cannot run (fp16 on a CPU, bf16 on a GPU
+    older than Ampere) before anything is stored: every trial would fail on it."""
+    import torch
+
+    from hpsearch.trainer import precision
+    from hpsearch.trainer.config import ConfigError
+
+    if any(d.kind == "cpu" for d in devices):
+        precision.resolve(requested, torch.device("cpu"))
+    gpus = sorted({i for d in devices if d.kind == "cuda" for i in (d.index, *d.peers)})
+    if requested == "bf16" and gpus:
+        # Asked in a throwaway process: a CUDA context in the supervisor would hold memory on
+        # GPU 0 for the whole search. Only an explicit bf16 can fail on a GPU (fp16 runs anywhere).
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(1) as pool:
+            capability = pool.apply(_capabilities, (gpus,))
+        old = [i for i, major in zip(gpus, capability, strict=True) if major < 8]
+        if old:
+            listed = ", ".join(str(i) for i in old)
+            raise ConfigError(
+                f"train.precision: bf16 needs an Ampere or newer GPU, and GPU {listed} is older; use fp16 or auto"
+            )
+
+
+def _capabilities(gpus: list[int]) -> list[int]:
+    """Each GPU's compute capability major version (8 = Ampere: bf16 in hardware)."""
+    import torch
+
+    return [torch.cuda.get_device_capability(i)[0] for i in gpus]

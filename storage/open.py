@@ -94,7 +94,7 @@ def _no_studies(url: str) -> StudyNotFoundError:
 def _check_schema_version(rdb: optuna.storages.RDBStorage, display: str) -> None:
     current, head = rdb.get_current_version(), rdb.get_head_version()
     if current != head:
-        raise StorageError(
+        raise StorageUrlError(
             f"storage {display} has Optuna schema {current}, this Optuna needs {head}; run "
             f"`optuna storage upgrade --storage URL` (or use the Optuna that created it)"
         )
@@ -114,6 +114,10 @@ def _prepare_sqlite(path: Path, *, create: bool, display: str) -> None:
     conn = sqlite3.connect(path, timeout=120)
     try:
         conn.execute("PRAGMA journal_mode=WAL")
+    except sqlite3.DatabaseError as exc:
+        raise StorageUrlError(
+            f"storage {display}: {exc}; point --storage / HPSEARCH_STORAGE at the study's SQLite file"
+        ) from None
     finally:
         conn.close()
 

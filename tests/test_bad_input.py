@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,11 @@ SPEC_CASES = [
         "train.micro_batch_size",
     ),
     ("bad_precision", lambda s: s.replace('precision = "fp32"', 'precision = "fp8"'), "train.precision"),
+    (
+        "fp16_on_cpu",
+        lambda s: s.replace('precision = "fp32"', 'precision = "fp16"'),
+        "train.precision: fp16 is not supported on CPU; use bf16, fp32 or auto",
+    ),
     ("wrong_type", lambda s: s.replace("epochs = 2", 'epochs = "two"'), "train.epochs"),
     (
         "log_low_zero",
@@ -231,6 +237,22 @@ def test_missing_model_folder(cli, tmp_path: Path, demo_files: tuple[Path, Path]
         "start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{tmp_path / 'db'}", cwd=tmp_path
     )
     assert result.returncode == 2 and "model.name" in result.stderr and "does not exist" in result.stderr, result.stderr
+
+
+def test_model_folder_without_weights(cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> None:  # type: ignore[no-untyped-def]
+    # Tokenizer and config load, so only the weights' absence can fail: every trial would.
+    model = tmp_path / "no-weights"
+    shutil.copytree(tiny_model, model, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    spec = tmp_path / "s.toml"
+    spec.write_text(spec_text(model, *demo_files))
+    _assert_refused(cli, spec, tmp_path, f"model.name: folder {model} has no weights (model.safetensors or")
+
+
+def test_storage_file_that_is_not_a_database(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "notes.db").write_text("not a database")
+    result = cli("status", "--study", "x", "--storage", f"sqlite:///{tmp_path / 'notes.db'}", cwd=tmp_path)
+    assert result.returncode == 2 and "file is not a database" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and (tmp_path / "notes.db").read_text() == "not a database"
 
 
 CLI_CASES = [

@@ -33,6 +33,33 @@ def load_tokenizer(name: str) -> Any:
         raise ModelError(_explain(name, exc)) from None
 
 
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def check_model(name: str) -> None:
+    """What every trial's model load needs, checked without reading the weights: a config
+    transformers knows and, for a local folder, a weights file. Otherwise every trial would
+    fail on it in turn."""
+    from transformers import AutoConfig
+
+    _quiet_transformers()
+    try:
+        AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise ModelError(_explain(name, exc)) from None
+    folder = Path(name).expanduser()
+    if folder.is_dir() and not any((folder / f).exists() for f in WEIGHT_FILES):
+        raise ModelError(
+            f"model.name: folder {name} has no weights (model.safetensors or pytorch_model.bin); "
+            "point it at a folder written by save_pretrained"
+        )
+
+
 def _explain(name: str, exc: BaseException) -> str:
     path = Path(name).expanduser()
     if path.exists():

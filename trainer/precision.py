@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from hpsearch.trainer.config import ConfigError
+
 
 def resolve(requested: str, device: torch.device) -> str:
     """Turn "auto" into bf16 / fp16 / fp32 for ``device``; explicit choices are checked."""
@@ -18,7 +20,7 @@ def resolve(requested: str, device: torch.device) -> str:
             # fp16 needs a loss scaler and can overflow; bf16 has fp32's range, so prefer it.
             return "bf16" if bf16_ok else "fp16"
         if requested == "bf16" and not bf16_ok:
-            raise ValueError("train.precision: bf16 is not supported on this GPU; use fp16 or auto")
+            raise ConfigError("train.precision: bf16 is not supported on this GPU; use fp16 or auto")
         return requested
     if device.type == "cpu":
         # On CPUs with AVX512-BF16/AMX, autocast to bf16 is faster than fp32; elsewhere
@@ -27,7 +29,7 @@ def resolve(requested: str, device: torch.device) -> str:
         if requested == "auto":
             return "bf16" if bf16_ok else "fp32"
         if requested == "fp16":
-            raise ValueError("train.precision: fp16 is not supported on CPU; use bf16, fp32 or auto")
+            raise ConfigError("train.precision: fp16 is not supported on CPU; use bf16, fp32 or auto")
         return requested
     return "fp32" if requested == "auto" else requested
 
