@@ -206,11 +206,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Any]) -> int:
+    from hpsearch.search import summary
     from hpsearch.search.dispatch import Supervisor
 
     level = logging.DEBUG if args.verbose else logging.INFO
     code = Supervisor(args.study, url, device_list, args.output_dir.resolve(), level).run()
-    print(_render(args.study, url, as_json=False, best_only=False))
+    s = _status(args.study, url, best_only=False)
+    print(_format(s, as_json=False, best_only=False))
+    failure = summary.failed_only(s)
+    if code == 0 and failure:
+        # Exit 0 would tell a script that a search ran; nothing did.
+        logs = args.output_dir / args.study / "trial-N" / "train.log"
+        print(f"hpsearch {args.command}: error: {failure}; see {logs}", file=sys.stderr)
+        return 1
     return code
 
 
@@ -268,6 +276,10 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def _render(name: str, url: str, *, as_json: bool, best_only: bool) -> str:
+    return _format(_status(name, url, best_only=best_only), as_json=as_json, best_only=best_only)
+
+
+def _status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
     import optuna
 
     from hpsearch.search import fleet, study as studies, summary
@@ -284,6 +296,12 @@ def _render(name: str, url: str, *, as_json: bool, best_only: bool) -> str:
             summary.mark_stale(s, registry.stale_trials(storage.db, name))
     finally:
         storage.close()
+    return s
+
+
+def _format(s: dict[str, Any], *, as_json: bool, best_only: bool) -> str:
+    from hpsearch.search import fleet, summary
+
     if best_only:
         return json.dumps(s["best"], indent=2) if as_json else summary.format_best(s["best"], s["metric"])
     if as_json:

@@ -48,7 +48,7 @@ def check_same(name: str, stored: StudySpec, given: StudySpec) -> None:
     if diff:
         raise SpecMismatchError(
             f"study {name!r} exists with a different spec ({diff}); start a new study with "
-            "another --study name, or run without --config to resume it with its stored spec"
+            f"another --study name, or resume it with its stored spec: `hpsearch worker --study {name}`"
         )
 
 

@@ -54,6 +54,17 @@ def status(study: optuna.Study, spec: StudySpec, n_trials: int, storage_display:
     }
 
 
+def failed_only(s: dict[str, Any]) -> str | None:
+    """What to say when the study has failed trials and nothing else (no complete, pruned or
+    running one): its most common failure reason; None otherwise."""
+    st = s["states"]
+    if not st["fail"] or st["complete"] or st["pruned"] or st["running"] or st["waiting"]:
+        return None
+    reasons = Counter(t["fail_reason"] or "no reason recorded" for t in s["trials"] if t["state"] == "FAIL")
+    reason, count = reasons.most_common(1)[0]
+    return f"every trial failed ({st['fail']}); {count} with: {reason}"
+
+
 def mark_stale(s: dict[str, Any], stale: list[registry.StaleTrial]) -> None:
     """Flag running trials whose worker stopped beating: they wait for a reaper."""
     numbers = {t.trial_number for t in stale}

@@ -331,3 +331,26 @@ def test_bad_input_through_the_installed_entry_point(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         "hpsearch start: error: storage URL 'mysql://u:***@h/db' uses 'mysql'; hpsearch supports postgresql://... and sqlite:///..."
     ]
+
+
+def test_a_search_whose_every_trial_failed_exits_1_and_says_why(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
+    """Input that only fails inside a trial (here: every sampled precision is one a CPU cannot
+    run) is not caught up front; the run must still not end as if a search had happened."""
+    spec = tmp_path / "s.toml"
+    spec.write_text(
+        spec_text(tiny_model, *demo_files, space='precision = { type = "categorical", choices = ["fp16"] }')
+    )
+    result = hpsearch(
+        *("start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{tmp_path / 'x.db'}"),
+        *("--devices", "cpu:1", "--output-dir", str(tmp_path / "runs")),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "failed 2" in result.stdout
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "hpsearch start: error: every trial failed (2); 2 with: ConfigError: train.precision: fp16"
+    ), last
+    assert last.endswith(f"see {tmp_path / 'runs'}/x/trial-N/train.log"), last
