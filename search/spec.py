@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, as a backport
+    import tomli as tomllib
+
 
 from hpsearch.trainer.config import ConfigError, DataConfig, ModelConfig, TrainConfig, from_dict
 

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import optuna
 import pytest
-import tomllib
 
 from hpsearch.search import study as studies
-from hpsearch.search.spec import SpecError, StudySpec
+from hpsearch.search.spec import SpecError, StudySpec, tomllib
 from tests.conftest import hpsearch, spec_text
 
 SPACE = (
