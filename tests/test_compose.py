@@ -93,3 +93,16 @@ def test_worker_command_is_a_real_hpsearch_worker_call(compose: dict[str, Any]) 
     url = urls.parse(cli.build_parser().parse_args(remote[1:]).storage)
     assert (url.host, url.port) == ("host.docker.internal", 15432)
     assert interpolate(compose["services"]["worker"]["environment"], env)["HPSEARCH_HOST"] == "instance-b"
+
+
+def test_remote_worker_reaches_a_tunnel_on_the_hosts_loopback(compose: dict[str, Any]) -> None:
+    """On instance B the SSH tunnel to A's database listens on B's 127.0.0.1, which a container
+    on a bridge network cannot reach: the remote worker shares the host's network instead."""
+    remote = compose["services"]["remote-worker"]
+    assert remote["network_mode"] == "host" and remote["profiles"] == ["remote"]
+    assert not remote["depends_on"], "no local database to wait for"
+    assert remote["deploy"] == compose["services"]["worker"]["deploy"]
+    env = {"HPSEARCH_DB_PASSWORD": "s3cret", "HPSEARCH_DB_HOST": "127.0.0.1", "HPSEARCH_DB_PORT": "15432"}
+    args = cli.build_parser().parse_args(interpolate(remote["command"], env)[1:])
+    url = urls.parse(args.storage)
+    assert (url.host, url.port, args.func) == ("127.0.0.1", 15432, cli.cmd_worker)
