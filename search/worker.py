@@ -303,6 +303,12 @@ class Worker:
         spent = (time.monotonic() - started) * self.world.size
         trial.set_user_attr(studies.DEVICE_SECONDS, round(trial.user_attrs.get(studies.DEVICE_SECONDS, 0.0) + spent, 3))
         if failure is not None:
+            # An error is not retried: nothing will resume this state, and a failed trial
+            # keeps no checkpoint (it never competes for the top k).
+            shutil.rmtree(out_dir / RESUME, ignore_errors=True)
+            retention.delete_own(out_dir / BEST)
+            if trial.user_attrs.get(retention.BEST_CHECKPOINT_ATTR):
+                trial.set_user_attr(retention.BEST_CHECKPOINT_ATTR, f"{retention.DELETED_PREFIX} (trial failed)")
             self._fail(trial, failure)
             if self.world.size > 1:
                 raise ranks.GroupRestart(f"trial {trial.number} failed on a {self.world.size}-device group")

@@ -49,7 +49,11 @@ def test_full_disk_fails_one_trial_and_worker_carries_on(
     trials = _run_two_trials(tmp_path, spec_file, sqlite_url, "disk", resume_every_minutes=0)
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE]
     assert trials[0].user_attrs["fail_reason"] == "disk_full"
-    assert not list((tmp_path / "runs" / "disk" / "trial-0").glob(".*tmp-*")), "no half-written checkpoint left"
+    failed = tmp_path / "runs" / "disk" / "trial-0"
+    assert not list(failed.glob(".*tmp-*")), "no half-written checkpoint left"
+    # An error is not retried and a failed trial is never in the top k: its files go with it.
+    assert not (failed / "best").exists() and not (failed / "resume").exists()
+    assert trials[0].user_attrs["best_checkpoint"] == "deleted (trial failed)"
 
 
 def test_out_of_memory_at_micro_batch_one_fails_that_trial_and_worker_carries_on(
