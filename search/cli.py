@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import re
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -24,9 +27,21 @@ class UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        # Usage errors print the help of the command that was mistyped, then exit 2.
-        self.print_help(sys.stderr)
-        self.exit(EXIT_USAGE, f"\n{self.prog}: error: {message}\n")
+        # One line, like every other input error; the help is one flag away.
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def study_name(value: str) -> str:
+    """A study name is also a folder name under --output-dir: one path component, so two
+    studies can never share (and overwrite) each other's checkpoints."""
+    if not STUDY_NAME.fullmatch(value):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a study name: 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     start = sub.add_parser("start", help="create or resume a study and run workers on this host's devices")
-    start.add_argument("--study", required=True, help="study name (built-in presets: bert-lr, gpt2-lr)")
+    start.add_argument(
+        "--study", required=True, type=study_name, help="study name (built-in presets: bert-lr, gpt2-lr)"
+    )
     start.add_argument(
         "--config", metavar="FILE", type=Path, help="study spec (.toml); default ./STUDY.toml or a preset"
     )
@@ -53,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     start.set_defaults(func=cmd_start)
 
     wk = sub.add_parser("worker", help="join an existing study with this host's devices")
-    wk.add_argument("--study", required=True)
+    wk.add_argument("--study", required=True, type=study_name)
     _worker_args(wk)
     storage_arg(wk)
     wk.set_defaults(func=cmd_worker)
@@ -234,7 +251,7 @@ def cmd_reap(args: argparse.Namespace) -> int:
     from hpsearch.storage import urls
     from hpsearch.storage.open import open_storage
 
-    if args.grace is not None and args.grace < 0:
+    if args.grace is not None and not 0 <= args.grace < math.inf:  # also refuses nan
         raise UsageError(f"--grace {args.grace:g}: must be a number of seconds >= 0")
     storage = open_storage(urls.resolve(args.storage), create=False)
     try:
@@ -349,14 +366,29 @@ def _check_inputs(spec: Any, output_dir: Path, device_list: list[Any]) -> None:
     one clear line, not N failed trials."""
     from hpsearch.search.devices import check_precision
     from hpsearch.search.spec import resolved
-    from hpsearch.trainer.dataset import read_splits
+    from hpsearch.trainer.dataset import prepare, read_splits
     from hpsearch.trainer.model import check_model, load_tokenizer
 
     spec = resolved(spec, output_dir)
     read_splits(spec.data, spec.model.task)
-    load_tokenizer(spec.model.name)
-    check_model(spec.model.name)
+    tokenizer = load_tokenizer(spec.model.name)
+    check_model(spec.model.name, spec.model.max_length)
     check_precision(spec.train.precision, device_list)
+    _check_output_dir(output_dir)
+    # Tokenised into the workers' own cache: what only tokenising finds (a causal-LM prompt
+    # that leaves no token to train on) is reported here, and the workers reuse the result.
+    prepare(spec.data, tokenizer, spec.model.max_length, output_dir / "token-cache", task=spec.model.task)
+
+
+def _check_output_dir(output_dir: Path) -> None:
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output_dir):
+            pass
+    except OSError as exc:
+        raise UsageError(
+            f"--output-dir {output_dir}: cannot write there ({exc.strerror or exc}); choose a folder you can write to"
+        ) from None
 
 
 def run() -> NoReturn:

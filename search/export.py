@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpsearch.search.spec import SpecError
+from hpsearch.storage import registry
 from hpsearch.storage.checkpoints import is_deleted
 
 log = logging.getLogger(__name__)
@@ -33,30 +34,45 @@ def export_best(best: dict[str, Any] | None, study: str, target: Path) -> Path:
         raise ExportError(f"trial {best['number']}'s checkpoint is gone ({source_text}); nothing to export")
     source = Path(source_text)
     if not source.is_dir():
-        host = best.get("host") or "another host"
+        host = best.get("host")
+        if host and host != registry.this_host():
+            raise ExportError(
+                f"checkpoint {source} of trial {best['number']} is not on this host; run the export on {host}"
+            )
         raise ExportError(
-            f"checkpoint {source} of trial {best['number']} is not on this host; run the export on {host}"
+            f"checkpoint {source} of trial {best['number']} no longer exists on this host (removed by hand?); "
+            "nothing to export"
         )
     missing = [name for name in REQUIRED if not (source / name).exists()]
     if missing:
         raise ExportError(f"checkpoint {source} is incomplete (no {', '.join(missing)})")
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ExportError(f"--export {target}: exists and is not an empty folder; choose a new folder")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.resolve().is_relative_to(source.resolve().parent):
+        # Inside the trial's folder, retention would delete the export with the checkpoint.
+        raise ExportError(f"--export {target}: inside trial {best['number']}'s own folder; choose a folder outside it")
     # Copy into a sibling, then rename: an interrupted export never looks complete.
     tmp = target.parent / f".{target.name}.exporting"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source, tmp)
-    record = {
-        "study": study,
-        "trial": best["number"],
-        "value": best["value"],
-        "best_step": best.get("best_step"),
-        "params": best.get("params", {}),
-    }
-    (tmp / "hpsearch_best.json").write_text(json.dumps(record, indent=2, sort_keys=True))
-    if target.exists():
-        target.rmdir()
-    tmp.rename(target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(source, tmp)
+        record = {
+            "study": study,
+            "trial": best["number"],
+            "value": best["value"],
+            "best_step": best.get("best_step"),
+            "params": best.get("params", {}),
+        }
+        (tmp / "hpsearch_best.json").write_text(json.dumps(record, indent=2, sort_keys=True))
+        if target.exists():
+            target.rmdir()
+        tmp.rename(target)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = exc.strerror or str(exc)
+        raise ExportError(
+            f"--export {target}: cannot write there ({reason}); choose a folder you can write to"
+        ) from None
     log.info("exported trial %d of %s to %s", best["number"], study, target)
     return target

@@ -72,6 +72,17 @@ def check_spec_before_create(storage: Storage, name: str, spec: StudySpec) -> No
     stored = storage.optuna.get_study_user_attrs(study_id).get(SPEC_ATTR)
     if stored is not None:
         check_same(name, StudySpec.from_dict(stored), spec)
+        return
+    # A study someone made with Optuna itself: its trials were never judged by this spec
+    # (another objective, maybe the other direction), so hpsearch does not adopt it. An empty
+    # one of the same direction is what a `start` cut short right after creating it leaves.
+    n_trials = len(storage.optuna.get_all_trials(study_id, deepcopy=False))
+    [direction] = storage.optuna.get_study_directions(study_id)
+    if n_trials or direction.name.lower() != spec.direction:
+        raise SpecError(
+            f"study {name!r} exists but was not created by hpsearch ({n_trials} trials, "
+            f"{direction.name.lower()}); choose another --study name"
+        )
 
 
 def n_trials(study: optuna.Study, spec: StudySpec) -> int:

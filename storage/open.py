@@ -66,15 +66,28 @@ def open_storage(url: str, *, create: bool, retry: RetryPolicy | None = None) ->
         cause = exc if isinstance(exc, OperationalError) else exc.__cause__
         if not create and _missing_tables(cause):
             raise _no_studies(url) from None
+        _refuse_bad_option(url, cause or exc)
         if path is None and isinstance(cause, OperationalError):
             raise StorageUrlError(describe_connect_error(normalized, cause)) from None
         raise StorageError(f"cannot open storage {urls.mask(url)}: {str(cause or exc).splitlines()[0]}") from exc
     except SQLAlchemyError as exc:
         if not create and _missing_tables(exc):
             raise _no_studies(url) from None
+        _refuse_bad_option(url, exc)
         raise StorageError(f"cannot open storage {urls.mask(url)}: {str(exc).splitlines()[0]}") from exc
     db = Database(rdb.engine, retry=retry) if retry else Database(rdb.engine)
     return Storage(url=normalized, optuna=rdb, db=db)
+
+
+def _refuse_bad_option(url: str, exc: BaseException) -> None:
+    """libpq refuses a URL query option it does not know (``?sslmod=require``): the URL's fault."""
+    text = str(exc)
+    if "invalid dsn" in text:
+        detail = text.split("invalid dsn:", 1)[-1].strip().splitlines()[0]
+        raise StorageUrlError(
+            f"storage URL {urls.mask(url)}: {detail}; fix or remove that ?option "
+            "(libpq's options: sslmode, connect_timeout, application_name, ...)"
+        ) from None
 
 
 def _missing_tables(exc: BaseException | None) -> bool:
@@ -101,6 +114,10 @@ def _check_schema_version(rdb: optuna.storages.RDBStorage, display: str) -> None
 
 
 def _prepare_sqlite(path: Path, *, create: bool, display: str) -> None:
+    if path.is_dir():
+        raise StorageUrlError(
+            f"storage {display}: {path} is a folder; name a file in it, e.g. sqlite:///{path}/hpsearch.db"
+        )
     if not path.exists():
         if not create:
             raise StudyNotFoundError(

@@ -38,7 +38,7 @@ def normalize(url: str) -> str:
 def parse(url: str) -> URL:
     try:
         parsed = make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number, a broken [IPv6]
         raise StorageUrlError(
             f"storage URL {mask(url)!r} is not a URL; use sqlite:///path/to/file.db or "
             "postgresql://user:password@host:5432/dbname"
@@ -80,7 +80,7 @@ def mask(url: str) -> str:
     """The URL with its password replaced by ***, safe to print or log."""
     try:
         return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
+    except (ArgumentError, ValueError):
         # Not parseable: still never echo anything that looks like user:password@.
         if "@" in url and "://" in url:
             scheme, rest = url.split("://", 1)

@@ -280,6 +280,22 @@ CLI_CASES = [
     (["reap", "--study", "x", "--storage", "postgresql://postgres@127.0.0.1:5432/test"], "holds no studies"),
     (["start"], "the following arguments are required: --study"),
     (["start", "--study", "x", "--bogus"], "unrecognized arguments"),
+    (
+        ["start", "--study", "x", "--n-trials", "abc"],
+        "--n-trials: invalid int value: 'abc' (see hpsearch start --help)",
+    ),
+    # A study name is a folder under --output-dir: "./a" would share (and overwrite) study a's.
+    (["start", "--study", "./a"], "'./a' is not a study name"),
+    (["worker", "--study", ""], "'' is not a study name"),
+    (["start", "--study", "x" * 101], "is not a study name"),
+    (["reap", "--study", "x", "--grace", "nan"], "--grace nan: must be a number of seconds >= 0"),
+    (["status", "--study", "x", "--storage", "postgresql://postgres@127.0.0.1:abc/db"], "is not a URL"),
+    (["status", "--study", "x", "--storage", "postgresql://postgres@[::1:5432/db"], "is not a URL"),
+    (["status", "--study", "x", "--storage", "sqlite:////tmp"], "/tmp is a folder; name a file in it"),
+    (
+        ["status", "--study", "x", "--storage", "postgresql://postgres:secretpw@127.0.0.1:5432/postgres?foo=bar"],
+        'invalid connection option "foo"; fix or remove that ?option',
+    ),
 ]
 
 
@@ -322,6 +338,81 @@ def test_existing_study_with_other_spec_is_refused(
     import optuna
 
     assert len(optuna.load_study(study_name="s", storage=url).trials) == 1
+
+
+def test_a_finished_study_is_safe_from_bad_names_and_bad_exports(  # type: ignore[no-untyped-def]
+    cli, tmp_path: Path, spec_file: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    runs = tmp_path / "runs"
+    ok = hpsearch(
+        *("start", "--study", "s", "--config", str(spec_file), "--storage", url),
+        *("--devices", "cpu:1", "--n-trials", "1", "--output-dir", str(runs)),
+        cwd=tmp_path,
+    )
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    best = runs / "s" / "trial-0" / "best"
+    weights = (best / "model.safetensors").read_bytes()
+
+    def refused(*argv: str) -> str:
+        result = cli(*argv, "--storage", url, cwd=tmp_path)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        return result.stderr
+
+    assert "'./s' is not a study name" in refused("start", "--study", "./s", "--config", str(spec_file))
+    assert "inside trial 0's own folder" in refused("best", "--study", "s", "--export", str(best.parent / "copy"))
+    assert "cannot write there" in refused("best", "--study", "s", "--export", str(spec_file / "sub"))
+    assert (best / "model.safetensors").read_bytes() == weights, "the finished trial's model is untouched"
+    moved = tmp_path / "moved"
+    best.rename(moved)
+    assert "no longer exists on this host" in refused("best", "--study", "s", "--export", str(tmp_path / "e"))
+    moved.rename(best)
+
+
+def test_start_does_not_adopt_a_study_made_with_optuna_itself(cli, tmp_path: Path, spec_file: Path) -> None:  # type: ignore[no-untyped-def]
+    import optuna
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    foreign = optuna.create_study(study_name="foreign", storage=url, direction="maximize")
+    foreign.add_trial(optuna.trial.create_trial(value=5.0))
+    result = cli("start", "--study", "foreign", "--config", str(spec_file), "--storage", url, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "study 'foreign' exists but was not created by hpsearch (1 trials, maximize)" in result.stderr
+    again = optuna.load_study(study_name="foreign", storage=url)
+    assert len(again.trials) == 1 and "spec" not in str(again.user_attrs)
+
+
+def test_output_dir_that_is_a_file(cli, tmp_path: Path, spec_file: Path) -> None:  # type: ignore[no-untyped-def]
+    result = cli(
+        *("start", "--study", "x", "--config", str(spec_file), "--storage", f"sqlite:///{tmp_path / 'x.db'}"),
+        *("--devices", "cpu:1", "--output-dir", str(spec_file)),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2 and f"--output-dir {spec_file}: cannot write there" in result.stderr, result.stderr
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_max_length_beyond_the_models_positions(  # type: ignore[no-untyped-def]
+    cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
+    import json as json_
+
+    positions = json_.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
+    spec = tmp_path / "s.toml"
+    spec.write_text(spec_text(tiny_model, *demo_files).replace("max_length = 32", f"max_length = {positions + 1}"))
+    _assert_refused(cli, spec, tmp_path, f"model.max_length: {positions + 1} is more than the model's {positions}")
+
+
+def test_broken_tokenizer_file(cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> None:  # type: ignore[no-untyped-def]
+    model = tmp_path / "badtok"
+    shutil.copytree(tiny_model, model)
+    for f in model.glob("tokenizer*.json"):
+        f.write_text('{"version": "1.0", "model": {"type": "Nope"}}')
+    (model / "vocab.txt").unlink(missing_ok=True)
+    spec = tmp_path / "s.toml"
+    spec.write_text(spec_text(model, *demo_files))
+    _assert_refused(cli, spec, tmp_path, f"model.name: {model} is a folder but not a loadable model/tokenizer")
 
 
 def test_bad_input_through_the_installed_entry_point(tmp_path: Path) -> None:

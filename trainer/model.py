@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from hpsearch.trainer.config import ConfigError
 from hpsearch.trainer.errors import ModelError
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ def load_tokenizer(name: str) -> Any:
     _quiet_transformers()
     try:
         return AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # a broken tokenizer.json raises KeyError, TypeError, ...: all the folder's fault
         raise ModelError(_explain(name, exc)) from None
 
 
@@ -41,17 +42,22 @@ WEIGHT_FILES = (
 )
 
 
-def check_model(name: str) -> None:
+def check_model(name: str, max_length: int) -> None:
     """What every trial's model load needs, checked without reading the weights: a config
-    transformers knows and, for a local folder, a weights file. Otherwise every trial would
-    fail on it in turn."""
+    transformers knows, room for ``max_length`` positions and, for a local folder, a weights
+    file. Otherwise every trial would fail on it in turn."""
     from transformers import AutoConfig
 
     _quiet_transformers()
     try:
-        AutoConfig.from_pretrained(name)
-    except (OSError, ValueError) as exc:
+        config = AutoConfig.from_pretrained(name)
+    except Exception as exc:
         raise ModelError(_explain(name, exc)) from None
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if isinstance(positions, int) and max_length > positions:
+        raise ConfigError(
+            f"model.max_length: {max_length} is more than the model's {positions} positions; set it <= {positions}"
+        )
     folder = Path(name).expanduser()
     if folder.is_dir() and not any((folder / f).exists() for f in WEIGHT_FILES):
         raise ModelError(
@@ -118,7 +124,9 @@ def load_model(name: str, num_labels: int) -> torch.nn.Module:
 
     _quiet_transformers()
     auto: Any = AutoModelForCausalLM if num_labels == 0 else AutoModelForSequenceClassification
-    kwargs = {"num_labels": num_labels} if num_labels else {}
+    # A classifier checkpoint with another label count is a fine start: its head is replaced
+    # (and re-initialised per trial) anyway.
+    kwargs = {"num_labels": num_labels, "ignore_mismatched_sizes": True} if num_labels else {}
     try:
         return auto.from_pretrained(name, attn_implementation="sdpa", **kwargs)
     except (OSError, ValueError) as exc:
