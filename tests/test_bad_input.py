@@ -445,3 +445,23 @@ def test_a_search_whose_every_trial_failed_exits_1_and_says_why(
         "hpsearch start: error: every trial failed (2); 2 with: ConfigError: train.precision: fp16"
     ), last
     assert last.endswith(f"see {tmp_path / 'runs'}/x/trial-N/train.log"), last
+
+
+def test_causal_lm_prompts_that_fill_max_length_are_refused_up_front(  # type: ignore[no-untyped-def]
+    cli, tmp_path: Path, tiny_gpt2: Path
+) -> None:
+    """Only tokenising finds this; the data are tokenised before the study is created."""
+    rows = "".join('{"prompt": "' + "a long prompt " * 20 + '", "response": " yes"}\n' for _ in range(8))
+    train, dev = _write(tmp_path / "t.jsonl", rows), _write(tmp_path / "v.jsonl", rows)
+    spec = tmp_path / "s.toml"
+    spec.write_text(lm_spec_text(tiny_gpt2, train, dev).replace("max_length = 48", "max_length = 8"))
+    _assert_refused(cli, spec, tmp_path, "no example has a token to train on within model.max_length (8)")
+
+
+def test_a_classifier_checkpoint_with_another_label_count_loads(tiny_model: Path) -> None:
+    """Fine-tuning a 2-label checkpoint on 3-class data replaces its head, as a new head would be."""
+    from hpsearch.trainer.model import load_model
+
+    model = load_model(str(tiny_model), 3)
+    assert model.config.num_labels == 3
+    assert model.classifier.out_features == 3  # type: ignore[union-attr]
