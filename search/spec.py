@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import typing
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
@@ -20,7 +21,7 @@ else:  # the same parser, as a backport
     import tomli as tomllib
 
 
-from hpsearch.trainer.config import ConfigError, DataConfig, ModelConfig, TrainConfig, from_dict
+from hpsearch.trainer.config import ConfigError, DataConfig, ModelConfig, TrainConfig, describe, fits, from_dict
 
 SPEC_ATTR = "hpsearch_spec"
 PRESETS = ("bert-lr", "gpt2-lr")
@@ -140,8 +141,10 @@ class Param:
             return cls(name, "categorical", choices=choices)
         for key in ("low", "high"):
             value = raw.get(key)
+            if value is None:
+                raise SpecError(f'{where}.{key}: missing; type = "{kind}" needs low and high (or use choices)')
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise SpecError(f"{where}.{key}: missing or not a number")
+                raise SpecError(f"{where}.{key}: {value!r} must be a finite number")
         low, high, log = float(raw["low"]), float(raw["high"]), raw.get("log", False)
         if not isinstance(log, bool):
             raise SpecError(f"{where}.log: {log!r} must be true or false")
@@ -150,8 +153,13 @@ class Param:
         if log and low <= 0:
             raise SpecError(f"{where}: low ({raw['low']}) must be > 0 when log = true")
         step = raw.get("step")
-        if step is not None and (not isinstance(step, (int, float)) or step <= 0):
-            raise SpecError(f"{where}.step: {step!r} must be a number > 0")
+        if step is not None:
+            number = isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step)
+            if kind == "int" and not (number and step >= 1 and float(step).is_integer()):
+                raise SpecError(f'{where}.step: {_toml(step)} must be an integer >= 1 for type = "int"')
+            if not (number and step > 0):
+                raise SpecError(f"{where}.step: {_toml(step)} must be a finite number > 0")
+            step = int(step) if kind == "int" else float(step)
         if step is not None and log:
             raise SpecError(f"{where}: step and log = true cannot be combined")
         if kind == "int" and not (float(low).is_integer() and float(high).is_integer()):
@@ -181,8 +189,19 @@ class Param:
             raise SpecError(f"{where}: {value!r} must be a number")
         if self.type == "int" and not float(value).is_integer():
             raise SpecError(f"{where}: {value!r} must be an integer")
-        if not float(self.low or 0) <= value <= float(self.high or 0):
+        low = float(self.low or 0)
+        if not low <= value <= float(self.high or 0):
             raise SpecError(f"{where}: {value!r} is outside the search range [{self.low:g}, {self.high:g}]")
+        if self.step is not None:
+            # The sampler only proposes low + k x step; a value off that grid is not in the space.
+            k = (value - low) / self.step
+            if abs(k - round(k)) > 1e-6:
+                below = low + math.floor(k) * self.step
+                above = below + self.step
+                raise SpecError(
+                    f"{where}: {value!r} is not on the search grid (low + a multiple of step {self.step:g}); "
+                    f"the nearest values are {below:g} and {above:g}"
+                )
         return int(value) if self.type == "int" else float(value)
 
     def extremes(self) -> list[Any]:
@@ -211,9 +230,16 @@ class StudySpec:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, base_dir: Path | None = None) -> StudySpec:
         allowed = {"model", "data", "train", "search"}
-        for key in raw:
+        if not isinstance(raw, dict):
+            raise SpecError("spec: must be a table with [model], [data], [train] and [search]")
+        for key, value in raw.items():
             if key not in allowed:
                 raise SpecError(f"{key}: unknown table; a spec has [model], [data], [train] and [search]")
+            if not isinstance(value, dict):
+                raise SpecError(
+                    f"{key}: must be a table, written [{key}] on a line of its own with its keys below it; "
+                    f"got {key} = {_toml(value)}"
+                )
         search_raw = dict(raw.get("search", {}))
         space_raw = search_raw.pop("space", {})
         enqueue_raw = search_raw.pop("enqueue", [])
@@ -225,10 +251,14 @@ class StudySpec:
         except ConfigError as exc:
             raise SpecError(str(exc)) from None
         if not isinstance(space_raw, dict):
-            raise SpecError("search.space: must be a table of parameters")
+            raise SpecError(
+                "search.space: must be a table of parameters, written [search.space] with lines like "
+                'learning_rate = { type = "float", low = 1e-5, high = 1e-3 }'
+            )
         space = {name: Param.parse(name, value) for name, value in space_raw.items()}
         enqueue = _parse_enqueue(enqueue_raw, space)
         if base_dir is not None:
+            # Empty values stay empty (not the spec's folder), so validate() says they are missing.
             data = replace(data, train=_resolve(data.train, base_dir), validation=_resolve(data.validation, base_dir))
             model = replace(model, name=_resolve_model(model.name, base_dir))
         spec = cls(model, data, train, search, space, enqueue)
@@ -255,6 +285,7 @@ class StudySpec:
                 + ", ".join(BUILTIN_SCHEME + m for m in BUILTIN_MODELS)
             )
         train_keys = {f.name for f in fields(TrainConfig)} - set(UNSEARCHABLE)
+        hints = typing.get_type_hints(TrainConfig)
         for name, param in self.space.items():
             if name in UNSEARCHABLE:
                 raise SpecError(f"search.space.{name}: cannot be searched: {UNSEARCHABLE[name]}")
@@ -262,6 +293,7 @@ class StudySpec:
                 raise SpecError(
                     f"search.space.{name}: not a [train] key; searchable keys: {', '.join(sorted(train_keys))}"
                 )
+            _check_type_fits(param, hints[name])
             # Every extreme value must make a valid trial, or trials would fail at run time.
             for value in param.extremes():
                 try:
@@ -269,6 +301,13 @@ class StudySpec:
                     candidate.validate()
                 except ConfigError as exc:
                     raise SpecError(f"search.space.{name}: value {value!r} gives an invalid trial: {exc}") from None
+        # An enqueued trial runs with exactly these values over [train]: it must be a valid trial.
+        for i, entry in enumerate(self.enqueue):
+            try:
+                replace(self.train, **entry).validate()
+            except ConfigError as exc:
+                values = ", ".join(f"{k} = {v!r}" for k, v in entry.items())
+                raise SpecError(f"search.enqueue[{i}]: {values} gives an invalid trial: {exc}") from None
 
     def _validate_sampler(self) -> None:
         sampler = self.search.sampler
@@ -319,6 +358,33 @@ def difference(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str | 
     return None
 
 
+def _toml(value: Any) -> str:
+    """A value as it is written in TOML (true, "text"), for messages."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def _check_type_fits(param: Param, hint: Any) -> None:
+    """The parameter's values must be of the [train] field's type as they are: the worker puts
+    the sampled value into TrainConfig unconverted (a float batch_size would reach the trainer)."""
+    where, kind = f"search.space.{param.name}", describe(hint)
+    if param.type == "categorical":
+        for choice in param.choices or []:
+            if not fits(choice, hint):
+                raise SpecError(f"{where}: choice {choice!r} does not fit train.{param.name}, which takes {kind}")
+        return
+    if fits(1.5 if param.type == "float" else 1, hint):
+        return
+    if fits(1, hint):
+        fix = 'use type = "int" (low, high, optional step) or type = "categorical" with integer choices'
+    else:
+        fix = 'use type = "categorical" with choices'
+    raise SpecError(f'{where}: type = "{param.type}" does not fit train.{param.name}, which takes {kind}; {fix}')
+
+
 def _parse_enqueue(raw: Any, space: dict[str, Param]) -> list[dict[str, Any]]:
     if not isinstance(raw, list):
         raise SpecError("search.enqueue: must be an array of tables, written [[search.enqueue]]")
@@ -338,6 +404,8 @@ def _parse_enqueue(raw: Any, space: dict[str, Param]) -> list[dict[str, Any]]:
 
 
 def load_file(path: Path) -> StudySpec:
+    if path.is_dir():
+        raise SpecError(f"spec file {path} is a folder, not a spec file; pass --config with the path of a .toml spec")
     if not path.is_file():
         raise SpecError(f"spec file {path} does not exist; pass --config with the path of a .toml spec")
     try:
@@ -356,7 +424,7 @@ def preset_file(name: str) -> Path | None:
 
 
 def _resolve(value: str, base_dir: Path) -> str:
-    if value.startswith((PKG_SCHEME, BUILTIN_SCHEME)):
+    if not value or value.startswith((PKG_SCHEME, BUILTIN_SCHEME)):
         return value
     path = Path(value).expanduser()
     return str(path if path.is_absolute() else (base_dir / path).resolve())
@@ -364,6 +432,8 @@ def _resolve(value: str, base_dir: Path) -> str:
 
 def _resolve_model(name: str, base_dir: Path) -> str:
     # Relative folders resolve against the spec; anything else may be a hub id ("org/model").
+    if not name:
+        return name
     if name.startswith((".", "~")) or (base_dir / name).exists():
         return _resolve(name, base_dir)
     return name

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -59,7 +60,8 @@ class DataConfig:
     def validate(self, where: str = "data") -> None:
         for name in ("train", "validation"):
             if not getattr(self, name):
-                raise ConfigError(f"{where}.{name}: missing; set it to a .jsonl, .csv or .tsv file")
+                what = "training" if name == "train" else "validation"
+                raise ConfigError(f"{where}.{name}: missing; set it to the {what} file's path (.jsonl, .csv or .tsv)")
         for name in ("text_column", "label_column", "prompt_column", "response_column"):
             if not getattr(self, name):
                 raise ConfigError(f"{where}.{name}: must not be empty")
@@ -110,6 +112,12 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(f"{where}.{name}: {getattr(self, name)!r} {msg}")
 
+        # inf and nan pass the range rules below (or fail them with a confusing message) and
+        # make a trial diverge; every float field must be an ordinary number.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float):
+                rule(math.isfinite(value), f.name, "must be a finite number")
         rule(self.learning_rate > 0, "learning_rate", "must be > 0")
         rule(self.batch_size >= 1, "batch_size", "must be >= 1")
         rule(1 <= self.devices_per_trial <= 64, "devices_per_trial", "must be between 1 and 64")
@@ -140,6 +148,7 @@ class TrainConfig:
         rule(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
         rule(self.resume_every_minutes >= 0, "resume_every_minutes", "must be >= 0 (0 = every validation point)")
         rule(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 = no clipping)")
+        rule(0 <= self.seed < 2**32, "seed", "must be between 0 and 4294967295 (2**32 - 1)")
 
 
 C = TypeVar("C")
@@ -173,7 +182,7 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
                 return coerce(value, option, where)
             except ConfigError:
                 continue
-        raise ConfigError(f"{where}: {value!r} has the wrong type; expected {_describe(hint)}")
+        raise ConfigError(f"{where}: {value!r} has the wrong type; expected {describe(hint)}")
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -193,15 +202,37 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
             return value
     else:
         return value
-    raise ConfigError(f"{where}: {value!r} has the wrong type; expected {_describe(hint)}")
+    raise ConfigError(f"{where}: {value!r} has the wrong type; expected {describe(hint)}")
 
 
-def _describe(hint: Any) -> str:
+def fits(value: Any, hint: Any) -> bool:
+    """Whether ``value`` is, as it is (no conversion), of a type ``hint`` allows; an integer
+    fits a float field."""
+    origin = get_origin(hint)
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in get_args(hint))
+    if origin in (Union, types.UnionType):
+        return any(fits(value, option) for option in get_args(hint))
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is type(None):
+        return value is None
+    return True
+
+
+def describe(hint: Any) -> str:
+    """A type hint in words, for error messages ("an integer or 'auto'")."""
     origin = get_origin(hint)
     if origin is Literal:
         return " or ".join(repr(a) for a in get_args(hint))
     if origin in (Union, types.UnionType):
-        return " or ".join(_describe(a) for a in get_args(hint))
+        return " or ".join(describe(a) for a in get_args(hint))
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
 
 
@@ -223,4 +254,4 @@ def field_doc(cls: type, name: str) -> str:
     return ""
 
 
-__all__ = ["ConfigError", "DataConfig", "ModelConfig", "TrainConfig", "field", "from_dict"]
+__all__ = ["ConfigError", "DataConfig", "ModelConfig", "TrainConfig", "describe", "field", "fits", "from_dict"]
