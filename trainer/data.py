@@ -6,6 +6,7 @@ import csv
 import functools
 import json
 import random
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,11 +42,34 @@ def read_rows(path: Path, text_column: str, label_column: str) -> Rows:
         text, label = record[text_column], record[label_column]
         if not isinstance(text, str):
             raise DataError(f"data file {path}: line {line_no}: {text_column!r} must be text, got {text!r}")
-        if label is None or label == "":
+        if label == "":
             raise DataError(f"data file {path}: line {line_no}: empty label in column {label_column!r}")
+        _check_label_type(label, path, line_no, label_column)
         texts.append(text)
         labels.append(label)
     return Rows(texts, labels, path)
+
+
+_JSON_KINDS = {bool: "a boolean", float: "a float", list: "a list", dict: "an object", type(None): "null"}
+
+
+def _check_label_type(label: Any, path: Path, line_no: int, column: str) -> None:
+    """Labels are class names (strings) or class ids (integers); anything else only JSON can hold,
+    and a float or a list would silently become a class of its own (or a huge id range)."""
+    if isinstance(label, str) or (isinstance(label, int) and not isinstance(label, bool)):
+        return
+    kind = _JSON_KINDS.get(type(label), type(label).__name__)
+    hint = ""
+    if isinstance(label, float) and label.is_integer() and abs(label) < 1e15:
+        hint = f" (write {int(label)}, not {_short(json.dumps(label))})"
+    raise DataError(
+        f"data file {path}: line {line_no}: label {_short(json.dumps(label))} in column {column!r} is {kind}; "
+        f"labels must be integers 0..K-1 or strings{hint}"
+    )
+
+
+def _short(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -111,17 +135,32 @@ def _read_jsonl(raw: str, path: Path) -> list[tuple[int, dict[str, Any]]]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DataError(f"data file {path}: line {line_no} is not valid JSON ({exc.msg})") from None
+        except ValueError as exc:  # e.g. an integer longer than Python's int_max_str_digits
+            raise DataError(f"data file {path}: line {line_no} cannot be read ({exc})") from None
         if not isinstance(record, dict):
             raise DataError(f"data file {path}: line {line_no} must be a JSON object")
         records.append((line_no, record))
     return records
 
 
+# Long documents are legitimate (they are truncated to model.max_length when tokenised), so
+# lift csv's default 131072-character field limit; sys.maxsize overflows a C long on some
+# platforms (Windows), 2**31 - 1 fits everywhere.
+CSV_FIELD_LIMIT = 2**31 - 1
+
+
 def _read_table(raw: str, path: Path, suffix: str) -> list[tuple[int, dict[str, Any]]]:
     lines = raw.splitlines()
+    if csv.field_size_limit() < CSV_FIELD_LIMIT:
+        csv.field_size_limit(CSV_FIELD_LIMIT)
     # TSV corpora (GLUE among them) contain bare quotes: quoting must be off.
     reader = csv.reader(lines, delimiter="\t", quoting=csv.QUOTE_NONE) if suffix == ".tsv" else csv.reader(lines)
-    rows = list(reader)
+    try:
+        rows = list(reader)
+    except csv.Error as exc:
+        raise DataError(
+            f"data file {path}: line {reader.line_num} cannot be read as {suffix[1:].upper()} ({exc})"
+        ) from None
     if not rows:
         return []
     header = rows[0]
@@ -144,18 +183,31 @@ class LabelMap:
 
     @classmethod
     def fit(cls, labels: Sequence[Any], path: Path) -> LabelMap:
-        if all(_as_int(v) is not None for v in labels):
-            ids = [i for i in (_as_int(v) for v in labels) if i is not None]
-            if min(ids) < 0:
-                raise DataError(f"data file {path}: integer labels must be >= 0 (found {min(ids)})")
-            n = max(ids) + 1
-            if n < 2:
-                raise DataError(f"data file {path}: every example has label 0; a classifier needs >= 2 classes")
-            return cls(tuple(str(i) for i in range(n)), numeric=True)
+        """The classes of the training labels: integers must be exactly 0..K-1 (each one is a
+        class id, so a gap or a stray large value would create classes with no examples);
+        strings are sorted into ids."""
+        ints = [_as_int(v) for v in labels]
+        distinct = sorted({i for i in ints if i is not None})
+        numeric = len(distinct) > 0 and all(i is not None for i in ints)
         names = sorted({str(v) for v in labels})
-        if len(names) < 2:
-            raise DataError(f"data file {path}: only one label ({names[0]!r}); a classifier needs >= 2 classes")
-        return cls(tuple(names), numeric=False)
+        if len(names) < 2 or (numeric and len(distinct) < 2):  # "1" and "01" are one class
+            raise DataError(
+                f"data.train: every row of {path} has label {_short(repr(labels[0]))}; a classifier needs at "
+                "least 2 classes; add examples of the other classes"
+            )
+        if not numeric:
+            return cls(tuple(names), numeric=False)
+        k = len(distinct)
+        present = set(distinct)
+        outside = [i for i in distinct if not 0 <= i < k]
+        missing = [i for i in range(k) if i not in present]
+        if outside:
+            raise DataError(
+                f"data file {path}: integer labels must be 0..K-1 (here K = {k} classes, so 0..{k - 1}); got "
+                f"{_listing(distinct)} (out of range: {_listing(outside)}; missing: {_listing(missing)}); renumber "
+                f"them 0..{k - 1} or use string labels"
+            )
+        return cls(tuple(str(i) for i in range(k)), numeric=True)
 
     @property
     def num_labels(self) -> int:
@@ -184,11 +236,22 @@ def _as_int(value: Any) -> int | None:
         return None
     if isinstance(value, int):
         return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value.strip())
+    # CSV/TSV cells are always text: "0", "1" are integer labels too. ASCII digits only:
+    # str.isdigit() also accepts "²", which int() refuses.
+    if isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value.strip()):
+        try:
+            return int(value.strip())
+        except ValueError:  # longer than Python's int_max_str_digits: no class id anyway
+            return None
     return None
+
+
+def _listing(values: Sequence[int], head: int = 8) -> str:
+    """``0, 1, 2, ..., 9 (12 values)``: enough to see the problem without flooding one line."""
+    shown = [_short(str(v), 20) for v in values]
+    if len(shown) <= head:
+        return ", ".join(shown)
+    return f"{', '.join(shown[: head - 2])}, ..., {', '.join(shown[-2:])} ({len(shown)} values)"
 
 
 CLASSIFICATION, CAUSAL_LM = "classification", "causal-lm"
