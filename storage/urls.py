@@ -78,6 +78,11 @@ def sqlite_path(url: str) -> Path | None:
 
 def mask(url: str) -> str:
     """The URL with its password replaced by ***, safe to print or log."""
+    scheme, sep, rest = url.partition("://")
+    if sep and rest.split("/", 1)[0].count("@") > 1:
+        # An unencoded "@" in the password: a parser splits at the first one and would print
+        # the rest of the password as the host. Hide everything before the last "@".
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
     try:
         return make_url(url).render_as_string(hide_password=True)
     except (ArgumentError, ValueError):

@@ -19,6 +19,8 @@ def test_bare_postgres_url_uses_psycopg2() -> None:
 def test_password_is_masked() -> None:
     assert "s3cret" not in urls.mask("postgresql://hp:s3cret@10.0.0.5:5432/hpsearch")
     assert urls.mask("postgresql://hp:s3cret@10.0.0.5:5432/hpsearch").startswith("postgresql://hp:***@")
+    # An unencoded "@" in the password: no part of it may show as the host.
+    assert urls.mask("postgresql://hp:s3@cret@10.0.0.5:5432/hpsearch") == "postgresql://***@10.0.0.5:5432/hpsearch"
 
 
 @pytest.mark.parametrize("url", ["redis://h/0", "sqlite://", "postgresql://u@h:5432"])
