@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -187,3 +187,46 @@ def start_study(study: str, spec: Path, url: str, root: Path) -> subprocess.Comp
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+class CliResult:
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+Cli = Callable[..., CliResult]
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Cli:
+    """The CLI's own main() in-process (fast); the subprocess path is covered by other tests."""
+    from hpsearch.search.cli import main
+
+    def run(*argv: str, cwd: Path) -> CliResult:
+        monkeypatch.chdir(cwd)
+        monkeypatch.delenv("HPSEARCH_STORAGE", raising=False)
+        capsys.readouterr()
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:  # argparse usage errors
+            code = int(exc.code or 0)
+        out, err = capsys.readouterr()
+        return CliResult(code, out, err)
+
+    return run
+
+
+def assert_refused(cli: Cli, spec: Path, tmp_path: Path, expected: str, devices: str = "cpu:1") -> str:
+    """`start` with this spec: exit 2, one line naming the problem, no storage created; returns the line."""
+    db = tmp_path / "study.db"
+    result = cli(
+        *("start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{db}", "--devices", devices),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2, result.stderr
+    assert expected in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("hpsearch start: error: "), result.stderr
+    assert not db.exists(), "bad input must not create the storage"
+    return result.stderr.strip()

@@ -13,53 +13,18 @@ from typing import Any
 
 import pytest
 
-from hpsearch.search.cli import main
 from hpsearch.trainer import data as data_module
 from hpsearch.trainer.config import DataConfig
 from hpsearch.trainer.dataset import prepare, read_splits
 from hpsearch.trainer.model import load_tokenizer
-from tests.conftest import spec_text
-
-
-class Result:
-    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """The CLI's own main() in-process (fast); the subprocess path is covered by other tests."""
-
-    def run(*argv: str, cwd: Path) -> Result:
-        monkeypatch.chdir(cwd)
-        monkeypatch.delenv("HPSEARCH_STORAGE", raising=False)
-        capsys.readouterr()
-        try:
-            code = main(list(argv))
-        except SystemExit as exc:  # argparse usage errors
-            code = int(exc.code or 0)
-        out, err = capsys.readouterr()
-        return Result(code, out, err)
-
-    return run
+from tests.conftest import assert_refused, spec_text
 
 
 def _assert_refused(cli, tmp_path: Path, model: Path, train: Path, dev: Path, expected: str) -> str:  # type: ignore[no-untyped-def]
-    """`start` with these data files: exit 2, one line naming the problem, no storage created; returns the line."""
+    """`start` with these data files: exit 2, one line naming the problem, no storage created."""
     spec = tmp_path / "s.toml"
     spec.write_text(spec_text(model, train, dev))
-    db = tmp_path / "study.db"
-    result = cli(
-        *("start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{db}", "--devices", "cpu:1"),
-        cwd=tmp_path,
-    )
-    assert result.returncode == 2, result.stderr
-    assert expected in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert result.stderr.startswith("hpsearch start: error: "), result.stderr
-    assert not db.exists(), "bad input must not create the storage"
-    return result.stderr.strip()
+    return assert_refused(cli, spec, tmp_path, expected)
 
 
 def _jsonl(path: Path, labels: list[Any]) -> Path:

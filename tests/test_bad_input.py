@@ -7,35 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from hpsearch.search.cli import main
-from tests.conftest import hpsearch, lm_spec_text, spec_text
+from tests.conftest import assert_refused, hpsearch, lm_spec_text, spec_text
 
 
 def _causal_lm(spec: str) -> str:
     return spec.replace("max_length = 32", 'max_length = 32\ntask = "causal-lm"')
-
-
-class Result:
-    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """The CLI's own main() in-process (fast); the subprocess path is covered by other tests."""
-
-    def run(*argv: str, cwd: Path) -> Result:
-        monkeypatch.chdir(cwd)
-        monkeypatch.delenv("HPSEARCH_STORAGE", raising=False)
-        capsys.readouterr()
-        try:
-            code = main(list(argv))
-        except SystemExit as exc:  # argparse usage errors
-            code = int(exc.code or 0)
-        out, err = capsys.readouterr()
-        return Result(code, out, err)
-
-    return run
 
 
 # (name, how to break the spec text, expected words in the message)
@@ -125,30 +101,7 @@ def test_bad_spec(
 ) -> None:  # type: ignore[no-untyped-def]
     spec = tmp_path / "bad.toml"
     spec.write_text(mutate(spec_text(tiny_model, *demo_files)))
-    _assert_refused(cli, spec, tmp_path, expected)
-
-
-def _assert_refused(cli, spec: Path, tmp_path: Path, expected: str, devices: str = "cpu:1") -> str:  # type: ignore[no-untyped-def]
-    """`start` with this spec: exit 2, one line naming the problem, no storage created; returns the line."""
-    db = tmp_path / "study.db"
-    result = cli(
-        "start",
-        "--study",
-        "x",
-        "--config",
-        str(spec),
-        "--storage",
-        f"sqlite:///{db}",
-        "--devices",
-        devices,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 2, result.stderr
-    assert expected in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert not db.exists(), "bad input must not create the storage"
-    return result.stderr.strip()
+    assert_refused(cli, spec, tmp_path, expected)
 
 
 def _write(path: Path, text: str, encoding: str = "utf-8") -> Path:
@@ -177,7 +130,7 @@ def test_bad_train_data(
 ) -> None:  # type: ignore[no-untyped-def]
     spec = tmp_path / "s.toml"
     spec.write_text(spec_text(tiny_model, make(tmp_path), demo_files[1]))
-    _assert_refused(cli, spec, tmp_path, expected)
+    assert_refused(cli, spec, tmp_path, expected)
 
 
 LM_DATA_CASES = [
@@ -203,7 +156,7 @@ def test_bad_causal_lm_data(
 ) -> None:
     spec = tmp_path / "s.toml"
     spec.write_text(lm_spec_text(tiny_gpt2, make(tmp_path), lm_files[1]))
-    _assert_refused(cli, spec, tmp_path, expected)
+    assert_refused(cli, spec, tmp_path, expected)
 
 
 def test_devices_not_divisible_by_devices_per_trial(
@@ -215,7 +168,7 @@ def test_devices_not_divisible_by_devices_per_trial(
         "hpsearch start: error: --devices cpu:3: 3 devices cannot be split into groups of train.devices_per_trial "
         "= 2; give a multiple of 2 devices (e.g. --devices cpu:2) or change train.devices_per_trial"
     )
-    assert _assert_refused(cli, spec, tmp_path, message, devices="cpu:3") == message
+    assert assert_refused(cli, spec, tmp_path, message, devices="cpu:3") == message
 
 
 def test_validation_label_unseen_in_training(
@@ -245,7 +198,7 @@ def test_model_folder_without_weights(cli, tmp_path: Path, tiny_model: Path, dem
     shutil.copytree(tiny_model, model, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
     spec = tmp_path / "s.toml"
     spec.write_text(spec_text(model, *demo_files))
-    _assert_refused(cli, spec, tmp_path, f"model.name: folder {model} has no weights (model.safetensors or")
+    assert_refused(cli, spec, tmp_path, f"model.name: folder {model} has no weights (model.safetensors or")
 
 
 def test_storage_file_that_is_not_a_database(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -401,7 +354,7 @@ def test_max_length_beyond_the_models_positions(  # type: ignore[no-untyped-def]
     positions = json_.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
     spec = tmp_path / "s.toml"
     spec.write_text(spec_text(tiny_model, *demo_files).replace("max_length = 32", f"max_length = {positions + 1}"))
-    _assert_refused(cli, spec, tmp_path, f"model.max_length: {positions + 1} is more than the model's {positions}")
+    assert_refused(cli, spec, tmp_path, f"model.max_length: {positions + 1} is more than the model's {positions}")
 
 
 def test_broken_tokenizer_file(cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> None:  # type: ignore[no-untyped-def]
@@ -412,7 +365,7 @@ def test_broken_tokenizer_file(cli, tmp_path: Path, tiny_model: Path, demo_files
     (model / "vocab.txt").unlink(missing_ok=True)
     spec = tmp_path / "s.toml"
     spec.write_text(spec_text(model, *demo_files))
-    _assert_refused(cli, spec, tmp_path, f"model.name: {model} is a folder but not a loadable model/tokenizer")
+    assert_refused(cli, spec, tmp_path, f"model.name: {model} is a folder but not a loadable model/tokenizer")
 
 
 def test_bad_input_through_the_installed_entry_point(tmp_path: Path) -> None:
@@ -455,7 +408,7 @@ def test_causal_lm_prompts_that_fill_max_length_are_refused_up_front(  # type: i
     train, dev = _write(tmp_path / "t.jsonl", rows), _write(tmp_path / "v.jsonl", rows)
     spec = tmp_path / "s.toml"
     spec.write_text(lm_spec_text(tiny_gpt2, train, dev).replace("max_length = 48", "max_length = 8"))
-    _assert_refused(cli, spec, tmp_path, "no example has a token to train on within model.max_length (8)")
+    assert_refused(cli, spec, tmp_path, "no example has a token to train on within model.max_length (8)")
 
 
 def test_a_classifier_checkpoint_with_another_label_count_loads(tiny_model: Path) -> None:

@@ -8,48 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hpsearch.search.cli import main
-from tests.conftest import spec_text
-
-
-class Result:
-    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., Result]:
-    """The CLI's own main() in-process (fast)."""
-
-    def run(*argv: str, cwd: Path) -> Result:
-        monkeypatch.chdir(cwd)
-        monkeypatch.delenv("HPSEARCH_STORAGE", raising=False)
-        capsys.readouterr()
-        try:
-            code = main(list(argv))
-        except SystemExit as exc:  # argparse usage errors
-            code = int(exc.code or 0)
-        out, err = capsys.readouterr()
-        return Result(code, out, err)
-
-    return run
-
-
-def _assert_refused(cli: Callable[..., Result], config: Path, tmp_path: Path, expected: str) -> str:
-    """`start` with this --config: exit 2, one line naming the problem, no storage created; returns the line."""
-    db = tmp_path / "study.db"
-    result = cli(
-        *("start", "--study", "x", "--config", str(config), "--storage", f"sqlite:///{db}", "--devices", "cpu:1"),
-        cwd=tmp_path,
-    )
-    assert result.returncode == 2, result.stderr
-    assert expected in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert result.stderr.startswith("hpsearch start: error: "), result.stderr
-    assert not db.exists(), "bad input must not create the storage"
-    return result.stderr.strip()
-
+from tests.conftest import Cli, assert_refused, spec_text
 
 LR = "learning_rate = { type = "
 
@@ -253,7 +212,7 @@ CASES: list[tuple[str, Callable[[str], str], str]] = [
 
 @pytest.mark.parametrize("name,mutate,expected", CASES, ids=[c[0] for c in CASES])
 def test_bad_spec_value(
-    cli: Callable[..., Result],
+    cli: Cli,
     tmp_path: Path,
     tiny_model: Path,
     demo_files: tuple[Path, Path],
@@ -263,7 +222,7 @@ def test_bad_spec_value(
 ) -> None:
     spec = tmp_path / "bad.toml"
     spec.write_text(mutate(spec_text(tiny_model, *demo_files)))
-    _assert_refused(cli, spec, tmp_path, expected)
+    assert_refused(cli, spec, tmp_path, expected)
 
 
 def test_enqueued_values_on_the_grid_and_valid_are_accepted(tiny_model: Path, demo_files: tuple[Path, Path]) -> None:
@@ -280,10 +239,10 @@ def test_enqueued_values_on_the_grid_and_valid_are_accepted(tiny_model: Path, de
     assert spec.enqueue == [{"learning_rate": 3e-3, "batch_size": 48}]
 
 
-def test_config_that_is_a_folder(cli: Callable[..., Result], tmp_path: Path) -> None:
+def test_config_that_is_a_folder(cli: Cli, tmp_path: Path) -> None:
     folder = tmp_path / "specs"
     folder.mkdir()
-    line = _assert_refused(cli, folder, tmp_path, f"spec file {folder} is a folder, not a spec file")
+    line = assert_refused(cli, folder, tmp_path, f"spec file {folder} is a folder, not a spec file")
     assert line == (
         f"hpsearch start: error: spec file {folder} is a folder, not a spec file; "
         "pass --config with the path of a .toml spec"
