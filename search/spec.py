@@ -24,6 +24,7 @@ else:  # the same parser, as a backport
 from hpsearch.trainer.config import ConfigError, DataConfig, ModelConfig, TrainConfig, describe, fits, from_dict
 
 SPEC_ATTR = "hpsearch_spec"
+MAX_CHECKED_VALUES = 10_000
 PRESETS = ("bert-lr", "gpt2-lr")
 # Values that may change between runs of one study: raising the budget is not a new study.
 BUDGET_KEYS = ("n_trials", "timeout_minutes", "gpu_hours", "keep_top_k", "max_disk_gb")
@@ -205,11 +206,17 @@ class Param:
         return int(value) if self.type == "int" else float(value)
 
     def extremes(self) -> list[Any]:
+        """The values that must each make a valid trial: every choice, every value of an int
+        range that is not huge (a rule such as "a multiple of micro_batch_size" can fail
+        inside a range whose ends pass), else the ends."""
         if self.type == "categorical":
             return list(self.choices or [])
         assert self.low is not None and self.high is not None
         if self.type == "int":
-            return [int(self.low), int(self.high)]
+            low, high, step = int(self.low), int(self.high), int(self.step or 1)
+            if (high - low) // step > MAX_CHECKED_VALUES:
+                return [low, high]
+            return list(range(low, high + 1, step))
         return [self.low, self.high]
 
     def to_dict(self) -> dict[str, Any]:

@@ -152,10 +152,22 @@ CASES: list[tuple[str, Callable[[str], str], str]] = [
     ),
     # 4. enqueued trials follow the [train] rules and the step grid
     (
+        # Each searched value is a valid trial on its own; the enqueued pair is not.
         "enqueue_breaks_micro_batch_rule",
-        _enqueue('batch_size = { type = "int", low = 16, high = 64, step = 8 }', "batch_size = 24"),
-        "search.enqueue[0]: batch_size = 24 gives an invalid trial: train.micro_batch_size: 16 must divide "
-        "batch_size (24)",
+        _enqueue(
+            'batch_size = { type = "int", low = 16, high = 64, step = 16 }\n'
+            'micro_batch_size = { type = "categorical", choices = [16, 32] }',
+            "batch_size = 16\nmicro_batch_size = 32",
+        ),
+        "search.enqueue[0]: batch_size = 16, micro_batch_size = 32 gives an invalid trial: "
+        "train.micro_batch_size: 32 must divide batch_size (16)",
+    ),
+    (
+        # The ends (16, 32) pass the rule; the sampler may still propose 17..31.
+        "int_range_inside_breaks_micro_batch_rule",
+        _space('batch_size = { type = "int", low = 16, high = 32 }'),
+        "search.space.batch_size: value 17 gives an invalid trial: train.micro_batch_size: 16 must divide "
+        "batch_size (17)",
     ),
     (
         "enqueue_off_float_step",
