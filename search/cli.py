@@ -370,14 +370,14 @@ def _check_inputs(spec: Any, output_dir: Path, device_list: list[Any]) -> None:
     from hpsearch.trainer.model import check_model, load_tokenizer
 
     spec = resolved(spec, output_dir)
-    read_splits(spec.data, spec.model.task)
+    splits = read_splits(spec.data, spec.model.task)
     tokenizer = load_tokenizer(spec.model.name)
     check_model(spec.model.name, spec.model.max_length)
     check_precision(spec.train.precision, device_list)
     _check_output_dir(output_dir)
     # Tokenised into the workers' own cache: what only tokenising finds (a causal-LM prompt
     # that leaves no token to train on) is reported here, and the workers reuse the result.
-    prepare(spec.data, tokenizer, spec.model.max_length, output_dir / "token-cache", task=spec.model.task)
+    prepare(spec.data, tokenizer, spec.model.max_length, output_dir / "token-cache", spec.model.task, splits)
 
 
 def _check_output_dir(output_dir: Path) -> None:

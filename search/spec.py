@@ -205,7 +205,7 @@ class Param:
                 )
         return int(value) if self.type == "int" else float(value)
 
-    def extremes(self) -> list[Any]:
+    def checked_values(self) -> list[Any]:
         """The values that must each make a valid trial: every choice, every value of an int
         range that is not huge (a rule such as "a multiple of micro_batch_size" can fail
         inside a range whose ends pass), else the ends."""
@@ -301,8 +301,8 @@ class StudySpec:
                     f"search.space.{name}: not a [train] key; searchable keys: {', '.join(sorted(train_keys))}"
                 )
             _check_type_fits(param, hints[name])
-            # Every extreme value must make a valid trial, or trials would fail at run time.
-            for value in param.extremes():
+            # Every checked value must make a valid trial, or trials would fail at run time.
+            for value in param.checked_values():
                 try:
                     candidate = from_dict(TrainConfig, {**asdict(self.train), name: value}, "train")
                     candidate.validate()

@@ -302,27 +302,20 @@ class Worker:
         # budget); recorded before the trial is told, since a finished trial takes no more attributes.
         spent = (time.monotonic() - started) * self.world.size
         trial.set_user_attr(studies.DEVICE_SECONDS, round(trial.user_attrs.get(studies.DEVICE_SECONDS, 0.0) + spent, 3))
-        if failure is not None:
-            # An error is not retried: nothing will resume this state, and a failed trial
-            # keeps no checkpoint (it never competes for the top k).
-            shutil.rmtree(out_dir / RESUME, ignore_errors=True)
+        ended = "failed" if failure is not None else result.status  # an error is not retried
+        if ended in ("pruned", "failed"):
+            # Never in the top k: only complete trials compete for a kept checkpoint.
             retention.delete_own(out_dir / BEST)
             if trial.user_attrs.get(retention.BEST_CHECKPOINT_ATTR):
-                trial.set_user_attr(retention.BEST_CHECKPOINT_ATTR, f"{retention.DELETED_PREFIX} (trial failed)")
+                trial.set_user_attr(retention.BEST_CHECKPOINT_ATTR, f"{retention.DELETED_PREFIX} (trial {ended})")
+        if ended != "interrupted":
+            # The resumable state is only for a retry of an interrupted attempt.
+            shutil.rmtree(out_dir / RESUME, ignore_errors=True)
+        if failure is not None:
             self._fail(trial, failure)
             if self.world.size > 1:
                 raise ranks.GroupRestart(f"trial {trial.number} failed on a {self.world.size}-device group")
             return
-        if result.status in ("pruned", "failed"):
-            # Never in the top k: only complete trials compete for a kept checkpoint.
-            retention.delete_own(out_dir / BEST)
-            if result.best_step is not None:
-                trial.set_user_attr(
-                    retention.BEST_CHECKPOINT_ATTR, f"{retention.DELETED_PREFIX} (trial {result.status})"
-                )
-        if result.status != "interrupted":
-            # The resumable state is only for a retry of this attempt; the best model stays.
-            shutil.rmtree(out_dir / RESUME, ignore_errors=True)
         if result.status == "complete" and result.best_value is not None:
             self.study.tell(trial, result.best_value)
             log.info(

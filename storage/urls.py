@@ -79,15 +79,14 @@ def sqlite_path(url: str) -> Path | None:
 def mask(url: str) -> str:
     """The URL with its password replaced by ***, safe to print or log."""
     scheme, sep, rest = url.partition("://")
-    if sep and rest.split("/", 1)[0].count("@") > 1:
-        # An unencoded "@" in the password: a parser splits at the first one and would print
-        # the rest of the password as the host. Hide everything before the last "@".
+    # An unencoded "@" in the password: a parser splits at the first one and would print the
+    # rest of the password as the host.
+    if not (sep and rest.split("/", 1)[0].count("@") > 1):
+        try:
+            return make_url(url).render_as_string(hide_password=True)
+        except (ArgumentError, ValueError):
+            pass
+    # Ambiguous or not parseable: never echo anything before the last "@" (user:password).
+    if sep and "@" in rest:
         return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError):
-        # Not parseable: still never echo anything that looks like user:password@.
-        if "@" in url and "://" in url:
-            scheme, rest = url.split("://", 1)
-            return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
-        return url
+    return url

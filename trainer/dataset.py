@@ -61,15 +61,21 @@ class Prepared:
 
 
 def prepare(
-    cfg: DataConfig, tokenizer: Any, max_length: int, cache_dir: Path | None, task: str = CLASSIFICATION
+    cfg: DataConfig,
+    tokenizer: Any,
+    max_length: int,
+    cache_dir: Path | None,
+    task: str = CLASSIFICATION,
+    splits: Splits | None = None,
 ) -> Prepared:
     """Tokenised splits; read from ``cache_dir`` when the same files were tokenised before.
 
     The cache is keyed by the files' contents, the task, the tokenizer and ``max_length``, so
     every trial and every worker pointing at the same folder shares one tokenisation.
+    ``splits``: the files as ``read_splits`` already read them, so they are not parsed again.
     """
     if cache_dir is None:
-        return _tokenise(cfg, tokenizer, max_length, task)
+        return _tokenise(cfg, tokenizer, max_length, task, splits)
     key = _cache_key(cfg, tokenizer, max_length, task)
     path = cache_dir / f"tokens-{key}.pkl"
     cached = _load(path)
@@ -81,13 +87,13 @@ def prepare(
         cached = _load(path)
         if cached is not None:
             return cached
-        prepared = _tokenise(cfg, tokenizer, max_length, task)
+        prepared = _tokenise(cfg, tokenizer, max_length, task, splits)
         _write_atomic(path, prepared)
     return prepared
 
 
-def _tokenise(cfg: DataConfig, tokenizer: Any, max_length: int, task: str) -> Prepared:
-    splits = read_splits(cfg, task)
+def _tokenise(cfg: DataConfig, tokenizer: Any, max_length: int, task: str, splits: Splits | None) -> Prepared:
+    splits = splits if splits is not None else read_splits(cfg, task)
     log.info("tokenising %s and %s (max_length %d)", cfg.train, cfg.validation, max_length)
     # GPT-style tokenizers have no padding token; padded positions are masked out anyway.
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
