@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any
 
-from sqlalchemy import event, func, select, update
+from sqlalchemy import case, event, func, select, update
 from sqlalchemy.orm import Session
 
 from hpsearch.storage.db import Database
@@ -127,8 +127,12 @@ def trial_ended(db: Database, worker_id: int, *, finished: bool = True) -> None:
 
 
 def _device_seconds_at(clock: Any) -> Any:
-    """The worker's device time including the current trial's, as a SQL expression."""
-    return WorkerRecord.device_seconds + func.coalesce(clock - WorkerRecord.trial_started_at, 0.0)
+    """The worker's device time including the current trial's, as a SQL expression.
+
+    A worker killed before its first heartbeat inside a trial has its clock (that heartbeat)
+    earlier than the trial's start: that trial adds nothing rather than negative time."""
+    elapsed = func.coalesce(clock - WorkerRecord.trial_started_at, 0.0)
+    return WorkerRecord.device_seconds + case((elapsed > 0, elapsed), else_=0.0)
 
 
 def end(db: Database, worker_id: int) -> None:

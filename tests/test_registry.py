@@ -70,6 +70,17 @@ class TestRegistryContract:
         registry.beat(db, wid)
         assert _only(db, "s").state == "live"
 
+    def test_worker_dead_before_a_beat_in_its_trial_counts_no_negative_time(self, storage: Storage) -> None:
+        # Killed 0.3 s into a trial, before its next heartbeat: the supervisor ends the row at
+        # the last beat, which is earlier than the trial's start. `status` printed "-0.000 h".
+        db = storage.db
+        wid = registry.register(db, "s", "w", "cpu:0", host="h", pid=7, heartbeat_s=60)
+        time.sleep(0.3)
+        registry.trial_started(db, wid, 0)
+        registry.end_dead(db, "s", host="h", pid=7)
+        w = _only(db, "s")
+        assert w.state == "finished" and w.device_seconds == 0.0
+
     def test_host_clock_is_never_used(self, storage: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
         # A host whose clock is a day off must still look live: only the database clock counts.
         real = time.time
