@@ -15,6 +15,19 @@ from tests.tiny import build_tiny_bert, build_tiny_gpt2, write_demo_split, write
 
 PG_ADMIN_URL = os.environ.get("HPSEARCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
+# One torch thread per process, in the workers the tests start (they inherit the variable;
+# hpsearch gives a CPU worker OMP_NUM_THREADS threads) and in pytest's own process. Tiny models
+# gain nothing from more, and where another job holds a core (CI machines are shared) OpenMP
+# threads waiting on it stall every step: the two killed-worker tests took 425 s with one of
+# two cores busy, 51 s with one thread. Set OMP_NUM_THREADS to override.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -27,7 +27,6 @@ CFG = TrainConfig(
 
 
 def _fit(model_dir: str, train: str, dev: str, out: Path, world: World) -> dict[str, torch.Tensor]:
-    torch.set_num_threads(1)
     tokenizer = load_tokenizer(model_dir)
     data = prepare(DataConfig(train=train, validation=dev), tokenizer, 48, None, task="causal-lm")
     model = PretrainedCache().fresh_causal_lm(model_dir)

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,16 +31,6 @@ from hpsearch.trainer.stats import PEAK_ENV, Throughput, mfu, peak_tflops
 from tests.tiny import tiny_run
 
 WORDS = ["good", "bad", "great", "terrible", "fine"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # A tiny model gains nothing from threads, and on a loaded shared CPU spinning OpenMP
-    # threads make every step many times slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _varied_split(path: Path, n: int, seed: int) -> Path:
