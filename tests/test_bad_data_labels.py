@@ -45,26 +45,26 @@ TRAIN_LABEL_CASES: list[tuple[str, list[Any], str]] = [
     (
         "stray_large_int",
         [0, 1, 0, 1000000],
-        "train.jsonl: integer labels must be 0..K-1 (here K = 3 classes, so 0..2); got 0, 1, 1000000 "
-        "(out of range: 1000000; missing: 2); renumber them 0..2 or use string labels",
+        "train.jsonl: integer labels are class ids and must be consecutive (0..K-1 or 1..K); got 0, 1, 1000000, "
+        "with no example of 999998 values between 0 and 1000000; renumber them 0..2 or use string labels",
     ),
-    ("gap", [0, 2, 0, 2], "got 0, 2 (out of range: 2; missing: 1); renumber them 0..1"),
-    ("negative", [-1, 0, 1], "got -1, 0, 1 (out of range: -1; missing: 2)"),
-    ("starts_at_one", [1, 2, 3, 1], "got 1, 2, 3 (out of range: 3; missing: 0); renumber them 0..2"),
+    ("gap", [0, 2, 0, 2], "got 0, 2, with no example of 1 between 0 and 2; renumber them 0..1"),
+    ("sign_only", [-1, 1, 1], "got -1, 1, with no example of 0 between -1 and 1; renumber them 0..1"),
+    ("gaps_listed", [1, 3, 5], "got 1, 3, 5, with no example of 2, 4 between 1 and 5; renumber them 0..2"),
     (
         "huge_float",
         [0, 1, 1e300],
-        "train.jsonl: line 3: label 1e+300 in column 'label' is a float; labels must be integers 0..K-1 or strings",
+        "train.jsonl: line 3: label 1e+300 in column 'label' is a float; labels must be integers or strings",
     ),
     (
         "integral_float",
         [0, 1.0],
-        "line 2: label 1.0 in column 'label' is a float; labels must be integers 0..K-1 or strings (write 1, not 1.0)",
+        "line 2: label 1.0 in column 'label' is a float; labels must be integers or strings (write 1, not 1.0)",
     ),
-    ("list", [0, [1]], "line 2: label [1] in column 'label' is a list; labels must be integers 0..K-1 or strings"),
+    ("list", [0, [1]], "line 2: label [1] in column 'label' is a list; labels must be integers or strings"),
     ("bool", [0, True], "line 2: label true in column 'label' is a boolean; labels must be integers"),
     ("object", [0, {"id": 1}], "line 2: label {\"id\": 1} in column 'label' is an object; labels must be"),
-    ("null", [0, None], "line 2: label null in column 'label' is null; labels must be integers 0..K-1 or strings"),
+    ("null", [0, None], "line 2: label null in column 'label' is null; labels must be integers or strings"),
     ("one_string_class", ["positive"] * 4, "has label 'positive'; a classifier needs at least 2 classes"),
     ("one_int_class", [1, 1, 1], "has label 1; a classifier needs at least 2 classes"),
 ]
@@ -89,7 +89,7 @@ def test_csv_integer_labels_out_of_range(cli, tmp_path: Path, tiny_model: Path) 
     """CSV cells are text: "0", "1", "1000000" are integer labels and get the same rule."""
     train = _csv(tmp_path / "train.csv", ["0", "1", "1000000"])
     dev = _csv(tmp_path / "dev.csv", ["0", "1"])
-    _assert_refused(cli, tmp_path, tiny_model, train, dev, "got 0, 1, 1000000 (out of range: 1000000; missing: 2)")
+    _assert_refused(cli, tmp_path, tiny_model, train, dev, "got 0, 1, 1000000, with no example of 999998 values")
 
 
 def test_csv_one_class(cli, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
@@ -159,3 +159,24 @@ def test_integer_labels_zero_to_k_minus_one_are_accepted(tmp_path: Path) -> None
     assert splits.labels is not None
     assert splits.labels.names == ("0", "1", "2") and splits.labels.numeric
     assert splits.labels.encode(splits.validation.labels, dev) == [1, 2]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "train_labels,dev_labels,names,dev_ids",
+    [
+        ([5, 1, 2, 3, 4, 1], [1, "5", 3], ("1", "2", "3", "4", "5"), [0, 4, 2]),  # star ratings
+        ([-1, 0, 1, 0], [1, -1], ("-1", "0", "1"), [2, 0]),  # negative / neutral / positive
+    ],
+    ids=["one_to_five", "minus_one_to_one"],
+)
+def test_consecutive_integer_labels_keep_their_values(
+    tmp_path: Path, train_labels: list[int], dev_labels: list[Any], names: tuple[str, ...], dev_ids: list[int]
+) -> None:
+    """Ids follow the values' order; id2label (saved in every checkpoint's config) gives the values back."""
+    train = _jsonl(tmp_path / "train.jsonl", train_labels)
+    dev = _jsonl(tmp_path / "dev.jsonl", dev_labels)
+    splits = read_splits(DataConfig(train=str(train), validation=str(dev)))
+    assert splits.labels is not None and splits.labels.numeric
+    assert splits.labels.names == names
+    assert splits.labels.encode(splits.validation.labels, dev) == dev_ids  # type: ignore[union-attr]
+    assert splits.labels.id2label() == dict(enumerate(names))

@@ -64,7 +64,7 @@ def _check_label_type(label: Any, path: Path, line_no: int, column: str) -> None
         hint = f" (write {int(label)}, not {_short(json.dumps(label))})"
     raise DataError(
         f"data file {path}: line {line_no}: label {_short(json.dumps(label))} in column {column!r} is {kind}; "
-        f"labels must be integers 0..K-1 or strings{hint}"
+        f"labels must be integers or strings{hint}"
     )
 
 
@@ -183,9 +183,10 @@ class LabelMap:
 
     @classmethod
     def fit(cls, labels: Sequence[Any], path: Path) -> LabelMap:
-        """The classes of the training labels: integers must be exactly 0..K-1 (each one is a
-        class id, so a gap or a stray large value would create classes with no examples);
-        strings are sorted into ids."""
+        """The classes of the training labels. Integers must be consecutive (0..K-1, 1..K for
+        star ratings, -1..1): class ids follow their order and id2label keeps the user's values.
+        A gap or a stray large value is refused, since it would make classes with no examples.
+        Strings are sorted into ids."""
         ints = [_as_int(v) for v in labels]
         distinct = sorted({i for i in ints if i is not None})
         numeric = len(distinct) > 0 and all(i is not None for i in ints)
@@ -197,17 +198,17 @@ class LabelMap:
             )
         if not numeric:
             return cls(tuple(names), numeric=False)
-        k = len(distinct)
-        present = set(distinct)
-        outside = [i for i in distinct if not 0 <= i < k]
-        missing = [i for i in range(k) if i not in present]
-        if outside:
+        lo, hi, k = distinct[0], distinct[-1], len(distinct)
+        if hi - lo + 1 != k:
+            absent = hi - lo + 1 - k
+            present = set(distinct)
+            gaps = _listing([i for i in range(lo, hi + 1) if i not in present]) if absent <= 8 else f"{absent} values"
             raise DataError(
-                f"data file {path}: integer labels must be 0..K-1 (here K = {k} classes, so 0..{k - 1}); got "
-                f"{_listing(distinct)} (out of range: {_listing(outside)}; missing: {_listing(missing)}); renumber "
-                f"them 0..{k - 1} or use string labels"
+                f"data file {path}: integer labels are class ids and must be consecutive (0..K-1 or 1..K); got "
+                f"{_listing(distinct)}, with no example of {gaps} between {lo} and {hi}; renumber them "
+                f"0..{k - 1} or use string labels"
             )
-        return cls(tuple(str(i) for i in range(k)), numeric=True)
+        return cls(tuple(str(i) for i in distinct), numeric=True)
 
     @property
     def num_labels(self) -> int:
