@@ -81,3 +81,5 @@ def test_second_start_adds_only_missing_trials(tmp_path: Path, spec_file: Path, 
     study = optuna.load_study(study_name="grow", storage=url)
     assert len(study.trials) == 3
     assert "0 run here" in third.stderr
+    assert "study grow already has 3 finished trials and n_trials = 3: no new trial will start" in third.stderr
+    assert "already has" not in second.stderr
