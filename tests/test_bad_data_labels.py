@@ -180,3 +180,31 @@ def test_consecutive_integer_labels_keep_their_values(
     assert splits.labels.names == names
     assert splits.labels.encode(splits.validation.labels, dev) == dev_ids  # type: ignore[union-attr]
     assert splits.labels.id2label() == dict(enumerate(names))
+
+
+def test_csv_quoted_line_breaks_are_kept_and_later_lines_numbered_right(tmp_path: Path) -> None:
+    """A quoted field may span lines: its text keeps the break, and a bad row after it is named
+    by the line it sits on in an editor, not by its row count."""
+    train = tmp_path / "train.csv"
+    train.write_text('text,label\n"two\nlines",0\n"a\r\nthird",1\nparagraph\u2028separator\x85inside,0\nbad row\n')
+    with pytest.raises(data_module.DataError, match=r"train.csv: line 7 has 1 fields, the header has 2"):
+        data_module.read_rows(train, "text", "label")
+    train.write_text(train.read_text().replace("bad row\n", ""))
+    rows = data_module.read_rows(train, "text", "label")
+    assert rows.texts == [
+        "two\nlines",
+        "a\nthird",  # read_text makes every line end \n
+        "paragraph\u2028separator\x85inside",
+    ]
+    assert rows.labels == ["0", "1", "0"]
+
+
+def test_unterminated_quote_names_the_line_it_starts_on(tmp_path: Path) -> None:
+    train = tmp_path / "train.csv"
+    train.write_text('text,label\nfine,0\n"never closed,1\nmore,0\n')
+    with pytest.raises(
+        data_module.DataError,
+        match=r"train.csv: line 3 has 1 fields, the header has 2 "
+        r"\(a quoted field runs on to line 4: is a closing quote missing\?\)",
+    ):
+        data_module.read_rows(train, "text", "label")

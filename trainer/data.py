@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import io
 import json
 import random
 import re
@@ -150,27 +151,41 @@ CSV_FIELD_LIMIT = 2**31 - 1
 
 
 def _read_table(raw: str, path: Path, suffix: str) -> list[tuple[int, dict[str, Any]]]:
-    lines = raw.splitlines()
     if csv.field_size_limit() < CSV_FIELD_LIMIT:
         csv.field_size_limit(CSV_FIELD_LIMIT)
+    # newline="" hands csv the raw line ends, as its docs require: a quoted field keeps its
+    # line breaks, and only \n, \r and \r\n end a line (str.splitlines would also cut at
+    # U+2028, U+0085 and form feeds inside a sentence, making rows with too few fields).
+    source = io.StringIO(raw, newline="")
     # TSV corpora (GLUE among them) contain bare quotes: quoting must be off.
-    reader = csv.reader(lines, delimiter="\t", quoting=csv.QUOTE_NONE) if suffix == ".tsv" else csv.reader(lines)
+    reader = csv.reader(source, delimiter="\t", quoting=csv.QUOTE_NONE) if suffix == ".tsv" else csv.reader(source)
+    rows: list[tuple[int, int, list[str]]] = []
+    first_line = 1
     try:
-        rows = list(reader)
+        for row in reader:
+            # Where the row starts and ends: a quoted field may span lines.
+            rows.append((first_line, reader.line_num, row))
+            first_line = reader.line_num + 1
     except csv.Error as exc:
-        raise DataError(
-            f"data file {path}: line {reader.line_num} cannot be read as {suffix[1:].upper()} ({exc})"
-        ) from None
+        raise DataError(f"data file {path}: line {first_line} cannot be read as {suffix[1:].upper()} ({exc})") from None
     if not rows:
         return []
-    header = rows[0]
+    header = rows[0][2]
     records = []
-    for offset, row in enumerate(rows[1:], start=2):
+    for line_no, last_line, row in rows[1:]:
         if not row or all(not cell.strip() for cell in row):
             continue
         if len(row) != len(header):
-            raise DataError(f"data file {path}: line {offset} has {len(row)} fields, the header has {len(header)}")
-        records.append((offset, dict(zip(header, row, strict=True))))
+            # csv reads an unclosed quote to the end of the file as one field: say so.
+            hint = (
+                f" (a quoted field runs on to line {last_line}: is a closing quote missing?)"
+                if last_line > line_no
+                else ""
+            )
+            raise DataError(
+                f"data file {path}: line {line_no} has {len(row)} fields, the header has {len(header)}{hint}"
+            )
+        records.append((line_no, dict(zip(header, row, strict=True))))
     return records
 
 

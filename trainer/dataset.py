@@ -28,7 +28,9 @@ from hpsearch.trainer.data import (
 )
 
 log = logging.getLogger(__name__)
-CACHE_VERSION = 3
+# Raised whenever reading or encoding yields other examples from the same file (4: CSV quoted
+# fields keep their line breaks), so no host reuses tokens the current code would not produce.
+CACHE_VERSION = 4
 
 
 @dataclass
