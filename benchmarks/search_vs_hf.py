@@ -5,7 +5,7 @@ with the same search space (learning rate 1e-6..1e-3 log, warm-up ratio, weight 
 same trial budget, seed, epochs, batch size and maximum length; each picks its best model on
 the same subset of dev.tsv, and that model is then scored on glue_dev.tsv (outside the timing).
 
-Run by hand. The defaults are the CPU-sized run the README reports (three seeds, pooled at
+Run by hand. The defaults are the CPU-sized run benchmarks/README.md reports (three seeds, pooled at
 the end; about 53 minutes on 2 cores with --threads 1):
 
     python benchmarks/search_vs_hf.py --data-dir ../shared/data/sst2 --threads 1
@@ -425,7 +425,7 @@ def pooled(runs: list[list[Side]]) -> None:
     """All seeds together: mean accuracies, summed samples and wall time, the largest disk use.
 
     With a dozen trials, which side's best model scores higher on glue_dev is largely decided by
-    the seed's draws (see the README); the pooled line is the steadier comparison."""
+    the seed's draws (see benchmarks/README.md); the pooled line is the steadier comparison."""
 
     def pool(sides: list[Side]) -> Side:
         n = len(sides)
