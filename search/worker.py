@@ -351,13 +351,13 @@ class Worker:
 
     def _retain(self) -> None:
         """Keep only the best checkpoints of the study's top trials (see storage/checkpoints.py)."""
-        search = self.spec.search
+        search, attr = self.spec.search, retention.BEST_CHECKPOINT_ATTR
         candidates = [
-            retention.Candidate(t._trial_id, t.number, float(t.value), Path(t.user_attrs["best_checkpoint"]))
+            retention.Candidate(t._trial_id, t.number, float(t.value), Path(t.user_attrs[attr]))
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             # Deleted ones stay in the ranking (their path no longer exists): a trial deleted for
             # the disk cap keeps its place, so a worse one is not kept instead.
-            if t.value is not None and t.user_attrs.get("best_checkpoint")
+            if t.value is not None and t.user_attrs.get(attr)
         ]
         retention.retain(
             self.storage.db,
