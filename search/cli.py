@@ -192,7 +192,6 @@ def cmd_start(args: argparse.Namespace) -> int:
     try:
         studies.check_spec_before_create(storage, args.study, spec)
         study = studies.create_or_resume(storage, args.study, spec)
-        _warn_if_budget_used(study, spec.search.n_trials)
     finally:
         storage.close()
     log.info(
@@ -204,22 +203,6 @@ def cmd_start(args: argparse.Namespace) -> int:
     )
     del study
     return _run_and_report(args, url, device_list)
-
-
-def _warn_if_budget_used(study: Any, n_trials: int) -> None:
-    """Say up front that a resumed study has nothing left to run: the workers still start, since
-    a crashed host's trials (claimed, never finished) are theirs to take over."""
-    import optuna
-
-    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED))
-    if len(done) >= n_trials:
-        log.warning(
-            "study %s already has %d finished trials and n_trials = %d: no new trial will start; "
-            "pass --n-trials N (or raise search.n_trials) to search further",
-            study.study_name,
-            len(done),
-            n_trials,
-        )
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

@@ -33,7 +33,19 @@ def create_or_resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Stu
         log.info("created study %s in %s (%d queued trials)", name, storage.display, len(spec.enqueue))
     else:
         check_same(name, StudySpec.from_dict(stored), spec)
-        log.info("resuming study %s (%d trials so far)", name, len(study.trials))
+        trials = study.get_trials(deepcopy=False)
+        log.info("resuming study %s (%d trials so far)", name, len(trials))
+        # Said up front; the workers still start, since a crashed host's claimed trials are theirs.
+        states = optuna.trial.TrialState
+        done = sum(t.state in (states.COMPLETE, states.PRUNED) for t in trials)
+        if done >= spec.search.n_trials:
+            log.warning(
+                "study %s already has %d finished trials and n_trials = %d: no new trial will start; "
+                "pass --n-trials N (or raise search.n_trials) to search further",
+                name,
+                done,
+                spec.search.n_trials,
+            )
     # Stored again on resume: the budget keys (n_trials, timeout, gpu_hours, retention) may change.
     study.set_user_attr(SPEC_ATTR, spec.to_dict())
     study.set_user_attr(N_TRIALS_ATTR, spec.search.n_trials)
