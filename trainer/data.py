@@ -159,33 +159,28 @@ def _read_table(raw: str, path: Path, suffix: str) -> list[tuple[int, dict[str, 
     source = io.StringIO(raw, newline="")
     # TSV corpora (GLUE among them) contain bare quotes: quoting must be off.
     reader = csv.reader(source, delimiter="\t", quoting=csv.QUOTE_NONE) if suffix == ".tsv" else csv.reader(source)
-    rows: list[tuple[int, int, list[str]]] = []
-    first_line = 1
+    header: list[str] | None = None
+    records = []
+    line_no = 1  # where the current row starts: a quoted field may span lines
     try:
         for row in reader:
-            # Where the row starts and ends: a quoted field may span lines.
-            rows.append((first_line, reader.line_num, row))
-            first_line = reader.line_num + 1
+            if header is None:
+                header = row
+            elif row and any(cell.strip() for cell in row):
+                if len(row) != len(header):
+                    # csv reads an unclosed quote to the end of the file as one field: say so.
+                    hint = (
+                        f" (a quoted field runs on to line {reader.line_num}: is a closing quote missing?)"
+                        if reader.line_num > line_no
+                        else ""
+                    )
+                    raise DataError(
+                        f"data file {path}: line {line_no} has {len(row)} fields, the header has {len(header)}{hint}"
+                    )
+                records.append((line_no, dict(zip(header, row, strict=True))))
+            line_no = reader.line_num + 1
     except csv.Error as exc:
-        raise DataError(f"data file {path}: line {first_line} cannot be read as {suffix[1:].upper()} ({exc})") from None
-    if not rows:
-        return []
-    header = rows[0][2]
-    records = []
-    for line_no, last_line, row in rows[1:]:
-        if not row or all(not cell.strip() for cell in row):
-            continue
-        if len(row) != len(header):
-            # csv reads an unclosed quote to the end of the file as one field: say so.
-            hint = (
-                f" (a quoted field runs on to line {last_line}: is a closing quote missing?)"
-                if last_line > line_no
-                else ""
-            )
-            raise DataError(
-                f"data file {path}: line {line_no} has {len(row)} fields, the header has {len(header)}{hint}"
-            )
-        records.append((line_no, dict(zip(header, row, strict=True))))
+        raise DataError(f"data file {path}: line {line_no} cannot be read as {suffix[1:].upper()} ({exc})") from None
     return records
 
 
