@@ -209,8 +209,8 @@ class LabelMap:
         if not numeric:
             return cls(tuple(names), numeric=False)
         lo, hi, k = distinct[0], distinct[-1], len(distinct)
-        if hi - lo + 1 != k:
-            absent = hi - lo + 1 - k
+        absent = hi - lo + 1 - k  # values between the smallest and largest with no example
+        if absent:
             present = set(distinct)
             gaps = _listing([i for i in range(lo, hi + 1) if i not in present]) if absent <= 8 else f"{absent} values"
             raise DataError(
