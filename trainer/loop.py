@@ -52,6 +52,8 @@ class Run:
     row, after its warm-up and its first fifth, were no better than predicting the label
     prior (see trainer/chance.py; 0 = never). Classification only; read on rank 0, which
     decides for every rank."""
+    prune_after_warmup: bool = False
+    """Ask the reporter whether to prune only once the learning-rate warm-up has ended."""
 
 
 def fit(run: Run, reporter: Reporter) -> TrainResult:
@@ -85,7 +87,10 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     running_loss = torch.zeros((), device=device)
     running_steps = 0
     chance = Chance.of(data.validation.labels) if run.stop_at_chance else None
-    judged_from, at_chance = Chance.judged_from(warmup_steps(cfg, total_steps), total_steps), 0
+    warmup = warmup_steps(cfg, total_steps)
+    judged_from, at_chance = Chance.judged_from(warmup, total_steps), 0
+    # Before the learning rate has warmed up to its value, a curve says little about that value.
+    prune_from = warmup if run.prune_after_warmup else 0
 
     batches: list[list[int]] = []
     batches_epoch = -1
@@ -185,7 +190,7 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
             at_chance = at_chance + 1 if chance and step >= judged_from and chance.matches(metrics) else 0
             stuck = 0 < run.stop_at_chance <= at_chance  # only rank 0 has the option; it decides for all
             # One broadcast for both reasons; the pruner is not asked about a run stopped at chance.
-            if world.from_main(world.is_main and (stuck or reporter.should_prune())):
+            if world.from_main(world.is_main and (stuck or (step >= prune_from and reporter.should_prune()))):
                 if stuck:
                     log.info("step %d: no better than the label prior %d points in a row: stopping", step, at_chance)
                 result = TrainResult(status="pruned", fail_reason="at_chance" if stuck else None)
