@@ -109,7 +109,7 @@ def search(
         points, score = run_trial(params, rng)
         warmup = round(params["warmup_ratio"] * STEPS)
         judged_from = Chance.judged_from(warmup, STEPS)
-        prune_from = warmup if spec.search.pruner_waits_for_warmup else 0
+        prune_from = warmup if spec.search.patient_pruning else 0
         top, pruned, step, at_chance = -1.0, False, 0, 0
         for step, value in points.items():
             top = max(top, value)
@@ -138,9 +138,9 @@ def main() -> None:
     p.add_argument("--min-resource", type=int, default=None)
     p.add_argument("--prune-at-chance", type=int, default=None, help="default: hpsearch's (0 = off)")
     p.add_argument(
-        "--no-wait-for-warmup",
+        "--impatient",
         action="store_true",
-        help="let the pruner judge trials during their warm-up (search.pruner_waits_for_warmup = false)",
+        help="let the pruner judge trials during their warm-up (search.patient_pruning = false)",
     )
     args = p.parse_args()
     warnings.filterwarnings("ignore")
@@ -153,7 +153,7 @@ def main() -> None:
         ("pruner_reduction_factor", args.reduction_factor),
         ("pruner_min_resource", args.min_resource),
         ("prune_at_chance", args.prune_at_chance),
-        ("pruner_waits_for_warmup", False if args.no_wait_for_warmup else None),
+        ("patient_pruning", False if args.impatient else None),
     ):
         if value is not None:
             search_raw[key] = value
@@ -186,7 +186,7 @@ def main() -> None:
     print(
         f"{args.seeds} seeds, {args.n_trials} trials: hpsearch {s.sampler} + {s.pruner} "
         f"(reduction factor {s.pruner_reduction_factor}, first rung {s.pruner_min_resource or EVAL_EVERY}, "
-        f"{'waits for' if s.pruner_waits_for_warmup else 'judges during'} a trial's warm-up)"
+        f"{'waits for' if s.patient_pruning else 'judges during'} a trial's warm-up)"
     )
     print(f"{'':10}{'held-out mean':>14}{'p10':>8}{'samples':>9}{'samples > 0.5':>15}")
     for name, runs in (("hpsearch", ours), ("hf", hf), ("bound", bound)):

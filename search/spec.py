@@ -70,11 +70,12 @@ class SearchConfig:
     validation point)."""
     pruner_reduction_factor: int = 3
     """asha/hyperband: 1 in this many trials is promoted to the next rung."""
-    pruner_waits_for_warmup: bool = True
-    """Any pruner: a trial is not judged before its own learning-rate warm-up (warmup_ratio)
-    has ended. Until the rate reaches its value the curve says nothing about it: on short
-    fine-tunes it sits at the majority label's share, where an earlier trial may already be
-    ahead. asha/hyperband then file the first judged value under every rung it has passed."""
+    patient_pruning: bool = True
+    """Any pruner: it is not asked about points that say little of a trial's hyperparameters
+    (see trainer/judge.py): before the trial's own learning-rate warm-up has ended, and, with
+    an accuracy or F1 metric, in its first fifth while its loss has left the label prior's but
+    its accuracy has not. Such points are still reported. asha/hyperband file a trial's first
+    judged value under every rung it has passed."""
     prune_at_chance: int = 2
     """Classification, any pruner but none: stop a trial once this many validation points in
     a row, after its warm-up and its first fifth of steps, were no better than predicting

@@ -285,7 +285,7 @@ class Worker:
                 started=started,
                 world=self.world,
                 stop_at_chance=self.spec.search.stop_at_chance,
-                prune_after_warmup=self.spec.search.pruner_waits_for_warmup,
+                patient_pruning=self.spec.search.patient_pruning,
             )
             result = fit(run, reporter)
         except CheckpointError as exc:

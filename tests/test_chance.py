@@ -14,6 +14,7 @@ from hpsearch.trainer.chance import Chance
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.evaluate import Metrics
+from hpsearch.trainer.judge import Judge
 from hpsearch.trainer.model import load_tokenizer
 from hpsearch.trainer.report import TrainResult
 from tests.conftest import spec_text, start_study
@@ -116,3 +117,34 @@ def test_a_search_records_why_a_trial_stopped(tiny_model: Path, demo_files: tupl
         assert t.user_attrs["fail_reason"] == "at_chance"
         assert max(t.intermediate_values) < 20  # 20 steps in all
         assert t.user_attrs["best_checkpoint"].startswith("deleted")
+
+
+# -- when the pruner is asked (trainer/judge.py) --------------------------------------------------
+
+
+def _judge(metric: str = "accuracy", patient: bool = True) -> Judge:
+    # Seed 9's validation subset in search_vs_hf (135 of 256 positive); 128 steps, warm-up 16.
+    return Judge(Chance.of([1] * 135 + [0] * 121), 16, 128, metric, patient=patient)
+
+
+@pytest.mark.parametrize(
+    "step,loss,accuracy,asked",
+    [
+        (8, 0.6917, 0.5742, False),  # inside the warm-up
+        (16, 0.6876, 0.5273, False),  # lr 5e-5: learnt the prior, predicts the majority label
+        (32, 0.6876, 0.5273, True),  # the same, past a fifth of the run: judged
+        (16, 0.6917, 0.5742, True),  # lr 1.5e-6: an untrained random head, lucky accuracy
+        (16, 0.7450, 0.5273, True),  # lr 6e-4: loss above the prior's
+        (16, 0.6467, 0.6211, True),  # accuracy out of the chance band
+    ],
+)
+def test_the_pruner_is_asked_only_about_telling_points(step: int, loss: float, accuracy: float, asked: bool) -> None:
+    assert _judge().may_prune(step, Metrics(loss=loss, accuracy=accuracy, f1=0.0)) is asked
+
+
+def test_an_impatient_judge_or_a_loss_objective_asks_after_the_warmup() -> None:
+    learnt_prior = Metrics(loss=0.6876, accuracy=0.5273, f1=0.3453)
+    assert _judge(metric="loss").may_prune(16, learnt_prior)
+    assert not _judge(metric="loss").may_prune(8, learnt_prior)
+    assert _judge(patient=False).may_prune(8, learnt_prior)
+    assert Judge(None, 0, 20, "loss", patient=True).may_prune(2, Metrics(loss=3.0, perplexity=20.0))

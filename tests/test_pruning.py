@@ -56,7 +56,7 @@ def test_the_pruner_is_asked_only_after_the_trials_warmup(
     data = prepare(DataConfig(train=str(demo_files[0]), validation=str(demo_files[1])), tok, 32, None)
     cfg = TrainConfig(batch_size=32, micro_batch_size=32, epochs=2, eval_every=2, warmup_ratio=warmup_ratio)
     reporter = _AlwaysPrune()
-    result = fit(tiny_run(tiny_model, (tok, data), cfg, tmp_path, prune_after_warmup=wait), reporter)
+    result = fit(tiny_run(tiny_model, (tok, data), cfg, tmp_path, patient_pruning=wait), reporter)
     assert (result.status, result.steps) == ("pruned", stopped_at)
     # Reported at every point all the same: the curve is whole in the study.
     assert sorted(reporter.values) == list(range(2, stopped_at + 1, 2))
@@ -81,7 +81,7 @@ def test_asha_judges_a_warming_up_trial_once_its_warmup_ended(
             n_trials=2,
             space='learning_rate = { type = "float", low = 1e-4, high = 1.0, log = true }\n'
             'warmup_ratio = { type = "float", low = 0.0, high = 0.6 }',
-            search=f"pruner_waits_for_warmup = {'true' if wait else 'false'}",
+            search=f"patient_pruning = {'true' if wait else 'false'}",
         )
         .replace('pruner = "median"', 'pruner = "asha"')
         .replace("[search.space]", enqueue)

@@ -56,3 +56,10 @@ class Chance:
         if metrics.accuracy is None or not math.isfinite(metrics.loss):
             return False
         return metrics.loss >= self.loss and metrics.accuracy <= self.accuracy + self.margin
+
+    def not_yet_seen(self, metrics: Metrics) -> bool:
+        """Whether the loss has left the prior's but accuracy has not: the model has begun to
+        learn (at first, often just the label frequencies) and accuracy does not show it yet."""
+        if metrics.accuracy is None or not math.isfinite(metrics.loss):
+            return False
+        return metrics.loss < self.loss and metrics.accuracy <= self.accuracy + self.margin

@@ -21,6 +21,7 @@ from hpsearch.trainer.data import collate, even_shards, micro_batches
 from hpsearch.trainer.dataset import Prepared
 from hpsearch.trainer.distributed import World, parameter_digest
 from hpsearch.trainer.evaluate import Metrics, evaluate
+from hpsearch.trainer.judge import Judge
 from hpsearch.trainer.model import enable_gradient_checkpointing
 from hpsearch.trainer.optim import build_optimizer, build_scheduler, plan_steps, warmup_steps
 from hpsearch.trainer.report import RESUME_CHECKPOINT_ATTR, Reporter, TrainResult
@@ -52,8 +53,9 @@ class Run:
     row, after its warm-up and its first fifth, were no better than predicting the label
     prior (see trainer/chance.py; 0 = never). Classification only; read on rank 0, which
     decides for every rank."""
-    prune_after_warmup: bool = False
-    """Ask the reporter whether to prune only once the learning-rate warm-up has ended."""
+    patient_pruning: bool = False
+    """Ask the reporter whether to prune only about points that say something of the
+    hyperparameters (see trainer/judge.py)."""
 
 
 def fit(run: Run, reporter: Reporter) -> TrainResult:
@@ -86,11 +88,14 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     # .item() forces a host-device sync that would stall the GPU's queue every step.
     running_loss = torch.zeros((), device=device)
     running_steps = 0
-    chance = Chance.of(data.validation.labels) if run.stop_at_chance else None
-    warmup = warmup_steps(cfg, total_steps)
-    judged_from, at_chance = Chance.judged_from(warmup, total_steps), 0
-    # Before the learning rate has warmed up to its value, a curve says little about that value.
-    prune_from = warmup if run.prune_after_warmup else 0
+    judge = Judge(
+        Chance.of(data.validation.labels),
+        warmup_steps(cfg, total_steps),
+        total_steps,
+        run.metric,
+        stop_at_chance=run.stop_at_chance,
+        patient=run.patient_pruning,
+    )
 
     batches: list[list[int]] = []
     batches_epoch = -1
@@ -187,13 +192,15 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                     reporter.set_attrs({RESUME_CHECKPOINT_ATTR: str(state.resolve())})
                     last_resume = time.monotonic()
                 reporter.report(value, step)
-            at_chance = at_chance + 1 if chance and step >= judged_from and chance.matches(metrics) else 0
-            stuck = 0 < run.stop_at_chance <= at_chance  # only rank 0 has the option; it decides for all
+            judge.see(step, metrics)  # only rank 0 has the options; it decides for all
             # One broadcast for both reasons; the pruner is not asked about a run stopped at chance.
-            if world.from_main(world.is_main and (stuck or (step >= prune_from and reporter.should_prune()))):
-                if stuck:
-                    log.info("step %d: no better than the label prior %d points in a row: stopping", step, at_chance)
-                result = TrainResult(status="pruned", fail_reason="at_chance" if stuck else None)
+            ask = judge.may_prune(step, metrics)
+            if world.from_main(world.is_main and (judge.stuck or (ask and reporter.should_prune()))):
+                if judge.stuck:
+                    log.info(
+                        "step %d: no better than the label prior %d points in a row: stopping", step, judge.at_chance
+                    )
+                result = TrainResult(status="pruned", fail_reason="at_chance" if judge.stuck else None)
                 break
 
     speed.pause()
