@@ -140,7 +140,8 @@ def main() -> None:
     p.add_argument(
         "--impatient",
         action="store_true",
-        help="let the pruner judge trials during their warm-up (search.patient_pruning = false)",
+        help="ask the pruner at every point (search.patient_pruning = false); the surrogate has no "
+        "loss, so of patient pruning only the warm-up wait is replayed",
     )
     args = p.parse_args()
     warnings.filterwarnings("ignore")
