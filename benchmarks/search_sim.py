@@ -94,12 +94,15 @@ def search(
     seed: int,
     *,
     stop_at_chance: int = 0,
+    patient: bool = False,
 ) -> tuple[float, int]:
     """One search; returns the held-out score of its best finished trial and the samples trained.
 
     ``seed`` also seeds the validation noise; the two sides pass different seeds.
     ``stop_at_chance`` is the trainer's chance stop (search.prune_at_chance), judged on
-    accuracy alone: the surrogate has no loss, and a run at chance has the prior's loss anyway."""
+    accuracy alone: the surrogate has no loss, and a run at chance has the prior's loss anyway.
+    ``patient`` asks the pruner nothing during a trial's warm-up (search.patient_pruning); the
+    bound's oracle knows the final accuracy and needs no such wait."""
     rng = random.Random(seed * 7 + 1)
     study = optuna.create_study(direction="maximize", sampler=sampler, pruner=pruner)
     best, held_out, samples = -1.0, float("nan"), 0
@@ -109,7 +112,7 @@ def search(
         points, score = run_trial(params, rng)
         warmup = round(params["warmup_ratio"] * STEPS)
         judged_from = Chance.judged_from(warmup, STEPS)
-        prune_from = warmup if spec.search.patient_pruning else 0
+        prune_from = warmup if patient else 0
         top, pruned, step, at_chance = -1.0, False, 0, 0
         for step, value in points.items():
             top = max(top, value)
@@ -176,7 +179,15 @@ def main() -> None:
     seeds = [studies.worker_seed(spec, "cpu:0", 0) + seed for seed in range(args.seeds)]
     chance = spec.search.stop_at_chance
     ours = [
-        search(studies.make_sampler(spec, s), studies.make_pruner(spec), spec, s, stop_at_chance=chance) for s in seeds
+        search(
+            studies.make_sampler(spec, s),
+            studies.make_pruner(spec),
+            spec,
+            s,
+            stop_at_chance=chance,
+            patient=spec.search.patient_pruning,
+        )
+        for s in seeds
     ]
     bound = [search(studies.make_sampler(spec, s), OraclePruner(), spec, s) for s in seeds]
     hf = [
