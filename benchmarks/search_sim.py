@@ -40,12 +40,13 @@ import optuna
 from hpsearch.search import study as studies
 from hpsearch.search.spec import PRUNERS, SAMPLERS, StudySpec
 from hpsearch.trainer.chance import Chance
+from hpsearch.trainer.evaluate import Metrics
+from hpsearch.trainer.judge import Judge
 
 STEPS, EVAL_EVERY, BATCH = 128, 16, 16
-# Balanced labels, 256 validation examples: the majority rate plus one standard error.
-_prior = Chance.of([0, 1] * 128)
-assert _prior is not None
-CHANCE = _prior.accuracy + _prior.margin
+# Balanced labels, 256 validation examples.
+PRIOR = Chance.of([0, 1] * 128)
+assert PRIOR is not None
 
 
 def final_accuracy(lr: float, warmup: float) -> float:
@@ -110,15 +111,16 @@ def search(
         trial = study.ask()
         params = studies.suggest(trial, spec)
         points, score = run_trial(params, rng)
+        # The trainer's own judge; the surrogate has no loss, so each point gets the prior's.
         warmup = round(params["warmup_ratio"] * STEPS)
-        judged_from = Chance.judged_from(warmup, STEPS)
-        prune_from = warmup if patient else 0
-        top, pruned, step, at_chance = -1.0, False, 0, 0
+        judge = Judge(PRIOR, warmup, STEPS, "accuracy", stop_at_chance=stop_at_chance, patient=patient)
+        top, pruned, step = -1.0, False, 0
         for step, value in points.items():
             top = max(top, value)
             trial.report(value, step)
-            at_chance = at_chance + 1 if step >= judged_from and value <= CHANCE else 0
-            if 0 < stop_at_chance <= at_chance or (step >= prune_from and trial.should_prune()):
+            metrics = Metrics(loss=PRIOR.loss, accuracy=value)
+            judge.see(step, metrics)
+            if judge.stuck or (judge.may_prune(step, metrics) and trial.should_prune()):
                 pruned = True
                 break
         samples += step * BATCH

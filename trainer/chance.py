@@ -53,13 +53,15 @@ class Chance:
 
     def matches(self, metrics: Metrics) -> bool:
         """Whether a validation point is no better than the label prior."""
-        if metrics.accuracy is None or not math.isfinite(metrics.loss):
-            return False
-        return metrics.loss >= self.loss and metrics.accuracy <= self.accuracy + self.margin
+        return self._accuracy_at_chance(metrics) and metrics.loss >= self.loss
 
     def not_yet_seen(self, metrics: Metrics) -> bool:
         """Whether the loss has left the prior's but accuracy has not: the model has begun to
         learn (at first, often just the label frequencies) and accuracy does not show it yet."""
+        return self._accuracy_at_chance(metrics) and metrics.loss < self.loss
+
+    def _accuracy_at_chance(self, metrics: Metrics) -> bool:
+        """Accuracy within a standard error of the majority rate, at a finite loss."""
         if metrics.accuracy is None or not math.isfinite(metrics.loss):
             return False
-        return metrics.loss < self.loss and metrics.accuracy <= self.accuracy + self.margin
+        return metrics.accuracy <= self.accuracy + self.margin
