@@ -25,11 +25,13 @@ accuracy. Numbers are from the surrogate, not a measurement: use it to choose wh
 
     python benchmarks/search_sim.py --seeds 200
     python benchmarks/search_sim.py --seeds 200 --pruner median --sampler random
+    python benchmarks/search_sim.py --seeds 1000 --sampler qmc
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 import warnings
@@ -177,21 +179,25 @@ def main() -> None:
         }
     )
     full = args.n_trials * STEPS * BATCH
-    # hpsearch's worker derives its sampler seed from search.seed and its device, as here.
-    seeds = [studies.worker_seed(spec, "cpu:0", 0) + seed for seed in range(args.seeds)]
+    # Each simulated search is the benchmark's study with search.seed = that seed, and the
+    # sampler a single worker would build from it (its own seed derived as the worker does).
+    specs = [
+        dataclasses.replace(spec, search=dataclasses.replace(spec.search, seed=seed)) for seed in range(args.seeds)
+    ]
+    seeds = [studies.worker_seed(sp, "cpu:0", 0) for sp in specs]
     chance = spec.search.stop_at_chance
     ours = [
         search(
-            studies.make_sampler(spec, s),
-            studies.make_pruner(spec),
-            spec,
+            studies.make_sampler(sp, s),
+            studies.make_pruner(sp),
+            sp,
             s,
             stop_at_chance=chance,
             patient=spec.search.patient_pruning,
         )
-        for s in seeds
+        for sp, s in zip(specs, seeds, strict=True)
     ]
-    bound = [search(studies.make_sampler(spec, s), OraclePruner(), spec, s) for s in seeds]
+    bound = [search(studies.make_sampler(sp, s), OraclePruner(), sp, s) for sp, s in zip(specs, seeds, strict=True)]
     hf = [
         search(optuna.samplers.TPESampler(seed=seed), optuna.pruners.NopPruner(), spec, seed)
         for seed in range(args.seeds)

@@ -56,6 +56,8 @@ class Side:
 
 
 def main() -> None:
+    from hpsearch.search.spec import SAMPLERS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--data-dir",
@@ -85,6 +87,7 @@ def main() -> None:
     )
     p.add_argument("--work-dir", type=Path, default=ROOT / "benchmarks" / ".search_vs_hf")
     p.add_argument("--only", choices=("hpsearch", "hf"), help="run one side (for debugging)")
+    p.add_argument("--sampler", choices=SAMPLERS, help="hpsearch's sampler (default: hpsearch's default)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
@@ -186,7 +189,8 @@ def write_spec(args: argparse.Namespace, train: Path, dev: Path) -> Path:
     """hpsearch's spec for this run: model, data, training settings, space and trial budget."""
     steps_per_epoch = -(-args.train_size // args.batch_size)
     spec = args.work_dir / "hpsearch.toml"
-    # No pruner key: the benchmark measures hpsearch's default pruner.
+    # No pruner key: the benchmark measures hpsearch's default pruner (and sampler, unless asked).
+    sampler = f'sampler = "{args.sampler}"' if args.sampler else ""
     spec.write_text(f"""
 [model]
 name = "{model_dir()}"
@@ -202,6 +206,7 @@ eval_every = {max(1, steps_per_epoch // args.evals_per_epoch)}
 seed = {args.seed}
 [search]
 n_trials = {args.n_trials}
+{sampler}
 metric = "accuracy"
 seed = {args.seed}
 [search.space]

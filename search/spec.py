@@ -39,7 +39,7 @@ class SpecError(ConfigError):
     """The spec is invalid; the message names the field and the rule."""
 
 
-SAMPLERS = ("tpe", "random", "gp", "cmaes", "grid")
+SAMPLERS = ("tpe", "random", "gp", "cmaes", "grid", "qmc")
 PRUNERS = ("none", "median", "percentile", "asha", "hyperband")
 
 
@@ -47,10 +47,10 @@ PRUNERS = ("none", "median", "percentile", "asha", "hyperband")
 class SearchConfig:
     n_trials: int = 20
     """Trials to finish, counted across every worker of the study."""
-    sampler: Literal["tpe", "random", "gp", "cmaes", "grid"] = "tpe"
+    sampler: Literal["tpe", "random", "gp", "cmaes", "grid", "qmc"] = "tpe"
     """How parameters are proposed: tpe (multivariate, constant liar for parallel workers),
-    random, gp (Gaussian process), cmaes (CMA-ES; floats and ints only), grid (every
-    parameter needs choices or a step)."""
+    random, qmc (scrambled Sobol, one sequence across all workers), gp (Gaussian process),
+    cmaes (CMA-ES; floats and ints only), grid (every parameter needs choices or a step)."""
     pruner: Literal["none", "median", "percentile", "asha", "hyperband"] = "asha"
     """How hopeless trials are stopped early (resource unit: optimizer steps)."""
     metric: Literal["loss", "accuracy", "f1"] = "loss"

@@ -140,6 +140,11 @@ def make_sampler(spec: StudySpec, seed: int) -> optuna.samplers.BaseSampler:
     kind = spec.search.sampler
     if kind == "random":
         return optuna.samplers.RandomSampler(seed=seed)
+    if kind == "qmc":
+        from hpsearch.search.quasi import QuasiRandomSampler
+
+        # One scramble for the whole study (not the worker's seed): workers share the sequence.
+        return QuasiRandomSampler(spec.space, spec.search.seed)
     if kind == "grid":
         # Each worker walks the same grid; optuna skips points another worker already ran.
         return optuna.samplers.GridSampler(grid_space(spec), seed=seed)

@@ -8,6 +8,7 @@ import optuna
 import pytest
 
 from hpsearch.search import study as studies
+from hpsearch.search.quasi import QuasiRandomSampler
 from hpsearch.search.spec import SpecError, StudySpec, tomllib
 from tests.conftest import hpsearch, spec_text
 
@@ -81,6 +82,7 @@ def test_pruner_parameters_reach_optuna(search: str, kind: type, checks: dict[st
         ("random", optuna.samplers.RandomSampler),
         ("gp", optuna.samplers.GPSampler),
         ("grid", optuna.samplers.GridSampler),
+        ("qmc", QuasiRandomSampler),
     ],
 )
 def test_samplers(sampler: str, kind: type) -> None:
@@ -106,7 +108,7 @@ def test_cmaes_and_grid_space() -> None:
 @pytest.mark.parametrize(
     ("search", "message"),
     [
-        ('sampler = "bayes"', "search.sampler: 'bayes' must be one of 'tpe', 'random', 'gp', 'cmaes', 'grid'"),
+        ('sampler = "bayes"', "search.sampler: 'bayes' must be one of 'tpe', 'random', 'gp', 'cmaes', 'grid', 'qmc'"),
         ('pruner = "sha"', "search.pruner: 'sha' must be one of"),
         ('metric = "auc"', "search.metric: 'auc' must be one of 'loss', 'accuracy', 'f1'"),
         ("pruner_reduction_factor = 1", "search.pruner_reduction_factor: 1 must be >= 2"),
