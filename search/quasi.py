@@ -39,7 +39,7 @@ def scale(u: float, dist: BaseDistribution) -> Any:
         return dist.choices[min(int(u * len(dist.choices)), len(dist.choices) - 1)]
     assert isinstance(dist, (FloatDistribution, IntDistribution))
     low, high = float(dist.low), float(dist.high)
-    if dist.step is not None:
+    if dist.step is not None and not dist.log:  # an int range always has a step (1 when log)
         # Each of the n grid points gets an equal share of [0, 1).
         n = math.floor((high - low) / dist.step + 1e-9) + 1
         value = low + min(int(u * n), n - 1) * dist.step

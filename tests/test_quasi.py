@@ -92,3 +92,5 @@ def test_continuous_ranges_keep_their_ends_and_scale() -> None:
     assert scale(0.5, log) == pytest.approx(10**-4.5)
     assert scale(1 - 1e-12, log) <= 1e-3
     assert scale(0.25, FloatDistribution(0.0, 0.4)) == pytest.approx(0.1)
+    # A log int range is spread on the log scale too: the middle quantile of 1..64 is ~6, not 32.
+    assert scale(0.5, IntDistribution(1, 64, log=True)) == 6
