@@ -20,18 +20,6 @@ from optuna.study import Study
 from optuna.trial import FrozenTrial
 from scipy.stats import qmc
 
-from hpsearch.search.spec import Param
-
-
-def distribution(p: Param) -> BaseDistribution:
-    """The distribution ``study.suggest`` asks for this parameter: the sampler's values are
-    only used when the two are the same."""
-    if p.type == "categorical":
-        return CategoricalDistribution(list(p.choices or []))
-    if p.type == "int":
-        return IntDistribution(int(p.low or 0), int(p.high or 0), log=p.log, step=int(p.step or 1))
-    return FloatDistribution(float(p.low or 0), float(p.high or 0), log=p.log, step=p.step)
-
 
 def scale(u: float, dist: BaseDistribution) -> Any:
     """The point of ``dist`` at quantile ``u`` in [0, 1): uniform on the log scale where asked."""
@@ -55,8 +43,8 @@ def scale(u: float, dist: BaseDistribution) -> Any:
 
 
 class QuasiRandomSampler(BaseSampler):
-    def __init__(self, space: dict[str, Param], seed: int) -> None:
-        self._space = {name: distribution(p) for name, p in space.items()}
+    def __init__(self, space: dict[str, BaseDistribution], seed: int) -> None:
+        self._space = dict(space)
         self._seed = seed
         # Parameters outside the spec's space (none today) fall back to plain random draws.
         self._fallback = RandomSampler(seed=seed)

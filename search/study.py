@@ -9,7 +9,7 @@ from typing import Any
 
 import optuna
 
-from hpsearch.search.spec import SPEC_ATTR, SpecError, StudySpec, difference
+from hpsearch.search.spec import SPEC_ATTR, Param, SpecError, StudySpec, difference
 from hpsearch.storage.open import Storage, require_study
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,8 @@ def make_sampler(spec: StudySpec, seed: int) -> optuna.samplers.BaseSampler:
         from hpsearch.search.quasi import QuasiRandomSampler
 
         # One scramble for the whole study (not the worker's seed): workers share the sequence.
-        return QuasiRandomSampler(spec.space, spec.search.seed)
+        space = {name: distribution(p) for name, p in spec.space.items()}
+        return QuasiRandomSampler(space, spec.search.seed)
     if kind == "grid":
         # Each worker walks the same grid; optuna skips points another worker already ran.
         return optuna.samplers.GridSampler(grid_space(spec), seed=seed)
@@ -200,17 +201,28 @@ def make_pruner(spec: StudySpec, total_steps_hint: int | None = None) -> optuna.
     )
 
 
+def distribution(p: Param) -> optuna.distributions.BaseDistribution:
+    """The one place a spec parameter becomes an optuna distribution: ``suggest`` asks for it,
+    and the qmc sampler proposes values for it (optuna uses them only when the two agree)."""
+    d = optuna.distributions
+    if p.type == "categorical":
+        return d.CategoricalDistribution(list(p.choices or []))
+    if p.type == "int":
+        return d.IntDistribution(int(p.low or 0), int(p.high or 0), log=p.log, step=int(p.step or 1))
+    return d.FloatDistribution(float(p.low or 0), float(p.high or 0), log=p.log, step=p.step)
+
+
 def suggest(trial: optuna.trial.BaseTrial, spec: StudySpec) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for name, p in spec.space.items():
-        if p.type == "categorical":
-            params[name] = trial.suggest_categorical(name, list(p.choices or []))
-        elif p.type == "int":
-            low, high = int(p.low or 0), int(p.high or 0)
-            params[name] = trial.suggest_int(name, low, high, log=p.log, step=int(p.step or 1))
+        dist = distribution(p)
+        if isinstance(dist, optuna.distributions.CategoricalDistribution):
+            params[name] = trial.suggest_categorical(name, list(dist.choices))
+        elif isinstance(dist, optuna.distributions.IntDistribution):
+            params[name] = trial.suggest_int(name, dist.low, dist.high, log=dist.log, step=dist.step)
         else:
-            low_f, high_f = float(p.low or 0), float(p.high or 0)
-            params[name] = trial.suggest_float(name, low_f, high_f, log=p.log, step=p.step)
+            assert isinstance(dist, optuna.distributions.FloatDistribution)
+            params[name] = trial.suggest_float(name, dist.low, dist.high, log=dist.log, step=dist.step)
     return params
 
 
