@@ -95,7 +95,9 @@ def main() -> None:
     for seed in args.seed:
         work_dir = args.work_dir / f"seed-{seed}"
         work_dir.mkdir(parents=True)
-        run = argparse.Namespace(**{**vars(args), "seed": seed, "work_dir": work_dir, "n_trials": len(configs)})
+        # search_vs_hf's own settings, with its default sampler and space (write_spec reads them).
+        extra = {"seed": seed, "work_dir": work_dir, "n_trials": len(configs), "sampler": None, "space": "issue"}
+        run = argparse.Namespace(**{**vars(args), **extra})
         train, dev = bench.subsets(run)
         # search_vs_hf's own spec: the same training settings as the benchmark's trials.
         spec = load_file(bench.write_spec(run, train, dev))

@@ -37,6 +37,9 @@ from typing import Any
 log = logging.getLogger("benchmark")
 ROOT = Path(__file__).resolve().parent.parent
 LOW_LR, HIGH_LR, MAX_WARMUP, MAX_DECAY = 1e-6, 1e-3, 0.3, 0.1
+# --space wide adds three parameters a user commonly searches too: one that hardly matters
+# (gradient clipping), and two that change a trial's length (batch size and epochs).
+GRAD_NORM, BATCH_SIZES, EPOCHS = (0.1, 10.0), [16, 32], (1, 3)
 
 
 @dataclass
@@ -88,6 +91,13 @@ def main() -> None:
     p.add_argument("--work-dir", type=Path, default=ROOT / "benchmarks" / ".search_vs_hf")
     p.add_argument("--only", choices=("hpsearch", "hf"), help="run one side (for debugging)")
     p.add_argument("--sampler", choices=SAMPLERS, help="hpsearch's sampler (default: hpsearch's default)")
+    p.add_argument(
+        "--space",
+        choices=("issue", "wide"),
+        default="issue",
+        help="issue: learning rate, warm-up, weight decay (the issue's space); wide: also gradient clipping, "
+        f"batch size {BATCH_SIZES} and epochs {EPOCHS[0]}..{EPOCHS[1]} (--batch-size and --epochs are then ignored)",
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
@@ -214,6 +224,12 @@ learning_rate = {{ type = "float", low = {LOW_LR}, high = {HIGH_LR}, log = true 
 warmup_ratio = {{ type = "float", low = 0.0, high = {MAX_WARMUP} }}
 weight_decay = {{ type = "float", low = 0.0, high = {MAX_DECAY} }}
 """)
+    if args.space == "wide":
+        with spec.open("a") as f:
+            f.write(f"""max_grad_norm = {{ type = "float", low = {GRAD_NORM[0]}, high = {GRAD_NORM[1]}, log = true }}
+batch_size = {{ type = "categorical", choices = {BATCH_SIZES} }}
+epochs = {{ type = "int", low = {EPOCHS[0]}, high = {EPOCHS[1]} }}
+""")
     return spec
 
 
@@ -303,12 +319,19 @@ def run_hf(args: argparse.Namespace, train: Path, dev: Path) -> Side:
         return {"accuracy": float((np.argmax(pred.predictions, -1) == pred.label_ids).mean())}
 
     def hp_space(trial: optuna.Trial) -> dict[str, float]:
-        return {
+        space = {
             "learning_rate": trial.suggest_float("learning_rate", LOW_LR, HIGH_LR, log=True),
             # transformers 5: a warmup_steps below 1 is a ratio of the steps.
             "warmup_steps": trial.suggest_float("warmup_steps", 0.0, MAX_WARMUP),
             "weight_decay": trial.suggest_float("weight_decay", 0.0, MAX_DECAY),
         }
+        if args.space == "wide":
+            space |= {
+                "max_grad_norm": trial.suggest_float("max_grad_norm", *GRAD_NORM, log=True),
+                "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size", BATCH_SIZES),
+                "num_train_epochs": trial.suggest_int("num_train_epochs", *EPOCHS),
+            }
+        return space
 
     out = args.work_dir / "hf-runs"
     targs = TrainingArguments(
@@ -345,20 +368,22 @@ def run_hf(args: argparse.Namespace, train: Path, dev: Path) -> Side:
         storage=url,
     )
     wall = time.perf_counter() - t0
+    hf_trials = optuna.load_study(study_name="hf", storage=url).get_trials()
     assert not isinstance(best, list)  # one objective: one best run
     run_dir = out / f"run-{best.run_id}"
     checkpoints = sorted(run_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     if not checkpoints:
         sys.exit(f"no checkpoint under {run_dir}: the best HF model was not saved")
     # Without pruning every trial trains on every example of every epoch.
+    epochs = [int(t.params.get("num_train_epochs", args.epochs)) for t in hf_trials]
     return Side(
         name="hf",
         best_val_accuracy=float(best.objective),  # type: ignore[arg-type]  # one objective: a float
         glue_dev_correct=glue_dev_correct(checkpoints[-1], args),
-        train_samples=args.n_trials * len(train_ds) * args.epochs,
+        train_samples=sum(epochs) * len(train_ds),
         wall_s=wall,
         checkpoint_bytes=du(out),
-        trials=describe(optuna.load_study(study_name="hf", storage=url).get_trials()),
+        trials=describe(hf_trials),
     )
 
 
@@ -380,7 +405,8 @@ def describe(trials: list[Any]) -> str:
 def report(args: argparse.Namespace, sides: list[Side]) -> None:
     print(
         f"\nMiniLM on SST-2: {args.train_size} train / {args.dev_size} dev examples, {args.n_trials} trials, "
-        f"{args.epochs} epoch(s), batch {args.batch_size}, seed {args.seed}, threads {args.threads or 'all'}"
+        + (f"{args.epochs} epoch(s), batch {args.batch_size}" if args.space == "issue" else "the wide space")
+        + f", seed {args.seed}, threads {args.threads or 'all'}"
     )
     table(sides)
     for s in sides:

@@ -47,10 +47,12 @@ PRUNERS = ("none", "median", "percentile", "asha", "hyperband")
 class SearchConfig:
     n_trials: int = 20
     """Trials to finish, counted across every worker of the study."""
-    sampler: Literal["tpe", "random", "gp", "cmaes", "grid", "qmc"] = "tpe"
-    """How parameters are proposed: tpe (multivariate, constant liar for parallel workers),
-    random, qmc (scrambled Sobol, one sequence across all workers), gp (Gaussian process),
-    cmaes (CMA-ES; floats and ints only), grid (every parameter needs choices or a step)."""
+    sampler: Literal["tpe", "random", "gp", "cmaes", "grid", "qmc"] = "qmc"
+    """How parameters are proposed: qmc (scrambled Sobol, one sequence across all workers),
+    tpe (multivariate, constant liar for parallel workers), random, gp (Gaussian process),
+    cmaes (CMA-ES; floats and ints only), grid (every parameter needs choices or a step).
+    qmc is the default: with asha, at 12 to 48 trials, it found models as good as TPE's
+    for 10-15% fewer training samples (benchmarks/README.md)."""
     pruner: Literal["none", "median", "percentile", "asha", "hyperband"] = "asha"
     """How hopeless trials are stopped early (resource unit: optimizer steps)."""
     metric: Literal["loss", "accuracy", "f1"] = "loss"

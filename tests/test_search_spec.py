@@ -33,11 +33,12 @@ def make_override(search: str, space: str = SPACE) -> StudySpec:
     return StudySpec.from_dict(raw)
 
 
-def test_default_pruner_is_asha_from_the_first_validation_point() -> None:
+def test_defaults_are_qmc_and_asha_from_the_first_validation_point() -> None:
     raw = tomllib.loads(spec_text(Path("/m"), Path("/t.jsonl"), Path("/v.jsonl"), space=SPACE))
-    del raw["search"]["pruner"]
+    del raw["search"]["pruner"], raw["search"]["sampler"]
     spec = StudySpec.from_dict(raw)
-    assert spec.search.pruner == "asha"
+    assert spec.search.pruner == "asha" and spec.search.sampler == "qmc"
+    assert isinstance(studies.make_sampler(spec, 1), QuasiRandomSampler)
     assert spec.search.keep_top_k == 3 and spec.search.max_disk_gb == 0
     pruner = studies.make_pruner(spec)
     assert isinstance(pruner, optuna.pruners.SuccessiveHalvingPruner)
