@@ -336,7 +336,7 @@ class StudySpec:
                 if p.type == "categorical":
                     raise SpecError(
                         f"search.space.{p.name}: cmaes samples only float and int parameters; "
-                        'use sampler = "tpe" or give the parameter low/high'
+                        'use sampler = "qmc" (the default) or "tpe", or give the parameter low/high'
                     )
 
     # -- persistence ----------------------------------------------------------------------
