@@ -94,3 +94,16 @@ def test_continuous_ranges_keep_their_ends_and_scale() -> None:
     assert scale(0.25, FloatDistribution(0.0, 0.4)) == pytest.approx(0.1)
     # A log int range is spread on the log scale too: the middle quantile of 1..64 is ~6, not 32.
     assert scale(0.5, IntDistribution(1, 64, log=True)) == 6
+
+
+def test_an_enqueued_trial_takes_its_place_in_the_sequence_and_the_rest_follow_it() -> None:
+    """A known-good start (or a crashed trial's retry) uses its trial number's point: parameters
+    it leaves out come from that point, and later trials continue the sequence unchanged."""
+    spec = qmc_spec()
+    plain = optuna.create_study(sampler=studies.make_sampler(spec, seed=1))
+    expected = [draw(plain, spec) for _ in range(4)]
+    study = optuna.create_study(sampler=studies.make_sampler(spec, seed=2))
+    study.enqueue_trial({"learning_rate": 1e-4})
+    got = [draw(study, spec) for _ in range(4)]
+    assert got[0] == {**expected[0], "learning_rate": 1e-4}
+    assert got[1:] == expected[1:]
