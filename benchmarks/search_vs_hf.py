@@ -201,6 +201,14 @@ def write_spec(args: argparse.Namespace, train: Path, dev: Path) -> Path:
     spec = args.work_dir / "hpsearch.toml"
     # No pruner key: the benchmark measures hpsearch's default pruner (and sampler, unless asked).
     sampler = f'sampler = "{args.sampler}"' if args.sampler else ""
+    wide = (
+        f"""max_grad_norm = {{ type = "float", low = {GRAD_NORM[0]}, high = {GRAD_NORM[1]}, log = true }}
+batch_size = {{ type = "categorical", choices = {BATCH_SIZES} }}
+epochs = {{ type = "int", low = {EPOCHS[0]}, high = {EPOCHS[1]} }}
+"""
+        if args.space == "wide"
+        else ""
+    )
     spec.write_text(f"""
 [model]
 name = "{model_dir()}"
@@ -223,13 +231,7 @@ seed = {args.seed}
 learning_rate = {{ type = "float", low = {LOW_LR}, high = {HIGH_LR}, log = true }}
 warmup_ratio = {{ type = "float", low = 0.0, high = {MAX_WARMUP} }}
 weight_decay = {{ type = "float", low = 0.0, high = {MAX_DECAY} }}
-""")
-    if args.space == "wide":
-        with spec.open("a") as f:
-            f.write(f"""max_grad_norm = {{ type = "float", low = {GRAD_NORM[0]}, high = {GRAD_NORM[1]}, log = true }}
-batch_size = {{ type = "categorical", choices = {BATCH_SIZES} }}
-epochs = {{ type = "int", low = {EPOCHS[0]}, high = {EPOCHS[1]} }}
-""")
+{wide}""")
     return spec
 
 
