@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 
 class DeviceError(ValueError):
@@ -28,6 +32,12 @@ class Device:
     def count(self) -> int:
         return 1 + len(self.peers)
 
+    def child_ids(self) -> tuple[str, ...]:
+        """Each device of the group as the process that runs it is told: a GPU's
+        CUDA_VISIBLE_DEVICES entry (see ``cuda_ids``), a CPU rank's ordinal."""
+        indices = (self.index, *self.peers)
+        return cuda_ids(indices) if self.kind == "cuda" else tuple(map(str, indices))
+
 
 def visible_gpus() -> list[int]:
     # torch.cuda.device_count() asks NVML without creating a CUDA context in the parent.
@@ -49,7 +59,8 @@ def parse(value: str | None) -> list[Device]:
                 f"--devices {value}: the CPU worker count must be an integer from 1 to {(os.cpu_count() or 1) * 4}"
             )
         return [Device("cpu", i) for i in range(int(count_text))]
-    parts = [p.strip() for p in value.split(",")]
+    # "cuda:0,cuda:1" is how PyTorch spells them; the same as "0,1".
+    parts = [p.strip().removeprefix("cuda:") for p in value.split(",")]
     if not all(p.isdigit() for p in parts):
         raise DeviceError(f"--devices {value}: use GPU indices like 0,1 or cpu:N for N CPU workers")
     indices = [int(p) for p in parts]
@@ -63,6 +74,43 @@ def parse(value: str | None) -> list[Device]:
             f"--devices {value}: no GPU {missing[0]} on this host (GPUs: {have}); use cpu:N to run on CPU"
         )
     return [Device("cuda", i) for i in indices]
+
+
+def cuda_ids(indices: Iterable[int]) -> tuple[str, ...]:
+    """What CUDA_VISIBLE_DEVICES must hold for a child process to see this process's GPU ``i``,
+    for each ``i`` of ``indices``.
+
+    The indices count the GPUs this process sees. On a machine shared through
+    CUDA_VISIBLE_DEVICES=2,3, GPU 0 here is the host's GPU 2: a child told "0" would train on
+    somebody else's GPU 0. The entries are passed on as written (indices, GPU-... UUIDs, MIG-...).
+    """
+    visible = os.environ.get(CUDA_VISIBLE_DEVICES)
+    if visible is None:
+        return tuple(str(i) for i in indices)
+    entries = [entry.strip() for entry in visible.split(",")]
+    return tuple(entries[i] for i in indices)
+
+
+@contextmanager
+def only_gpu(cuda_id: str | None) -> Iterator[None]:
+    """Processes started in the block see only the GPU ``cuda_id`` (a CUDA_VISIBLE_DEVICES
+    entry, from ``cuda_ids``) and number it 0; ``None`` changes nothing.
+
+    A spawned child copies the environment when it starts, before its torch exists: narrowing
+    ours around ``Process.start()`` is how it gets a GPU of its own.
+    """
+    if cuda_id is None:
+        yield
+        return
+    saved = os.environ.get(CUDA_VISIBLE_DEVICES)
+    os.environ[CUDA_VISIBLE_DEVICES] = cuda_id
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[CUDA_VISIBLE_DEVICES]
+        else:
+            os.environ[CUDA_VISIBLE_DEVICES] = saved
 
 
 def group(devices: list[Device], per_trial: int, flag: str | None) -> list[Device]:

@@ -20,7 +20,7 @@ from typing import Any
 import optuna
 
 from hpsearch.search import progress, ranks, retry, study as studies, worker
-from hpsearch.search.devices import Device, threads_per_worker
+from hpsearch.search.devices import Device, only_gpu, threads_per_worker
 from hpsearch.storage import registry
 from hpsearch.storage.open import open_storage
 
@@ -81,6 +81,7 @@ class Supervisor:
 
     def _spawn(self, device: Device, crashes: deque[float]) -> None:
         name = f"{registry.this_host()}/{device.label}/{os.getpid()}"
+        ids = device.child_ids()
         args = worker.WorkerArgs(
             study=self.study,
             storage_url=self.storage_url,
@@ -90,21 +91,12 @@ class Supervisor:
             threads=self.threads,
             log_level=self.log_level,
             device_label=device.label,
-            peer_devices=device.peers,  # the worker spawns a peer rank per other device of its group
+            peer_devices=ids[1:],  # the worker spawns a peer rank per other device of its group
         )
         parent_conn, child_conn = self.ctx.Pipe(duplex=False)
         process = self.ctx.Process(target=worker.main, args=(args, child_conn), name=f"hpsearch-{device.label}")
-        # A spawned child inherits the environment as it is at start(): narrow it to this GPU
-        # before the child (and its torch) is created, then restore ours.
-        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if device.kind == "cuda":
-            os.environ["CUDA_VISIBLE_DEVICES"] = str(device.index)
-        try:
-            with self.progress.capture_output():
-                process.start()
-        finally:
-            if device.kind == "cuda":
-                _restore_env("CUDA_VISIBLE_DEVICES", saved)
+        with only_gpu(ids[0] if device.kind == "cuda" else None), self.progress.capture_output():
+            process.start()
         child_conn.close()
         self.children[process.sentinel] = Child(device, process, parent_conn, name, crashes=crashes)
         log.info("worker %s started (pid %d)", name, process.pid)
@@ -201,10 +193,3 @@ class Supervisor:
             for child in self.children.values():
                 if child.process.is_alive():
                     child.process.kill()
-
-
-def _restore_env(key: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(key, None)
-    else:
-        os.environ[key] = value

@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from hpsearch.search.devices import torch_device
+from hpsearch.search.devices import only_gpu, torch_device
 from hpsearch.trainer.config import DataConfig, ModelConfig, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -75,10 +75,10 @@ class PeerArgs:
 class Peers:
     """Rank 0's side: spawns ranks 1..N-1, sends them trials, and watches them."""
 
-    def __init__(self, kind: str, devices: tuple[int, ...], name: str, output_dir: str, threads: int | None) -> None:
-        self.kind, self.devices, self.name = kind, devices, name
+    def __init__(self, kind: str, ids: tuple[str, ...], name: str, output_dir: str, threads: int | None) -> None:
+        self.kind, self.ids, self.name = kind, ids, name
         self.output_dir, self.threads = output_dir, threads
-        self.size = 1 + len(devices)
+        self.size = 1 + len(ids)
         self.processes: list[Any] = []
         self.conns: list[Connection] = []
         self.closing = False
@@ -89,7 +89,7 @@ class Peers:
 
         store = distributed.main_store(self.size)  # a free port, bound before the peers look for it
         ctx = mp.get_context("spawn")
-        for rank, index in enumerate(self.devices, start=1):
+        for rank, device_id in enumerate(self.ids, start=1):
             reader, writer = ctx.Pipe(duplex=False)
             args = PeerArgs(
                 rank=rank,
@@ -103,14 +103,8 @@ class Peers:
             )
             process = ctx.Process(target=peer_main, args=(args, reader), name=f"hpsearch-rank{rank}")
             # Like the supervisor for rank 0: the peer's torch must see only its own GPU.
-            saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-            if self.kind == "cuda":
-                os.environ["CUDA_VISIBLE_DEVICES"] = str(index)
-            try:
+            with only_gpu(device_id if self.kind == "cuda" else None):
                 process.start()
-            finally:
-                if self.kind == "cuda":
-                    _restore_env("CUDA_VISIBLE_DEVICES", saved)
             reader.close()
             self.processes.append(process)
             self.conns.append(writer)
@@ -225,10 +219,3 @@ def _exit_with_parent(parent: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="hpsearch-parent-watch", daemon=True).start()
-
-
-def _restore_env(key: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(key, None)
-    else:
-        os.environ[key] = value

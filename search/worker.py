@@ -44,8 +44,9 @@ class WorkerArgs:
     log_level: int = logging.INFO
     device_label: str = ""
     """The device as the registry shows it ("cuda:1", "cpu:0", "cuda:0+1"); defaults to ``device``."""
-    peer_devices: tuple[int, ...] = ()
-    """The other devices of this worker's group (train.devices_per_trial > 1): one peer rank each."""
+    peer_devices: tuple[str, ...] = ()
+    """The other devices of this worker's group (train.devices_per_trial > 1), one peer rank each,
+    as ``Device.child_ids`` names them."""
 
 
 class TrialReporter:

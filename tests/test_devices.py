@@ -1,0 +1,86 @@
+"""--devices and the GPU each worker process is given, on a machine shared through CUDA_VISIBLE_DEVICES.
+
+No GPU is needed: what a worker's torch will see is decided by the CUDA_VISIBLE_DEVICES its
+process starts with, and that is what these tests read, from real spawned processes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import re
+
+import pytest
+
+from hpsearch.search import devices
+from hpsearch.search.devices import Device, DeviceError
+
+
+def _report_visible(queue: mp.Queue) -> None:  # type: ignore[type-arg]
+    queue.put(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def visible_in_child(cuda_id: str | None) -> str | None:
+    """CUDA_VISIBLE_DEVICES as a process spawned under ``only_gpu(cuda_id)`` sees it."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    process = ctx.Process(target=_report_visible, args=(queue,))
+    with devices.only_gpu(cuda_id):
+        process.start()
+    seen = queue.get(timeout=60)
+    process.join(60)
+    return seen
+
+
+@pytest.fixture
+def four_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "visible_gpus", lambda: [0, 1, 2, 3])
+
+
+def test_a_worker_gets_the_host_gpu_behind_the_index_it_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A shared 8-GPU machine where this user was given GPUs 4..7: hpsearch numbers them 0..3,
+    # and the worker for GPU 2 must land on the host's GPU 6, not on somebody's GPU 2.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    (device,) = [d for d in devices.group([Device("cuda", i) for i in range(4)], 1, "0,1,2,3") if d.index == 2]
+    (cuda_id,) = device.child_ids()
+    assert cuda_id == "6"
+    assert visible_in_child(cuda_id) == "6"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"  # ours is back as it was
+
+
+def test_a_device_group_maps_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa, GPU-bbbb,GPU-cccc,GPU-dddd")
+    groups = devices.group([Device("cuda", i) for i in range(4)], 2, "0,1,2,3")
+    assert [g.child_ids() for g in groups] == [("GPU-aaaa", "GPU-bbbb"), ("GPU-cccc", "GPU-dddd")]
+
+
+def test_without_cuda_visible_devices_the_index_is_the_host_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert Device("cuda", 1, (3,)).child_ids() == ("1", "3")
+    assert visible_in_child("1") == "1"
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_cpu_workers_keep_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert Device("cpu", 0, (1, 2)).child_ids() == ("0", "1", "2")
+    assert visible_in_child(None) == "3"
+
+
+def test_gpus_may_be_given_as_pytorch_names(four_gpus: None) -> None:
+    assert devices.parse("cuda:1,cuda:3") == [Device("cuda", 1), Device("cuda", 3)]
+    assert devices.parse("0, 2") == [Device("cuda", 0), Device("cuda", 2)]
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("cuda:4", "no GPU 4 on this host (GPUs: 0, 1, 2, 3)"),
+        ("1,cuda:1", "a GPU is listed twice"),
+        ("gpu0", "use GPU indices like 0,1"),
+        ("cpu:0", "the CPU worker count must be an integer"),
+    ],
+)
+def test_bad_devices_are_named(four_gpus: None, flag: str, message: str) -> None:
+    with pytest.raises(DeviceError, match=re.escape(message)):
+        devices.parse(flag)
