@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -50,7 +51,18 @@ def parse(value: str | None) -> list[Device]:
     """``None``: every GPU, else one CPU worker. ``0,1``: those GPUs. ``cpu:2``: two CPU workers."""
     if value is None or value.strip() == "":
         gpus = visible_gpus()
-        return [Device("cuda", i) for i in gpus] if gpus else [Device("cpu", 0)]
+        if gpus:
+            return [Device("cuda", i) for i in gpus]
+        unusable = host_nvidia_gpus()
+        if unusable and not _gpus_hidden():
+            # Training on the CPU of a GPU instance costs GPU-hours for a fraction of the speed:
+            # say so instead of falling back.
+            raise DeviceError(
+                f"--devices (default: every GPU): this host has {unusable} NVIDIA GPU(s) but {_why_torch_sees_none()}; "
+                "install a CUDA build of torch that the driver supports (nvidia-smi shows its CUDA version), "
+                "or pass --devices cpu:1 to train on the CPU"
+            )
+        return [Device("cpu", 0)]
     value = value.strip()
     if value == "cpu" or value.startswith("cpu:"):
         count_text = value.partition(":")[2] or "1"
@@ -74,6 +86,26 @@ def parse(value: str | None) -> list[Device]:
             f"--devices {value}: no GPU {missing[0]} on this host (GPUs: {have}); use cpu:N to run on CPU"
         )
     return [Device("cuda", i) for i in indices]
+
+
+def host_nvidia_gpus() -> int:
+    """NVIDIA GPUs that the driver gives this machine or container (/dev/nvidia0, /dev/nvidia1,
+    ...), whether or not this torch can use them."""
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def _gpus_hidden() -> bool:
+    """CUDA_VISIBLE_DEVICES set to hide every GPU ("" or "-1"): the CPU is what the user asked for."""
+    visible = os.environ.get(CUDA_VISIBLE_DEVICES)
+    return visible is not None and (visible.strip() == "" or visible.strip().startswith("-"))
+
+
+def _why_torch_sees_none() -> str:
+    import torch
+
+    if torch.version.cuda is None and torch.version.hip is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    return f"torch {torch.__version__} (CUDA {torch.version.cuda}) cannot use them (driver older than that CUDA?)"
 
 
 def cuda_ids(indices: Iterable[int]) -> tuple[str, ...]:

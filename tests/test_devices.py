@@ -84,3 +84,28 @@ def test_gpus_may_be_given_as_pytorch_names(four_gpus: None) -> None:
 def test_bad_devices_are_named(four_gpus: None, flag: str, message: str) -> None:
     with pytest.raises(DeviceError, match=re.escape(message)):
         devices.parse(flag)
+
+
+def test_a_gpu_host_whose_torch_cannot_use_its_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A CPU build of torch in a GPU instance's venv: falling back to the CPU would bill GPU-hours
+    # for CPU speed, so the default says what to fix. This torch is the CPU build.
+    monkeypatch.setattr(devices, "visible_gpus", lambda: [])
+    monkeypatch.setattr(devices, "host_nvidia_gpus", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(DeviceError) as refused:
+        devices.parse(None)
+    message = str(refused.value)
+    assert "this host has 2 NVIDIA GPU(s) but torch" in message
+    assert "CPU-only build" in message and "--devices cpu:1" in message
+    # Asked for explicitly, or with every GPU hidden on purpose, the CPU is fine.
+    assert devices.parse("cpu:1") == [Device("cpu", 0)]
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert devices.parse(None) == [Device("cpu", 0)]
+
+
+def test_a_host_without_nvidia_gpus_trains_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "visible_gpus", lambda: [])
+    monkeypatch.setattr(devices, "host_nvidia_gpus", lambda: 0)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert devices.parse(None) == [Device("cpu", 0)]
