@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -39,3 +40,35 @@ def test_cpu_never_takes_fp16() -> None:
     assert precision.resolve("auto", torch.device("cpu")) in ("bf16", "fp32")
     with pytest.raises(ConfigError, match="fp16 is not supported on CPU"):
         precision.resolve("fp16", torch.device("cpu"))
+
+
+def _one_step(grad: float) -> tuple[torch.nn.Parameter, Any, torch.amp.GradScaler, bool]:
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # a real fp16 loss scaler
+    scaler.scale((weight * grad).sum()).backward()
+    return weight, scheduler, scaler, precision.optimizer_step(optimizer, scheduler, scaler)
+
+
+def test_a_step_the_fp16_scaler_skips_does_not_advance_the_schedule() -> None:
+    weight, scheduler, scaler, applied = _one_step(float("inf"))
+    assert not applied
+    assert torch.equal(weight.detach(), torch.ones(2))  # no update
+    assert scheduler.last_epoch == 0  # warm-up still at its first step
+    assert scaler.get_scale() == 512.0  # the scaler backed off, to try again
+
+    weight, scheduler, _, applied = _one_step(1.0)
+    assert applied
+    assert torch.allclose(weight.detach(), torch.full((2,), 0.99))  # lr 0.1 x warm-up 1/10
+    assert scheduler.last_epoch == 1
+
+
+def test_without_loss_scaling_every_step_is_applied() -> None:
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    scaler = precision.grad_scaler("fp32", torch.device("cpu"))
+    weight.sum().backward()
+    assert precision.optimizer_step(optimizer, scheduler, scaler)
+    assert scheduler.last_epoch == 1 and torch.allclose(weight.detach(), torch.full((2,), 0.9))

@@ -145,10 +145,8 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
             scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
             # Returns the norm as a device tensor: no host sync.
             torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)
-        scaler.step(optimizer)
-        scaler.update()
+        prec.optimizer_step(optimizer, scheduler, scaler)
         optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
         step += 1
         running_steps += 1
 

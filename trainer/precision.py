@@ -46,3 +46,22 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
 def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
     # Only fp16 underflows small gradients; bf16 and fp32 need no scaling.
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, scheduler: Any, scaler: torch.amp.GradScaler) -> bool:
+    """One update and one step of the learning-rate schedule; False when fp16's loss scaler
+    skipped the update (inf/NaN gradients: its scale was too high, as in the first steps of most
+    fp16 runs). The schedule then waits too, as accelerate's does, so that warm-up counts real
+    updates (and torch does not warn of a scheduler stepped before its optimizer)."""
+    if not scaler.is_enabled():
+        optimizer.step()
+        scheduler.step()
+        return True
+    # get_scale() reads the scale from the GPU: one sync per step, and only under fp16.
+    before = scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    if scaler.get_scale() < before:
+        return False
+    scheduler.step()
+    return True
