@@ -41,8 +41,7 @@ def test_a_worker_gets_the_host_gpu_behind_the_index_it_was_given(monkeypatch: p
     # A shared 8-GPU machine where this user was given GPUs 4..7: hpsearch numbers them 0..3,
     # and the worker for GPU 2 must land on the host's GPU 6, not on somebody's GPU 2.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    (device,) = [d for d in devices.group([Device("cuda", i) for i in range(4)], 1, "0,1,2,3") if d.index == 2]
-    (cuda_id,) = device.child_ids()
+    (cuda_id,) = Device("cuda", 2).child_ids()
     assert cuda_id == "6"
     assert visible_in_child(cuda_id) == "6"
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"  # ours is back as it was

@@ -53,11 +53,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scheduler: Any, scaler: tor
     skipped the update (inf/NaN gradients: its scale was too high, as in the first steps of most
     fp16 runs). The schedule then waits too, as accelerate's does, so that warm-up counts real
     updates (and torch does not warn of a scheduler stepped before its optimizer)."""
-    if not scaler.is_enabled():
-        optimizer.step()
-        scheduler.step()
-        return True
-    # get_scale() reads the scale from the GPU: one sync per step, and only under fp16.
+    # get_scale() reads the scale from the GPU, one sync per step, only under fp16; a disabled
+    # scaler (bf16, fp32) answers 1.0 without a sync, steps the optimizer and never backs off.
     before = scaler.get_scale()
     scaler.step(optimizer)
     scaler.update()
