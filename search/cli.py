@@ -160,13 +160,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _is_user_error(exc: BaseException) -> bool:
     from hpsearch.search.devices import DeviceError
-    from hpsearch.storage.errors import StorageUrlError, StudyNotFoundError
+    from hpsearch.storage.errors import StorageUrlError, StudyFolderError, StudyNotFoundError
     from hpsearch.trainer.config import ConfigError
     from hpsearch.trainer.data import DataError
     from hpsearch.trainer.errors import ModelError
 
     return isinstance(
-        exc, (UsageError, ConfigError, DataError, ModelError, DeviceError, StorageUrlError, StudyNotFoundError)
+        exc,
+        (
+            UsageError,
+            ConfigError,
+            DataError,
+            ModelError,
+            DeviceError,
+            StorageUrlError,
+            StudyNotFoundError,
+            StudyFolderError,
+        ),
     )
 
 
@@ -175,7 +185,8 @@ def _is_user_error(exc: BaseException) -> bool:
 
 def cmd_start(args: argparse.Namespace) -> int:
     from hpsearch.search import devices, study as studies
-    from hpsearch.storage import urls
+    from hpsearch.storage import rundir, urls
+    from hpsearch.storage.errors import StudyNotFoundError
     from hpsearch.storage.open import open_storage
 
     if args.n_trials is not None and args.n_trials < 1:
@@ -187,11 +198,24 @@ def cmd_start(args: argparse.Namespace) -> int:
     if args.n_trials is not None:
         spec.search.n_trials = args.n_trials
     device_list = devices.group(device_list, spec.train.devices_per_trial, args.devices)
+    study_dir = args.output_dir.resolve() / args.study
+    # The storage and the study's folder first: a wrong URL or a changed spec is said at once,
+    # not after the data has been tokenised.
+    try:
+        storage = open_storage(url, create=False)
+    except StudyNotFoundError:  # no storage yet: the study is new, and so must its folder be
+        rundir.check(study_dir, args.study, None, exists=False)
+    else:
+        try:
+            _check_study(storage, args.study, spec, study_dir)
+        finally:
+            storage.close()
     _check_inputs(spec, args.output_dir, device_list)
     storage = open_storage(url, create=True)
     try:
-        studies.check_spec_before_create(storage, args.study, spec)
+        _check_study(storage, args.study, spec, study_dir)  # again: another host may have made it meanwhile
         study = studies.create_or_resume(storage, args.study, spec)
+        rundir.claim(study_dir, args.study, studies.ensure_uid(study), storage.display)
     finally:
         storage.close()
     log.info(
@@ -205,20 +229,36 @@ def cmd_start(args: argparse.Namespace) -> int:
     return _run_and_report(args, url, device_list)
 
 
+def _check_study(storage: Any, name: str, spec: Any, study_dir: Path) -> None:
+    """The spec matches the stored one, and the checkpoint folder is this study's (writes nothing)."""
+    from hpsearch.search import study as studies
+    from hpsearch.storage import rundir
+
+    studies.check_spec_before_create(storage, name, spec)
+    exists, uid = studies.find_uid(storage, name)
+    rundir.check(study_dir, name, uid, exists=exists)
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
+    import optuna
+
     from hpsearch.search import devices, study as studies
-    from hpsearch.storage import urls
+    from hpsearch.storage import rundir, urls
     from hpsearch.storage.open import open_storage
 
     url = urls.resolve(args.storage)
     device_list = devices.parse(args.devices)
+    study_dir = args.output_dir.resolve() / args.study
     storage = open_storage(url, create=False)
     try:
         spec = studies.stored_spec(storage, args.study)
+        _check_study(storage, args.study, spec, study_dir)
+        device_list = devices.group(device_list, spec.train.devices_per_trial, args.devices)
+        _check_inputs(spec, args.output_dir, device_list)
+        study = optuna.load_study(study_name=args.study, storage=storage.optuna)
+        rundir.claim(study_dir, args.study, studies.ensure_uid(study), storage.display)
     finally:
         storage.close()
-    device_list = devices.group(device_list, spec.train.devices_per_trial, args.devices)
-    _check_inputs(spec, args.output_dir, device_list)
     return _run_and_report(args, url, device_list)
 
 
@@ -274,8 +314,8 @@ def cmd_best(args: argparse.Namespace) -> int:
     if args.export is not None:
         from hpsearch.search.export import export_best
 
-        best = json.loads(_render(args.study, url, as_json=True, best_only=True))
-        export_best(best, args.study, args.export.resolve())
+        status = _status(args.study, url, best_only=True)
+        export_best(status["best"], args.study, args.export.resolve(), status.get("uid"))
     print(_render(args.study, url, as_json=args.json, best_only=True))
     if args.export is not None and not args.json:
         print(f"exported to {args.export.resolve()}")
@@ -308,6 +348,7 @@ def _status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
         spec = studies.stored_spec(storage, name)
         study = optuna.load_study(study_name=name, storage=storage.optuna)
         s = summary.status(study, spec, studies.n_trials(study, spec), storage.display)
+        s["uid"] = study.user_attrs.get(studies.UID_ATTR)  # whose checkpoint folder is whose
         if not best_only:
             s.update(fleet.summary(storage.db, name))
             summary.mark_stale(s, registry.stale_trials(storage.db, name))

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpsearch.search.spec import SpecError
-from hpsearch.storage import registry
+from hpsearch.storage import registry, rundir
 from hpsearch.storage.checkpoints import is_deleted
 
 log = logging.getLogger(__name__)
@@ -25,8 +25,11 @@ class ExportError(SpecError):
     """The best model cannot be exported; the message says why and what to do."""
 
 
-def export_best(best: dict[str, Any] | None, study: str, target: Path) -> Path:
-    """Copy the best trial's checkpoint (as ``summary.trial_dict`` describes it) to ``target``."""
+def export_best(best: dict[str, Any] | None, study: str, target: Path, uid: str | None = None) -> Path:
+    """Copy the best trial's checkpoint (as ``summary.trial_dict`` describes it) to ``target``.
+
+    ``uid`` is the study's id: a checkpoint in a folder marked as another study's (a study of
+    the same name elsewhere wrote over it) is not this trial's model, and is refused."""
     if best is None:
         raise ExportError(f"study {study!r} has no complete trial yet; nothing to export")
     source_text = best.get("best_checkpoint")
@@ -42,6 +45,12 @@ def export_best(best: dict[str, Any] | None, study: str, target: Path) -> Path:
         raise ExportError(
             f"checkpoint {source} of trial {best['number']} no longer exists on this host (removed by hand?); "
             "nothing to export"
+        )
+    owner = rundir.owner(source.parent.parent)  # OUTPUT/STUDY/trial-N/best
+    if owner is not None and uid is not None and owner.get("uid") != uid:
+        raise ExportError(
+            f"checkpoint {source} was overwritten by another study named {study!r} (from {owner.get('storage')}); "
+            f"it is not trial {best['number']}'s model, and that model is lost"
         )
     missing = [name for name in REQUIRED if not (source / name).exists()]
     if missing:

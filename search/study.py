@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 import zlib
 from typing import Any
 
@@ -16,6 +17,9 @@ log = logging.getLogger(__name__)
 N_TRIALS_ATTR = "hpsearch_n_trials"
 DEADLINE_ATTR = "hpsearch_deadline"
 DEVICE_SECONDS = "device_seconds"
+# A random id per study: its checkpoint folder is marked with it (storage/rundir.py), so a second
+# study of the same name (another storage, or a deleted and re-created one) cannot overwrite it.
+UID_ATTR = "hpsearch_uid"
 
 
 class SpecMismatchError(SpecError):
@@ -46,6 +50,7 @@ def create_or_resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Stu
                 done,
                 spec.search.n_trials,
             )
+    ensure_uid(study)
     # Stored again on resume: the budget keys (n_trials, timeout, gpu_hours, retention) may change.
     study.set_user_attr(SPEC_ATTR, spec.to_dict())
     study.set_user_attr(N_TRIALS_ATTR, spec.search.n_trials)
@@ -53,6 +58,26 @@ def create_or_resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Stu
     timeout = spec.search.timeout_minutes
     study.set_user_attr(DEADLINE_ATTR, storage.db.now() + timeout * 60 if timeout > 0 else None)
     return study
+
+
+def ensure_uid(study: optuna.Study) -> str:
+    """The study's id, given it now if it has none (studies made before ids existed)."""
+    uid = study.user_attrs.get(UID_ATTR)
+    if not uid:
+        study.set_user_attr(UID_ATTR, uuid.uuid4().hex)
+        # Re-read: of two hosts giving an old study its id at once, the last write counts.
+        uid = study.user_attrs[UID_ATTR]
+    return str(uid)
+
+
+def find_uid(storage: Storage, name: str) -> tuple[bool, str | None]:
+    """Whether the study exists, and its id if it has one (read only)."""
+    try:
+        study_id = storage.optuna.get_study_id_from_name(name)
+    except KeyError:
+        return False, None
+    uid = storage.optuna.get_study_user_attrs(study_id).get(UID_ATTR)
+    return True, str(uid) if uid else None
 
 
 def check_same(name: str, stored: StudySpec, given: StudySpec) -> None:

@@ -17,3 +17,7 @@ class StorageUrlError(StorageError):
 
 class StudyNotFoundError(StorageError):
     """The named study does not exist in the storage."""
+
+
+class StudyFolderError(StorageError):
+    """A study's checkpoint folder belongs to another study of the same name (bad user input)."""

@@ -1,0 +1,64 @@
+"""Which study a checkpoint folder belongs to.
+
+Trial n of study S writes ``OUTPUT/S/trial-n``. Two studies of one name (on two storages, or a
+study whose database was deleted and that was started again) would write the same folders: the
+second would overwrite the first one's finished checkpoints while the first's records still
+point at them, and ``hpsearch best --export`` would copy the wrong model. So the first study to
+use ``OUTPUT/S`` leaves a marker there naming itself (a random id stored with the study), and
+every later start, worker and export checks it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from hpsearch.storage.errors import StudyFolderError
+
+MARKER = ".hpsearch-study.json"
+
+
+def owner(study_dir: Path) -> dict[str, str] | None:
+    """The marker's contents (``uid``, ``study``, ``storage``), or None where there is none."""
+    try:
+        data = json.loads((study_dir / MARKER).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {"uid": "", "study": "?", "storage": "?"}  # unreadable: owned by nobody we know
+    return data if isinstance(data, dict) else {"uid": "", "study": "?", "storage": "?"}
+
+
+def check(study_dir: Path, study: str, uid: str | None, *, exists: bool) -> None:
+    """Refuse a folder that another study's trials wrote, before anything is written.
+
+    ``uid`` is the study's id (None for a study that does not exist yet, or one made before
+    studies had ids); ``exists`` says whether the study is in the storage already.
+    """
+    marker = owner(study_dir)
+    if marker is not None:
+        if uid is None or marker.get("uid") != uid:
+            raise StudyFolderError(_taken(study_dir, study, marker.get("storage", "?")))
+        return
+    # No marker: a folder from before markers existed. A study that already has trials may
+    # have written it; a new one cannot have.
+    if not exists and any(study_dir.glob("trial-*")):
+        raise StudyFolderError(_taken(study_dir, study, "a study that no longer exists, or another storage"))
+
+
+def claim(study_dir: Path, study: str, uid: str, storage: str) -> None:
+    """Mark ``study_dir`` as the study's (after :func:`check` passed); idempotent."""
+    if owner(study_dir) is not None:
+        return
+    study_dir.mkdir(parents=True, exist_ok=True)
+    tmp = study_dir / f"{MARKER}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"uid": uid, "study": study, "storage": storage}, indent=2) + "\n")
+    os.replace(tmp, study_dir / MARKER)  # atomic: a reader sees no marker or a whole one
+
+
+def _taken(study_dir: Path, study: str, storage: str) -> str:
+    return (
+        f"{study_dir} holds the checkpoints of another study named {study!r} (from {storage}); "
+        "pass another --output-dir or study name, or move that folder away"
+    )
