@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 log = logging.getLogger("hpsearch")
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+TOKEN_CACHE = "token-cache"
 
 
 class UsageError(Exception):
@@ -198,6 +199,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     if args.n_trials is not None:
         spec.search.n_trials = args.n_trials
     device_list = devices.group(device_list, spec.train.devices_per_trial, args.devices)
+    _check_output_dir(args.output_dir, args.study)
     study_dir = args.output_dir.resolve() / args.study
     # The storage and the study's folder first: a wrong URL or a changed spec is said at once,
     # not after the data has been tokenised.
@@ -248,6 +250,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     url = urls.resolve(args.storage)
     device_list = devices.parse(args.devices)
+    _check_output_dir(args.output_dir, args.study)
     study_dir = args.output_dir.resolve() / args.study
     storage = open_storage(url, create=False)
     try:
@@ -288,11 +291,18 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_reap(args: argparse.Namespace) -> int:
     from hpsearch.search import reap, study as studies
-    from hpsearch.storage import urls
+    from hpsearch.storage import registry, urls
     from hpsearch.storage.open import open_storage
 
     if args.grace is not None and not 0 <= args.grace < math.inf:  # also refuses nan
         raise UsageError(f"--grace {args.grace:g}: must be a number of seconds >= 0")
+    beat = registry.heartbeat_interval()
+    if args.grace is not None and args.grace < beat:
+        # A live worker's heartbeat is up to one interval old: a shorter grace reaps it mid-trial.
+        raise UsageError(
+            f"--grace {args.grace:g}: shorter than the workers' heartbeat interval ({beat:g} s), so live "
+            f"workers would look lost; use at least {beat:g} (the default, {3 * beat:g}, allows for missed beats)"
+        )
     storage = open_storage(urls.resolve(args.storage), create=False)
     try:
         spec = studies.stored_spec(storage, args.study)
@@ -407,6 +417,7 @@ def _check_inputs(spec: Any, output_dir: Path, device_list: list[Any]) -> None:
     one clear line, not N failed trials."""
     from hpsearch.search.devices import check_precision
     from hpsearch.search.spec import resolved
+    from hpsearch.trainer.config import ConfigError
     from hpsearch.trainer.dataset import prepare, read_splits
     from hpsearch.trainer.model import check_model, load_tokenizer
 
@@ -415,13 +426,20 @@ def _check_inputs(spec: Any, output_dir: Path, device_list: list[Any]) -> None:
     tokenizer = load_tokenizer(spec.model.name)
     check_model(spec.model.name, spec.model.max_length)
     check_precision(spec.train.precision, device_list)
-    _check_output_dir(output_dir)
+    searched = spec.space.get("precision")
+    for choice in searched.choices or [] if searched is not None else []:
+        try:
+            check_precision(choice, device_list)
+        except ConfigError as exc:
+            raise UsageError(f"search.space.precision: choice {choice!r}: {exc}") from None
     # Tokenised into the workers' own cache: what only tokenising finds (a causal-LM prompt
     # that leaves no token to train on) is reported here, and the workers reuse the result.
-    prepare(spec.data, tokenizer, spec.model.max_length, output_dir / "token-cache", spec.model.task, splits)
+    prepare(spec.data, tokenizer, spec.model.max_length, output_dir / TOKEN_CACHE, spec.model.task, splits)
 
 
-def _check_output_dir(output_dir: Path) -> None:
+def _check_output_dir(output_dir: Path, study: str) -> None:
+    """--output-dir is a folder this user can write, and the folders the workers make in it
+    (the study's, the token cache) are not taken by files: else every trial would crash."""
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=output_dir):
@@ -430,6 +448,12 @@ def _check_output_dir(output_dir: Path) -> None:
         raise UsageError(
             f"--output-dir {output_dir}: cannot write there ({exc.strerror or exc}); choose a folder you can write to"
         ) from None
+    for name in (study, TOKEN_CACHE):
+        if (output_dir / name).exists() and not (output_dir / name).is_dir():
+            raise UsageError(
+                f"--output-dir {output_dir}: {output_dir / name} is a file, where hpsearch keeps a folder; "
+                "move it away or choose another --output-dir"
+            )
 
 
 def run() -> NoReturn:

@@ -66,14 +66,14 @@ def parse(value: str | None) -> list[Device]:
     value = value.strip()
     if value == "cpu" or value.startswith("cpu:"):
         count_text = value.partition(":")[2] or "1"
-        if not count_text.isdigit() or not 1 <= int(count_text) <= (os.cpu_count() or 1) * 4:
+        if not _is_number(count_text) or not 1 <= int(count_text) <= (os.cpu_count() or 1) * 4:
             raise DeviceError(
                 f"--devices {value}: the CPU worker count must be an integer from 1 to {(os.cpu_count() or 1) * 4}"
             )
         return [Device("cpu", i) for i in range(int(count_text))]
     # "cuda:0,cuda:1" is how PyTorch spells them; the same as "0,1".
     parts = [p.strip().removeprefix("cuda:") for p in value.split(",")]
-    if not all(p.isdigit() for p in parts):
+    if not all(_is_number(p) for p in parts):
         raise DeviceError(f"--devices {value}: use GPU indices like 0,1 or cpu:N for N CPU workers")
     indices = [int(p) for p in parts]
     if len(set(indices)) != len(indices):
@@ -86,6 +86,11 @@ def parse(value: str | None) -> list[Device]:
             f"--devices {value}: no GPU {missing[0]} on this host (GPUs: {have}); use cpu:N to run on CPU"
         )
     return [Device("cuda", i) for i in indices]
+
+
+def _is_number(text: str) -> bool:
+    # str.isdigit() also says yes to "²" (which int() refuses) and to Arabic-Indic digits (which int() reads).
+    return text.isascii() and text.isdigit()
 
 
 def host_nvidia_gpus() -> int:

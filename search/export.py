@@ -16,6 +16,8 @@ from typing import Any
 from hpsearch.search.spec import SpecError
 from hpsearch.storage import registry, rundir
 from hpsearch.storage.checkpoints import is_deleted
+from hpsearch.trainer.errors import ModelError
+from hpsearch.trainer.model import check_weights
 
 log = logging.getLogger(__name__)
 REQUIRED = ("config.json",)
@@ -55,6 +57,10 @@ def export_best(best: dict[str, Any] | None, study: str, target: Path, uid: str 
     missing = [name for name in REQUIRED if not (source / name).exists()]
     if missing:
         raise ExportError(f"checkpoint {source} is incomplete (no {', '.join(missing)})")
+    try:
+        check_weights(source, f"checkpoint {source} of trial {best['number']}")
+    except ModelError as exc:
+        raise ExportError(f"{exc}; this copy of trial {best['number']}'s model is lost") from None
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ExportError(f"--export {target}: exists and is not an empty folder; choose a new folder")
     if target.resolve().is_relative_to(source.resolve().parent):

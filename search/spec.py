@@ -25,6 +25,8 @@ from hpsearch.trainer.config import ConfigError, DataConfig, ModelConfig, TrainC
 
 SPEC_ATTR = "hpsearch_spec"
 MAX_CHECKED_VALUES = 10_000
+MAX_GRID_POINTS = 100_000
+"""A grid larger than this is refused: no search runs that many trials, and listing it costs memory."""
 PRESETS = ("bert-lr", "gpt2-lr")
 # Values that may change between runs of one study: raising the budget is not a new study.
 BUDGET_KEYS = ("n_trials", "timeout_minutes", "gpu_hours", "keep_top_k", "max_disk_gb")
@@ -114,7 +116,9 @@ class SearchConfig:
         rule(self.prune_at_chance >= 0, "prune_at_chance", "must be >= 0 (0 = never)")
         rule(self.keep_top_k >= 1, "keep_top_k", "must be >= 1 (the best trial's checkpoint is always kept)")
         for name in ("timeout_minutes", "gpu_hours", "max_disk_gb"):
-            rule(getattr(self, name) >= 0, name, "must be >= 0 (0 = no limit)")
+            # inf passes ">= 0" and breaks arithmetic later (int(inf) in retention): 0 means no limit.
+            value = getattr(self, name)
+            rule(math.isfinite(value) and value >= 0, name, "must be a finite number >= 0 (0 = no limit)")
 
 
 @dataclass
@@ -183,10 +187,22 @@ class Param:
             raise SpecError(
                 f"search.space.{self.name}: the grid sampler needs a step (or choices) for every float parameter"
             )
-        low, high, step = float(self.low or 0), float(self.high or 0), float(self.step or 1)
-        n = math.floor((high - low) / step + 1e-9) + 1
+        n = self.grid_size()
+        if n > MAX_GRID_POINTS:
+            raise SpecError(
+                f"search.space.{self.name}: the grid sampler would walk {n:,} values of it (more than "
+                f"{MAX_GRID_POINTS:,}); give it a larger step or a few choices"
+            )
+        low, step = float(self.low or 0), float(self.step or 1)
         values = [low + i * step for i in range(n)]
         return [int(v) for v in values] if self.type == "int" else [round(v, 12) for v in values]
+
+    def grid_size(self) -> int:
+        """How many values the grid sampler walks for this parameter (choices, or a range's steps)."""
+        if self.type == "categorical":
+            return len(self.choices or [])
+        low, high, step = float(self.low or 0), float(self.high or 0), float(self.step or 1)
+        return math.floor((high - low) / step + 1e-9) + 1
 
     def check_value(self, value: Any, where: str) -> Any:
         """A fixed value for this parameter (an enqueued trial), checked against its range."""
@@ -311,11 +327,18 @@ class StudySpec:
             _check_type_fits(param, hints[name])
             # Every checked value must make a valid trial, or trials would fail at run time.
             for value in param.checked_values():
-                try:
-                    candidate = from_dict(TrainConfig, {**asdict(self.train), name: value}, "train")
-                    candidate.validate()
-                except ConfigError as exc:
-                    raise SpecError(f"search.space.{name}: value {value!r} gives an invalid trial: {exc}") from None
+                self._check_trial({name: value}, f"search.space.{name}: value {value!r}")
+        # ... and so must every pair: batch_size 16 and micro_batch_size 32 are each fine alone.
+        params = list(self.space.values())
+        for i, a in enumerate(params):
+            for b in params[i + 1 :]:
+                values_a, values_b = a.checked_values(), b.checked_values()
+                if len(values_a) * len(values_b) > MAX_CHECKED_VALUES:
+                    continue  # the trainer still checks each trial's values when it starts
+                for va in values_a:
+                    for vb in values_b:
+                        where = f"search.space: {a.name} = {va!r} with {b.name} = {vb!r}"
+                        self._check_trial({a.name: va, b.name: vb}, where)
         # An enqueued trial runs with exactly these values over [train]: it must be a valid trial.
         for i, entry in enumerate(self.enqueue):
             try:
@@ -324,13 +347,27 @@ class StudySpec:
                 values = ", ".join(f"{k} = {v!r}" for k, v in entry.items())
                 raise SpecError(f"search.enqueue[{i}]: {values} gives an invalid trial: {exc}") from None
 
+    def _check_trial(self, values: dict[str, Any], where: str) -> None:
+        try:
+            from_dict(TrainConfig, {**asdict(self.train), **values}, "train").validate()
+        except ConfigError as exc:
+            raise SpecError(f"{where} gives an invalid trial: {exc}") from None
+
     def _validate_sampler(self) -> None:
         sampler = self.search.sampler
         if sampler == "grid":
             if not self.space:
                 raise SpecError('search.sampler: "grid" needs at least one parameter in [search.space]')
+            points = 1
             for p in self.space.values():
                 p.grid()
+                points *= p.grid_size()
+            if points > MAX_GRID_POINTS:
+                sizes = " x ".join(f"{p.grid_size():,} ({p.name})" for p in self.space.values())
+                raise SpecError(
+                    f"search.space: the grid has {points:,} points ({sizes}), more than {MAX_GRID_POINTS:,}; "
+                    'use fewer values, or sampler = "qmc" (the default), which covers a space evenly'
+                )
         if sampler == "cmaes":
             for p in self.space.values():
                 if p.type == "categorical":
@@ -424,7 +461,8 @@ def load_file(path: Path) -> StudySpec:
     if not path.is_file():
         raise SpecError(f"spec file {path} does not exist; pass --config with the path of a .toml spec")
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        # utf-8-sig: Windows editors save a byte-order mark that TOML would call an invalid statement.
+        raw = tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"spec file {path} is not valid TOML: {exc}") from None
     except UnicodeDecodeError:

@@ -92,6 +92,48 @@ SPEC_CASES = [
         ),
         "search.space.micro_batch_size: value 12",
     ),
+    (
+        "space_pair_invalid",  # each value is fine alone; batch 16 in micro-batches of 32 is not
+        lambda s: s.replace(
+            "learning_rate = { type",
+            'batch_size = { type = "categorical", choices = [32, 16] }\n'
+            'micro_batch_size = { type = "categorical", choices = [16, 32] }\nlearning_rate = { type',
+        ),
+        "search.space: batch_size = 16 with micro_batch_size = 32 gives an invalid trial: "
+        "train.micro_batch_size: 32 must divide batch_size (16)",
+    ),
+    (
+        "max_disk_inf",  # inf passed ">= 0" and then broke retention after every trial
+        lambda s: s.replace("[search]", "[search]\nmax_disk_gb = inf"),
+        "search.max_disk_gb: inf must be a finite number >= 0 (0 = no limit)",
+    ),
+    (
+        "timeout_inf",
+        lambda s: s.replace("[search]", "[search]\ntimeout_minutes = inf"),
+        "search.timeout_minutes: inf must be a finite number >= 0",
+    ),
+    (
+        "grid_too_large",  # listing four billion seeds took all memory before anything was said
+        lambda s: s.replace('sampler = "tpe"', 'sampler = "grid"').replace(
+            'learning_rate = { type = "float", low = 1e-4, high = 3e-3, log = true }',
+            'seed = { type = "int", low = 0, high = 4000000000 }',
+        ),
+        "search.space.seed: the grid sampler would walk 4,000,000,001 values of it",
+    ),
+    (
+        "grid_product_too_large",
+        lambda s: s.replace('sampler = "tpe"', 'sampler = "grid"').replace(
+            'learning_rate = { type = "float", low = 1e-4, high = 3e-3, log = true }',
+            'seed = { type = "int", low = 0, high = 999 }\nlearning_rate = { type = "float", low = 0.001, '
+            "high = 0.5, step = 0.001 }",
+        ),
+        "search.space: the grid has 500,000 points (1,000 (seed) x 500 (learning_rate))",
+    ),
+    (
+        "byte_order_mark",  # a BOM is read past: the error is the spec's own, not "invalid TOML"
+        lambda s: "\ufeff" + s.replace("n_trials = 2", "n_trials = 0"),
+        "search.n_trials: 0 must be >= 1",
+    ),
 ]
 
 
@@ -201,6 +243,54 @@ def test_model_folder_without_weights(cli, tmp_path: Path, tiny_model: Path, dem
     assert_refused(cli, spec, tmp_path, f"model.name: folder {model} has no weights (model.safetensors or")
 
 
+def test_model_folder_without_tokenizer(cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> None:  # type: ignore[no-untyped-def]
+    # transformers 5 loads such a folder with a five-token tokenizer: every text became [UNK].
+    model = tmp_path / "no-tokenizer"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model / name, model / name)
+    spec = tmp_path / "s.toml"
+    spec.write_text(spec_text(model, *demo_files))
+    assert_refused(cli, spec, tmp_path, f"model.name: folder {model} has no tokenizer files (tokenizer.json")
+
+
+def test_model_folder_with_damaged_weights(
+    cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:  # type: ignore[no-untyped-def]
+    model = tmp_path / "cut-short"
+    shutil.copytree(tiny_model, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a download cut short
+    spec = tmp_path / "s.toml"
+    spec.write_text(spec_text(model, *demo_files))
+    assert_refused(cli, spec, tmp_path, f"model.name: folder {model}: model.safetensors is damaged (")
+
+
+def test_searched_precision_the_devices_cannot_run(
+    cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:  # type: ignore[no-untyped-def]
+    spec = tmp_path / "s.toml"
+    space = 'precision = { type = "categorical", choices = ["fp32", "fp16"] }'
+    spec.write_text(spec_text(tiny_model, *demo_files, space=space))
+    assert_refused(cli, spec, tmp_path, "search.space.precision: choice 'fp16': train.precision: fp16 is not supported")
+
+
+@pytest.mark.parametrize("name", ["x", "token-cache"])
+def test_output_dir_holding_a_file_where_a_folder_goes(cli, tmp_path: Path, spec_file: Path, name: str) -> None:  # type: ignore[no-untyped-def]
+    # Every trial crashed on it (NotADirectoryError), three times, and wrote failed trials.
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / name).write_text("not a folder")
+    result = cli(
+        *("start", "--study", "x", "--config", str(spec_file), "--storage", f"sqlite:///{tmp_path / 'x.db'}"),
+        *("--devices", "cpu:1", "--output-dir", str(runs)),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"{runs / name} is a file, where hpsearch keeps a folder" in result.stderr, result.stderr
+    assert not (tmp_path / "x.db").exists()
+
+
 def test_storage_file_that_is_not_a_database(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     (tmp_path / "notes.db").write_text("not a database")
     result = cli("status", "--study", "x", "--storage", f"sqlite:///{tmp_path / 'notes.db'}", cwd=tmp_path)
@@ -242,6 +332,10 @@ CLI_CASES = [
     (["worker", "--study", ""], "'' is not a study name"),
     (["start", "--study", "x" * 101], "is not a study name"),
     (["reap", "--study", "x", "--grace", "nan"], "--grace nan: must be a number of seconds >= 0"),
+    (["reap", "--study", "x", "--grace", "0"], "--grace 0: shorter than the workers' heartbeat interval (30 s)"),
+    # str.isdigit() says yes to these; int() refuses the first and reads the second as GPU 1.
+    (["start", "--study", "x", "--devices", "cpu:²"], "--devices cpu:²: the CPU worker count must be an integer"),
+    (["start", "--study", "x", "--devices", "\u0661"], "--devices \u0661: use GPU indices like 0,1"),
     (["status", "--study", "x", "--storage", "postgresql://postgres@127.0.0.1:abc/db"], "is not a URL"),
     (["status", "--study", "x", "--storage", "postgresql://postgres@[::1:5432/db"], "is not a URL"),
     (["status", "--study", "x", "--storage", "sqlite:////tmp"], "/tmp is a folder; name a file in it"),
@@ -321,6 +415,9 @@ def test_a_finished_study_is_safe_from_bad_names_and_bad_exports(  # type: ignor
     best.rename(moved)
     assert "no longer exists on this host" in refused("best", "--study", "s", "--export", str(tmp_path / "e"))
     moved.rename(best)
+    (best / "model.safetensors").write_bytes(weights[:100])  # a disk error, or a copy cut short
+    assert "model.safetensors is damaged" in refused("best", "--study", "s", "--export", str(tmp_path / "e"))
+    assert not (tmp_path / "e").exists()
 
 
 def test_start_does_not_adopt_a_study_made_with_optuna_itself(cli, tmp_path: Path, spec_file: Path) -> None:  # type: ignore[no-untyped-def]
@@ -380,12 +477,13 @@ def test_bad_input_through_the_installed_entry_point(tmp_path: Path) -> None:
 def test_a_search_whose_every_trial_failed_exits_1_and_says_why(
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
 ) -> None:
-    """Input that only fails inside a trial (here: every sampled precision is one a CPU cannot
-    run) is not caught up front; the run must still not end as if a search had happened."""
+    """Input that only fails inside a trial is not caught up front; the run must still not end
+    as if a search had happened. Here: a range of batch sizes too wide to check value by value,
+    whose ends are multiples of micro_batch_size (16) and whose sampled values are not; the
+    trainer checks each trial's values as it starts."""
     spec = tmp_path / "s.toml"
-    spec.write_text(
-        spec_text(tiny_model, *demo_files, space='precision = { type = "categorical", choices = ["fp16"] }')
-    )
+    space = 'batch_size = { type = "int", low = 16, high = 320016 }'
+    spec.write_text(spec_text(tiny_model, *demo_files, space=space).replace('sampler = "tpe"', 'sampler = "qmc"'))
     result = hpsearch(
         *("start", "--study", "x", "--config", str(spec), "--storage", f"sqlite:///{tmp_path / 'x.db'}"),
         *("--devices", "cpu:1", "--output-dir", str(tmp_path / "runs")),
@@ -394,9 +492,8 @@ def test_a_search_whose_every_trial_failed_exits_1_and_says_why(
     assert result.returncode == 1, result.stderr[-2000:]
     assert "failed 2" in result.stdout
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(
-        "hpsearch start: error: every trial failed (2); 2 with: ConfigError: train.precision: fp16"
-    ), last
+    assert last.startswith("hpsearch start: error: every trial failed (2); "), last
+    assert "with: ConfigError: train.micro_batch_size: 16 must divide batch_size (" in last, last
     assert last.endswith(f"see {tmp_path / 'runs'}/x/trial-N/train.log"), last
 
 

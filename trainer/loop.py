@@ -61,6 +61,9 @@ class Run:
 def fit(run: Run, reporter: Reporter) -> TrainResult:
     started = run.started if run.started is not None else time.monotonic()
     cfg, device, data, world = run.cfg, run.device, run.data, run.world
+    # The spec checks each searched value, and pairs of them, but not every combination of a
+    # wide space: a sampled batch size that does not divide into micro-batches is said here.
+    cfg.validate()
     precision = prec.resolve(cfg.precision, device)
     # Ranks draw different dropout masks; their weights are equal anyway (DDP starts from rank 0's).
     torch.manual_seed(cfg.seed + world.rank)

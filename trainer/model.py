@@ -34,6 +34,15 @@ def load_tokenizer(name: str) -> Any:
         raise ModelError(_explain(name, exc)) from None
 
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "spiece.model",
+    "tokenizer.model",
+    "sentencepiece.bpe.model",
+)
 WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -59,11 +68,35 @@ def check_model(name: str, max_length: int) -> None:
             f"model.max_length: {max_length} is more than the model's {positions} positions; set it <= {positions}"
         )
     folder = Path(name).expanduser()
-    if folder.is_dir() and not any((folder / f).exists() for f in WEIGHT_FILES):
+    if not folder.is_dir():
+        return
+    if not any((folder / f).exists() for f in WEIGHT_FILES):
         raise ModelError(
             f"model.name: folder {name} has no weights (model.safetensors or pytorch_model.bin); "
             "point it at a folder written by save_pretrained"
         )
+    if not any((folder / f).exists() for f in TOKENIZER_FILES):
+        # transformers 5 then builds a tokenizer of five special tokens: every text becomes [UNK].
+        raise ModelError(
+            f"model.name: folder {name} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); "
+            "save the model's tokenizer there too: tokenizer.save_pretrained(folder)"
+        )
+    check_weights(folder, f"model.name: folder {name}")
+
+
+def check_weights(folder: Path, where: str) -> None:
+    """A safetensors file whose header does not parse (a download or copy cut short) fails
+    every load; only the header is read, so this is cheap for any model size."""
+    from safetensors import safe_open
+
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except Exception as exc:
+            raise ModelError(
+                f"{where}: {path.name} is damaged ({str(exc).splitlines()[0]}); download or save it again"
+            ) from None
 
 
 def _explain(name: str, exc: BaseException) -> str:
