@@ -419,10 +419,11 @@ def _check_inputs(spec: Any, output_dir: Path, device_list: list[Any]) -> None:
     from hpsearch.search.spec import resolved
     from hpsearch.trainer.config import ConfigError
     from hpsearch.trainer.dataset import prepare, read_splits
-    from hpsearch.trainer.model import check_model, load_tokenizer
+    from hpsearch.trainer.model import check_model, check_reachable, load_tokenizer
 
     spec = resolved(spec, output_dir)
     splits = read_splits(spec.data, spec.model.task)
+    check_reachable(spec.model.name)
     tokenizer = load_tokenizer(spec.model.name)
     check_model(spec.model.name, spec.model.max_length)
     check_precision(spec.train.precision, device_list)

@@ -243,6 +243,16 @@ def test_model_folder_without_weights(cli, tmp_path: Path, tiny_model: Path, dem
     assert_refused(cli, spec, tmp_path, f"model.name: folder {model} has no weights (model.safetensors or")
 
 
+def test_hub_id_without_a_reachable_hub(cli, tmp_path: Path, demo_files: tuple[Path, Path], monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Without this check huggingface_hub retried for half a minute, a warning line per retry.
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    spec = tmp_path / "s.toml"
+    spec.write_text(spec_text("someorg/somemodel", *demo_files))  # type: ignore[arg-type]
+    line = assert_refused(cli, spec, tmp_path, "model.name: cannot load 'someorg/somemodel': not a local folder")
+    assert line.endswith("(cannot reach http://127.0.0.1:9; set HF_ENDPOINT for a mirror)"), line
+
+
 def test_model_folder_without_tokenizer(cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> None:  # type: ignore[no-untyped-def]
     # transformers 5 loads such a folder with a five-token tokenizer: every text became [UNK].
     model = tmp_path / "no-tokenizer"

@@ -24,6 +24,28 @@ def _quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+def check_reachable(name: str, timeout_s: float = 5.0) -> None:
+    """A hub id that is not in the local cache needs the hub: say at once when it cannot be
+    reached (a cloud instance without access, a mistyped folder that looks like an id), instead
+    of after huggingface_hub's retries (half a minute or more of warnings)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if Path(name).expanduser().exists() or os.environ.get("HF_HUB_OFFLINE", "").strip() in ("1", "true", "True"):
+        return  # a local folder; or offline mode, where transformers answers at once
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    endpoint = os.environ.get("HF_ENDPOINT", "").strip() or "https://huggingface.co"
+    parts = urlsplit(endpoint)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        socket.create_connection((parts.hostname or "", port), timeout=timeout_s).close()
+    except (OSError, ValueError):
+        raise ModelError(f"{_explain(name, None)} (cannot reach {endpoint}; set HF_ENDPOINT for a mirror)") from None
+
+
 def load_tokenizer(name: str) -> Any:
     from transformers import AutoTokenizer
 
@@ -99,7 +121,7 @@ def check_weights(folder: Path, where: str) -> None:
             ) from None
 
 
-def _explain(name: str, exc: BaseException) -> str:
+def _explain(name: str, exc: BaseException | None) -> str:
     path = Path(name).expanduser()
     if path.exists():
         return (
