@@ -353,7 +353,7 @@ def _status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
     from hpsearch.storage import registry
     from hpsearch.storage.open import open_storage
 
-    storage = open_storage(url, create=False)
+    storage = open_storage(url, create=False, read_only=True)
     try:
         spec = studies.stored_spec(storage, name)
         study = optuna.load_study(study_name=name, storage=storage.optuna)

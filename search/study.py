@@ -28,6 +28,7 @@ class SpecMismatchError(SpecError):
 
 def create_or_resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
     """Create the study with ``spec``, or check that the existing one was made with the same."""
+    storage.prepare()  # our tables and WAL: only now that the study is going ahead
     study = optuna.create_study(study_name=name, storage=storage.optuna, direction=spec.direction, load_if_exists=True)
     stored = study.user_attrs.get(SPEC_ATTR)
     if stored is None:

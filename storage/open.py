@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import functools
 import logging
+import os
 import sqlite3
+import tempfile
+import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +18,14 @@ import sqlalchemy
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from hpsearch.storage import urls
-from hpsearch.storage.db import DEFAULT_RETRY, Database, RetryPolicy, describe_connect_error, engine_kwargs
+from hpsearch.storage.db import (
+    DEFAULT_RETRY,
+    Database,
+    RetryPolicy,
+    describe_connect_error,
+    engine_kwargs,
+    with_retries,
+)
 from hpsearch.storage.errors import StorageError, StorageUrlError, StudyNotFoundError
 from hpsearch.storage.patient import PatientRDBStorage
 from hpsearch.storage.tables import Base
@@ -34,20 +47,46 @@ class Storage:
     def close(self) -> None:
         self.optuna.engine.dispose()
 
+    def prepare(self) -> None:
+        """Make the storage ready for workers: WAL mode for a SQLite file, and our tables.
 
-def open_storage(url: str, *, create: bool, retry: RetryPolicy | None = None) -> Storage:
-    """Connect to ``url``. With ``create=False`` a missing SQLite file is an error, not a new file."""
+        Called where a study is created or resumed (``create_or_resume``), and by
+        ``open_storage`` for a new storage; never by a command that only reads or that is
+        refused, so those leave a database exactly as they found it.
+        """
+        path = urls.sqlite_path(self.url)
+        if path is not None:
+            # WAL lets status/dashboard readers run while workers write. It is a property of
+            # the file, switched with no other connection open: the pool's are closed first.
+            self.optuna.engine.dispose()
+            _use_wal(path, self.display)
+        with_retries(lambda: Base.metadata.create_all(self.optuna.engine), what=f"create tables in {self.display}")
+
+
+def open_storage(url: str, *, create: bool, read_only: bool = False, retry: RetryPolicy | None = None) -> Storage:
+    """Connect to ``url``, writing nothing to a storage that already holds studies.
+
+    ``create=False``: a missing SQLite file is an error, not a new file. ``create=True``: a new
+    storage (no studies yet) gets Optuna's tables and ours at once; one that holds studies
+    gets ours only from ``Storage.prepare``, once the command is known to go ahead.
+    ``read_only=True`` (commands that only read): a SQLite file this user cannot write is
+    opened read-only instead of refused.
+    """
     normalized = urls.normalize(url)
+    display = urls.mask(url)
     path = urls.sqlite_path(normalized)
+    kwargs = engine_kwargs(normalized)
     if path is not None:
-        _prepare_sqlite(path, create=create, display=urls.mask(url))
+        reader = _check_sqlite(path, create=create, read_only=read_only, display=display)
+        if reader is not None:
+            kwargs = {"creator": reader}
     try:
         # Optuna's own schema check reads the version inside an open session on a second
         # connection; with 64 workers starting at once that doubles the connections a server
         # must take. The same check, one query after the other, needs one.
         rdb = PatientRDBStorage(
             normalized,
-            engine_kwargs=engine_kwargs(normalized),
+            engine_kwargs=kwargs,
             skip_compatibility_check=True,
             skip_table_creation=not create,
         )
@@ -55,9 +94,11 @@ def open_storage(url: str, *, create: bool, retry: RetryPolicy | None = None) ->
         if not create and not sqlalchemy.inspect(rdb.engine).has_table("studies"):
             rdb.engine.dispose()
             raise _no_studies(url)
-        _check_schema_version(rdb, urls.mask(url))
-        if create:
-            Base.metadata.create_all(rdb.engine)
+        _check_schema_version(rdb, display)
+        storage = Storage(url=normalized, optuna=rdb, db=Database(rdb.engine, retry=retry or DEFAULT_RETRY))
+        if create and not rdb.get_all_studies():
+            # A new storage: nothing in it that a refused `start` would have to leave as it was.
+            storage.prepare()
     except (OperationalError, optuna.exceptions.StorageInternalError) as exc:
         # The first connection failed: a fixable one-line message (bad host, password, ...).
         # No separate probe connection first: its backend lingers for a moment after close,
@@ -67,16 +108,15 @@ def open_storage(url: str, *, create: bool, retry: RetryPolicy | None = None) ->
         if not create and _missing_tables(cause):
             raise _no_studies(url) from None
         _refuse_bad_option(url, cause or exc)
-        if path is None and isinstance(cause, OperationalError):
+        if isinstance(cause, OperationalError) and (path is None or "unable to open" in str(cause)):
             raise StorageUrlError(describe_connect_error(normalized, cause)) from None
-        raise StorageError(f"cannot open storage {urls.mask(url)}: {str(cause or exc).splitlines()[0]}") from exc
+        raise StorageError(f"cannot open storage {display}: {str(cause or exc).splitlines()[0]}") from exc
     except SQLAlchemyError as exc:
         if not create and _missing_tables(exc):
             raise _no_studies(url) from None
         _refuse_bad_option(url, exc)
-        raise StorageError(f"cannot open storage {urls.mask(url)}: {str(exc).splitlines()[0]}") from exc
-    db = Database(rdb.engine, retry=retry) if retry else Database(rdb.engine)
-    return Storage(url=normalized, optuna=rdb, db=db)
+        raise StorageError(f"cannot open storage {display}: {str(exc).splitlines()[0]}") from exc
+    return storage
 
 
 def _refuse_bad_option(url: str, exc: BaseException) -> None:
@@ -113,7 +153,16 @@ def _check_schema_version(rdb: optuna.storages.RDBStorage, display: str) -> None
         )
 
 
-def _prepare_sqlite(path: Path, *, create: bool, display: str) -> None:
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def _check_sqlite(
+    path: Path, *, create: bool, read_only: bool, display: str
+) -> Callable[[], sqlite3.Connection] | None:
+    """Refuse, with the reason, a path SQLite cannot use; nothing is written to it here.
+
+    Returns a read-only connector when ``read_only`` and this user cannot write the file.
+    """
     if path.is_dir():
         raise StorageUrlError(
             f"storage {display}: {path} is a folder; name a file in it, e.g. sqlite:///{path}/hpsearch.db"
@@ -126,15 +175,72 @@ def _prepare_sqlite(path: Path, *, create: bool, display: str) -> None:
             )
         if not path.parent.is_dir():
             raise StorageUrlError(f"cannot create SQLite storage {display}: folder {path.parent} does not exist")
-    # WAL is a property of the file, so set it once before any pooled connection opens:
-    # it lets status/dashboard readers run while workers write.
+        try:
+            # What SQLite is about to do (create a file there), so read-only mounts and
+            # folders like /proc fail here with the reason, not inside the driver.
+            with tempfile.TemporaryFile(dir=path.parent):
+                pass
+        except OSError as exc:
+            why = f" ({exc.strerror})" if exc.strerror and exc.errno != errno.ENOENT else ""  # ENOENT: /proc
+            raise StorageUrlError(
+                f"cannot create SQLite storage {display}: folder {path.parent} is not writable{why}; "
+                "point --storage / HPSEARCH_STORAGE at a file in a folder you can write to"
+            ) from None
+        return None
+    if not path.is_file():
+        raise StorageUrlError(
+            f"storage {display}: {path} is not a regular file, so not a database; point --storage / "
+            "HPSEARCH_STORAGE at the study's SQLite file"
+        )
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(SQLITE_MAGIC))
+    except OSError as exc:
+        raise StorageUrlError(f"storage {display}: cannot read {path} ({exc.strerror or exc})") from None
+    if head and head != SQLITE_MAGIC:  # an empty file is an empty database
+        raise StorageUrlError(
+            f"storage {display}: file is not a database; point --storage / HPSEARCH_STORAGE at the study's SQLite file"
+        )
+    unwritable = _unwritable(path)
+    if unwritable is None:
+        return None
+    if read_only and not create:
+        return _read_only_connector(path)
+    raise StorageUrlError(
+        f"storage {display}: {unwritable}, and this command writes to the study; make it writable "
+        "(hpsearch status and best read it as it is)"
+    )
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why this user cannot write the SQLite file, or None. (access() also sees read-only mounts.)"""
+    if not os.access(path, os.W_OK):
+        return f"{path} is read-only"
+    if not os.access(path.parent, os.W_OK):
+        return f"its folder {path.parent} is not writable (SQLite keeps its journal beside the file)"
+    return None
+
+
+def _read_only_connector(path: Path) -> Callable[[], sqlite3.Connection]:
+    query = "mode=ro"
+    if not os.access(path.parent, os.W_OK) and not any(
+        Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-journal")
+    ):
+        # A reader of a WAL file needs a -shm file beside it, which a read-only folder cannot
+        # hold; with no -wal or journal there, the file alone is the whole database, and
+        # "immutable" reads it without one.
+        query += "&immutable=1"
+    uri = f"file:{urllib.parse.quote(str(path.resolve()))}?{query}"
+    return functools.partial(sqlite3.connect, uri, uri=True, timeout=120, check_same_thread=False)
+
+
+def _use_wal(path: Path, display: str) -> None:
     conn = sqlite3.connect(path, timeout=120)
     try:
-        conn.execute("PRAGMA journal_mode=WAL")
+        if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+            conn.execute("PRAGMA journal_mode=WAL")
     except sqlite3.DatabaseError as exc:
-        raise StorageUrlError(
-            f"storage {display}: {exc}; point --storage / HPSEARCH_STORAGE at the study's SQLite file"
-        ) from None
+        raise StorageError(f"storage {display}: cannot switch it to WAL mode: {exc}") from None
     finally:
         conn.close()
 

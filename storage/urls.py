@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from sqlalchemy.engine import URL, make_url
@@ -41,11 +42,12 @@ def parse(url: str) -> URL:
     except (ArgumentError, ValueError):  # ValueError: a port that is not a number, a broken [IPv6]
         raise StorageUrlError(
             f"storage URL {mask(url)!r} is not a URL; use sqlite:///path/to/file.db or "
-            "postgresql://user:password@host:5432/dbname"
+            f"postgresql://user:password@host:5432/dbname{_at_hint(url)}"
         ) from None
     backend = parsed.get_backend_name()
     if parsed.drivername in _POSTGRES_ALIASES:
         parsed = parsed.set(drivername="postgresql+psycopg2")
+        _check_user_info(url, parsed)
         if not parsed.database:
             raise StorageUrlError(
                 f"storage URL {mask(url)!r} names no database; add one, e.g. "
@@ -78,15 +80,51 @@ def sqlite_path(url: str) -> Path | None:
 
 def mask(url: str) -> str:
     """The URL with its password replaced by ***, safe to print or log."""
-    scheme, sep, rest = url.partition("://")
-    # An unencoded "@" in the password: a parser splits at the first one and would print the
-    # rest of the password as the host.
-    if not (sep and rest.split("/", 1)[0].count("@") > 1):
+    scheme, rest = _split_scheme(url)
+    if "@" not in rest or scheme.startswith("sqlite"):
+        return url  # no user info, so no password (an "@" in a SQLite path is part of the path)
+    if rest.count("@") == 1:
         try:
-            return make_url(url).render_as_string(hide_password=True)
+            parsed = make_url(url)
         except (ArgumentError, ValueError):
-            pass
-    # Ambiguous or not parseable: never echo anything before the last "@" (user:password).
-    if sep and "@" in rest:
-        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
-    return url
+            parsed = None
+        # The parser took the one "@" as the end of user:password only if it found a user;
+        # else ("us/er:pw@host") it would print the password as part of the host or path.
+        if parsed is not None and parsed.username is not None:
+            return parsed.render_as_string(hide_password=True)
+    # An unencoded "@" in the password, or a URL no parser reads: user and password end at
+    # the last "@" (as browsers read it), so nothing before it is printed. An ?option with an
+    # "@" is hidden too, which costs a little context and leaks nothing.
+    return f"{scheme}***@{rest.rsplit('@', 1)[1]}"
+
+
+def _split_scheme(url: str) -> tuple[str, str]:
+    """("postgresql://", "user:pw@host/db"); a scheme typed with one slash or none still counts."""
+    match = re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/*", url)
+    return (url[: match.end()], url[match.end() :]) if match else ("", url)
+
+
+def _check_user_info(url: str, parsed: URL) -> None:
+    """Refuse a PostgreSQL URL whose user:password the parser split in the wrong place.
+
+    SQLAlchemy ends the password at the first "@"; the rest of a password with an unencoded
+    "@" becomes the host (or the database), which would be sent to DNS and printed back in
+    the driver's error. A host never holds an "@", so a second one is always this typo.
+    """
+    rest = _split_scheme(url)[1]
+    if rest.split("?", 1)[0].count("@") > 1 or "@" in (parsed.host or ""):
+        raise StorageUrlError(f"storage URL {mask(url)!r} has more than one '@'{_ENCODE_HINT}")
+    if "@" in rest.split("?", 1)[0] and parsed.username is None:
+        raise StorageUrlError(
+            f"storage URL {mask(url)!r}: the part before '@' is not user:password; percent-encode "
+            f"special characters in the user name and password ({_SPECIALS})"
+        )
+
+
+_SPECIALS = "'@' %40, ':' %3A, '/' %2F, '?' %3F, '#' %23, '%' %25"
+_ENCODE_HINT = f"; write an '@' in a user name or password as %40 (percent-encode special characters: {_SPECIALS})"
+
+
+def _at_hint(url: str) -> str:
+    scheme, rest = _split_scheme(url)
+    return _ENCODE_HINT if not scheme.startswith("sqlite") and rest.split("?", 1)[0].count("@") > 1 else ""
