@@ -199,7 +199,6 @@ def cmd_start(args: argparse.Namespace) -> int:
     if args.n_trials is not None:
         spec.search.n_trials = args.n_trials
     device_list = devices.group(device_list, spec.train.devices_per_trial, args.devices)
-    _check_output_dir(args.output_dir, args.study)
     study_dir = args.output_dir.resolve() / args.study
     # The storage and the study's folder first: a wrong URL or a changed spec is said at once,
     # not after the data has been tokenised.
@@ -212,6 +211,7 @@ def cmd_start(args: argparse.Namespace) -> int:
             _check_study(storage, args.study, spec, study_dir)
         finally:
             storage.close()
+    _check_output_dir(args.output_dir, args.study)
     _check_inputs(spec, args.output_dir, device_list)
     storage = open_storage(url, create=True)
     try:
@@ -250,13 +250,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     url = urls.resolve(args.storage)
     device_list = devices.parse(args.devices)
-    _check_output_dir(args.output_dir, args.study)
     study_dir = args.output_dir.resolve() / args.study
     storage = open_storage(url, create=False)
     try:
         spec = studies.stored_spec(storage, args.study)
         _check_study(storage, args.study, spec, study_dir)
         device_list = devices.group(device_list, spec.train.devices_per_trial, args.devices)
+        _check_output_dir(args.output_dir, args.study)
         _check_inputs(spec, args.output_dir, device_list)
         study = optuna.load_study(study_name=args.study, storage=storage.optuna)
         rundir.claim(study_dir, args.study, studies.ensure_uid(study), storage.display)

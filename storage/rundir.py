@@ -23,7 +23,7 @@ def owner(study_dir: Path) -> dict[str, str] | None:
     """The marker's contents (``uid``, ``study``, ``storage``), or None where there is none."""
     try:
         data = json.loads((study_dir / MARKER).read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a file where the folder goes: --output-dir's check says so
         return None
     except (OSError, ValueError):
         return {"uid": "", "study": "?", "storage": "?"}  # unreadable: owned by nobody we know

@@ -35,7 +35,10 @@ def check_reachable(name: str, timeout_s: float = 5.0) -> None:
         return  # a local folder; or offline mode, where transformers answers at once
     from huggingface_hub import try_to_load_from_cache
 
-    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+    except Exception:  # not a valid hub id (a missing absolute path): loading fails at once, no network
         return
     endpoint = os.environ.get("HF_ENDPOINT", "").strip() or "https://huggingface.co"
     parts = urlsplit(endpoint)
