@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -9,9 +10,10 @@ import os
 import sqlite3
 import tempfile
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import optuna
 import sqlalchemy
@@ -31,6 +33,7 @@ from hpsearch.storage.patient import PatientRDBStorage
 from hpsearch.storage.tables import Base
 
 log = logging.getLogger(__name__)
+SCHEMA_LOCK_KEY = int.from_bytes(b"hpsearch", "big")  # an advisory lock's bigint key, project-wide
 
 
 @dataclass
@@ -81,24 +84,8 @@ def open_storage(url: str, *, create: bool, read_only: bool = False, retry: Retr
         if reader is not None:
             kwargs = {"creator": reader}
     try:
-        # Optuna's own schema check reads the version inside an open session on a second
-        # connection; with 64 workers starting at once that doubles the connections a server
-        # must take. The same check, one query after the other, needs one.
-        rdb = PatientRDBStorage(
-            normalized,
-            engine_kwargs=kwargs,
-            skip_compatibility_check=True,
-            skip_table_creation=not create,
-        )
-        rdb.retry_policy = retry or DEFAULT_RETRY
-        if not create and not sqlalchemy.inspect(rdb.engine).has_table("studies"):
-            rdb.engine.dispose()
-            raise _no_studies(url)
-        _check_schema_version(rdb, display)
-        storage = Storage(url=normalized, optuna=rdb, db=Database(rdb.engine, retry=retry or DEFAULT_RETRY))
-        if create and not rdb.get_all_studies():
-            # A new storage: nothing in it that a refused `start` would have to leave as it was.
-            storage.prepare()
+        with _schema_lock(normalized, kwargs, create and path is None):
+            storage = _open(url, normalized, kwargs, create, display, retry or DEFAULT_RETRY)
     except (OperationalError, optuna.exceptions.StorageInternalError) as exc:
         # The first connection failed: a fixable one-line message (bad host, password, ...).
         # No separate probe connection first: its backend lingers for a moment after close,
@@ -117,6 +104,48 @@ def open_storage(url: str, *, create: bool, read_only: bool = False, retry: Retr
         _refuse_bad_option(url, exc)
         raise StorageError(f"cannot open storage {display}: {str(exc).splitlines()[0]}") from exc
     return storage
+
+
+def _open(url: str, normalized: str, kwargs: dict[str, Any], create: bool, display: str, retry: RetryPolicy) -> Storage:
+    # Optuna's own schema check reads the version inside an open session on a second
+    # connection; with 64 workers starting at once that doubles the connections a server
+    # must take. The same check, one query after the other, needs one.
+    rdb = PatientRDBStorage(
+        normalized,
+        engine_kwargs=kwargs,
+        skip_compatibility_check=True,
+        skip_table_creation=not create,
+    )
+    rdb.retry_policy = retry
+    if not create and not sqlalchemy.inspect(rdb.engine).has_table("studies"):
+        rdb.engine.dispose()
+        raise _no_studies(url)
+    _check_schema_version(rdb, display)
+    storage = Storage(url=normalized, optuna=rdb, db=Database(rdb.engine, retry=retry))
+    if create and not rdb.get_all_studies():
+        # A new storage: nothing in it that a refused `start` would have to leave as it was.
+        storage.prepare()
+    return storage
+
+
+@contextlib.contextmanager
+def _schema_lock(normalized: str, kwargs: dict[str, Any], needed: bool) -> Iterator[None]:
+    """Serialise schema creation on PostgreSQL: two `hpsearch start`s on a fresh database would
+    both create Optuna's tables, and one fails on the other's half-made types (a duplicate key
+    in pg_type). A session-level advisory lock, on a connection of its own that closes (and so
+    releases it) whatever happens; SQLite's file lock serialises its DDL already."""
+    if not needed:
+        yield
+        return
+    engine = sqlalchemy.create_engine(
+        normalized, poolclass=sqlalchemy.pool.NullPool, connect_args=kwargs.get("connect_args", {})
+    )
+    try:
+        with engine.connect() as conn:
+            conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
+            yield
+    finally:
+        engine.dispose()
 
 
 def _refuse_bad_option(url: str, exc: BaseException) -> None:
