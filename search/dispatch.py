@@ -165,10 +165,15 @@ class Supervisor:
         storage = open_storage(self.storage_url, create=False)
         try:
             # Ended here, not left to turn "lost": other workers would wait for it to be reaped.
-            registry.end_dead(storage.db, self.study, host=registry.this_host(), pid=child.process.pid)
-            if child.trial is None:
+            held = registry.end_dead(storage.db, self.study, host=registry.this_host(), pid=child.process.pid)
+            if child.trial is not None:
+                trial_id = child.trial[0]
+            elif held is not None:
+                # It died after recording its trial in the registry, before telling us.
+                study_id = storage.optuna.get_study_id_from_name(self.study)
+                trial_id = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, held)
+            else:
                 return
-            trial_id = child.trial[0]
             spec = studies.stored_spec(storage, self.study)
             study = optuna.load_study(study_name=self.study, storage=storage.optuna)
             number = storage.optuna.get_trial(trial_id).number

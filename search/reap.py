@@ -10,6 +10,7 @@ retrying host can reach that path (the same instance after a restart, or a share
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
 import time
@@ -77,7 +78,13 @@ def reap(
     if not orphans:
         return reaped
     grace = grace_s if grace_s is not None else registry.MISSED_BEATS * registry.heartbeat_interval()
-    running = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    running_trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    running = {t.number for t in running_trials}
+    for number in _unbound(storage, study_name, running_trials, grace):
+        retried = _fail_for_retry(storage, study, number, max_retries)
+        if retried is not None:
+            log.warning("trial %d: its worker vanished as it asked for the trial; failing it for a retry", number)
+            reaped.append(Reaped(number, "unknown", "unknown", grace, retried))
     for slot, number in budget.orphaned_slots(storage.db, study_name, older_than_s=grace):
         if number is not None and number not in running:
             continue  # a finished trial keeps its slot
@@ -90,6 +97,24 @@ def reap(
             log.warning("trial %d: its worker vanished as the trial began; failing it for a retry", number)
             reaped.append(Reaped(number, "unknown", "unknown", grace, retried))
     return reaped
+
+
+def _unbound(storage: Storage, study_name: str, running: list[optuna.trial.FrozenTrial], grace: float) -> list[int]:
+    """Running trials that no budget slot and no live registry row name, older than ``grace``.
+
+    A worker that dies between ``ask()`` and binding the trial to its slot (milliseconds)
+    leaves such a trial. Its age is judged by its start time, which the asking host's clock
+    wrote (Optuna's); a grace of minutes dwarfs the drift of synchronised clocks.
+    """
+    if not running:
+        return []
+    named = budget.bound_trials(storage.db, study_name) | registry.held_trials(storage.db, study_name)
+    cutoff = datetime.datetime.now() - datetime.timedelta(seconds=grace)
+    return [
+        t.number
+        for t in running
+        if t.number not in named and t.datetime_start is not None and t.datetime_start < cutoff
+    ]
 
 
 def _fail_for_retry(storage: Storage, study: optuna.Study, number: int, max_retries: int) -> bool | None:

@@ -6,10 +6,13 @@ pre-trained weights once and keeps them for every trial it runs.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import multiprocessing as mp
 import os
 import shutil
 import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -26,6 +29,7 @@ from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import StudySpec, resolved
 from hpsearch.storage import budget, checkpoints as retention, registry
 from hpsearch.storage.db import PATIENT_RETRY
+from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage, open_storage
 
 log = logging.getLogger(__name__)
@@ -66,6 +70,11 @@ class TrialReporter:
             self.trial.set_user_attr(key, value)
 
 
+PR_SET_PDEATHSIG = 1
+PARENT_DIED = signal.SIGUSR1
+"""The signal the kernel sends a worker when its supervisor dies (see ``_die_with_parent``)."""
+
+
 class StopFlag:
     """First SIGTERM/SIGINT: finish the step, checkpoint, hand the trial back. Second: exit now."""
 
@@ -76,6 +85,14 @@ class StopFlag:
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._handle)
         signal.signal(signal.SIGINT, self._handle)
+        signal.signal(PARENT_DIED, self._parent_died)
+
+    def _parent_died(self, _signum: int, _frame: Any) -> None:
+        # A graceful stop, never the second signal's exit: the kernel sends the parent-death
+        # signal once per thread of the dead supervisor (it re-parents to each in turn).
+        if not self.requested:
+            self.requested, self.signum = True, signal.SIGTERM
+            log.warning("the supervisor died: checkpointing and handing the trial back")
 
     def _handle(self, signum: int, _frame: Any) -> None:
         if self.requested:
@@ -94,6 +111,9 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     stop = StopFlag()
     stop.install()
+    if not _die_with_parent():
+        log.warning("the supervisor that started this worker is gone; exiting")
+        raise SystemExit(128 + signal.SIGTERM)
     import torch
 
     if args.threads:
@@ -133,6 +153,25 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         # Tell the supervisor we were stopped (its trial is already handed back), so it
         # restarts us unless it is stopping too.
         raise SystemExit(128 + stop.signum)
+
+
+def _die_with_parent() -> bool:
+    """Have the kernel signal this worker when its supervisor dies; False if it is gone already.
+
+    A supervisor killed with SIGKILL cannot stop its workers, and an orphan worker would train
+    (or ask a trial) with nobody to hand its trial back if it crashed. With the parent-death
+    signal it takes the graceful SIGTERM path instead: checkpoint, hand the trial back, exit.
+    Not SIGTERM itself: it comes once per supervisor thread, and a second SIGTERM means "exit
+    now". The parent may have died before prctl took effect, so its pid is checked afterwards.
+    """
+    parent = mp.parent_process()
+    if parent is None:
+        return True  # not a spawned child (run in-process by a test or a benchmark)
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, PARENT_DIED, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d)", ctypes.get_errno())
+    return os.getppid() == parent.pid
 
 
 class Worker:
@@ -184,6 +223,10 @@ class Worker:
 
     def run(self) -> None:
         finished = 0
+        # A trial left RUNNING by a worker that died before the registry knew it has no
+        # heartbeat to go stale: it would hold its slot (and, counted as running, use up
+        # gpu_hours) for ever. Failed and retried here, before the budget is judged.
+        reap.reap(self.storage, self.args.study, max_retries=self.spec.search.max_retries, orphans=True, stale=False)
         while not self.stop():
             stop_reason = studies.budget_left(self.study, self.spec, self.storage.db.now())
             if stop_reason is not None:
@@ -197,10 +240,7 @@ class Worker:
                 log.info("study budget (%d trials) is used; %d run here", n_trials, finished)
                 return
             trial = self.study.ask()
-            budget.bind_slot(self.storage.db, self.args.study, slot, trial.number)
-            self._notify("trial", trial._trial_id, trial.number)
-            if self.registration:
-                self.registration.trial_started(trial.number)
+            self._begin(trial, slot)
             try:
                 self.run_trial(trial)
             except ranks.GroupRestart:
@@ -216,6 +256,36 @@ class Worker:
                 self.registration.trial_ended(finished=not self.stop())
             self._notify("idle", trial._trial_id, trial.number)
             finished += 1
+
+    def _begin(self, trial: optuna.Trial, slot: int) -> None:
+        """Bind the trial to its slot and to this worker's registry row, then tell the supervisor.
+
+        Until the registry row names the trial, nothing would ever notice this worker dying
+        with it (no heartbeat covers it): a failure in between hands the trial back here.
+        """
+        try:
+            budget.bind_slot(self.storage.db, self.args.study, slot, trial.number)
+            if self.registration:
+                self.registration.trial_started(trial.number)
+        except BaseException:
+            log.error("trial %d could not be registered; handing it back", trial.number)
+            self._hand_back_unstarted(trial)
+            raise
+        self._notify("trial", trial._trial_id, trial.number)
+
+    def _hand_back_unstarted(self, trial: optuna.Trial) -> None:
+        try:
+            retry.hand_back(
+                self.storage,
+                self.study,
+                trial._trial_id,
+                reason="not_started",
+                resume_from=None,
+                max_retries=self.spec.search.max_retries,
+            )
+        except StorageError as err:
+            # Left RUNNING: the orphan sweep of the next worker to start fails and retries it.
+            log.warning("could not hand trial %d back: %s", trial.number, err)
 
     def _wait_for_missing_workers(self) -> bool:
         """True (after a pause, if needed) when the used-up budget may still free a slot here.
@@ -411,8 +481,15 @@ class Worker:
         return "cpu"
 
     def _notify(self, *message: Any) -> None:
-        if self.conn is not None:
+        if self.conn is None:
+            return
+        try:
             self.conn.send(message)
+        except OSError:  # BrokenPipeError: the supervisor is gone
+            if not self.stop():
+                # Off Linux there is no parent-death signal; this is the same graceful stop.
+                log.warning("the supervisor is gone: checkpointing and handing the trial back")
+                self.stop.requested, self.stop.signum = True, signal.SIGTERM
 
 
 def _trial_log(out_dir: Path) -> logging.Handler:

@@ -150,20 +150,41 @@ def end(db: Database, worker_id: int) -> None:
     )
 
 
-def end_dead(db: Database, study: str, *, host: str, pid: int) -> None:
+def held_trials(db: Database, study: str) -> set[int]:
+    """The trials that workers not known to have ended hold (live or lost ones)."""
+    rows = db.run(
+        lambda s: s.execute(
+            select(WorkerRecord.current_trial).where(
+                WorkerRecord.study_name == study,
+                WorkerRecord.ended_at.is_(None),
+                WorkerRecord.current_trial.is_not(None),
+            )
+        ).all(),
+        what="read the trials workers hold",
+    )
+    return {int(r[0]) for r in rows}
+
+
+def end_dead(db: Database, study: str, *, host: str, pid: int) -> int | None:
     """A worker process its supervisor saw die: end its row at its last heartbeat.
 
-    Its trial was already handed back by the supervisor; without this the row would turn
-    "lost" with a current trial, and workers would wait for a reaper to clear it.
+    Returns the trial the row held, for the supervisor to hand back (it may have died
+    between recording the trial here and telling its supervisor). Without this the row
+    would turn "lost" with a current trial, and workers would wait for a reaper to clear it.
     """
+    where = (
+        WorkerRecord.study_name == study,
+        WorkerRecord.host == host,
+        WorkerRecord.pid == pid,
+        WorkerRecord.ended_at.is_(None),
+    )
+    held = db.run(
+        lambda s: s.execute(select(WorkerRecord.current_trial).where(*where)).scalars().first(),
+        what="read a dead worker's trial",
+    )
     stmt = (
         update(WorkerRecord)
-        .where(
-            WorkerRecord.study_name == study,
-            WorkerRecord.host == host,
-            WorkerRecord.pid == pid,
-            WorkerRecord.ended_at.is_(None),
-        )
+        .where(*where)
         .values(
             device_seconds=_device_seconds_at(WorkerRecord.heartbeat_at),
             current_trial=None,
@@ -172,6 +193,7 @@ def end_dead(db: Database, study: str, *, host: str, pid: int) -> None:
         )
     )
     db.run(lambda s: s.execute(stmt), what="record a dead worker")
+    return None if held is None else int(held)
 
 
 @dataclass(frozen=True)
