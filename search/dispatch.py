@@ -22,6 +22,7 @@ import optuna
 from hpsearch.search import progress, ranks, retry, study as studies, worker
 from hpsearch.search.devices import Device, only_gpu, threads_per_worker
 from hpsearch.storage import registry
+from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import open_storage
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,8 @@ class Supervisor:
             how = "restart after a failed trial"
         elif code == ranks.PEER_DIED:
             how = "a peer rank died"
+        elif code == worker.STORAGE_LOST:
+            how = "storage unreachable"
         else:
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         log.error(
@@ -160,6 +163,14 @@ class Supervisor:
 
     def _record_crash(self, child: Child, reason: str) -> None:
         """End the dead child's registry row and hand its trial back for a retry."""
+        try:
+            self._hand_back_dead(child, reason)
+        except StorageError as err:
+            # Its registry row then stays open: the trial is reaped once its heartbeat is
+            # stale and the storage answers again.
+            log.error("could not hand back the trial of worker %s: %s", child.name, err)
+
+    def _hand_back_dead(self, child: Child, reason: str) -> None:
         from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE
 
         storage = open_storage(self.storage_url, create=False)

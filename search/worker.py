@@ -58,16 +58,42 @@ class TrialReporter:
 
     def __init__(self, trial: optuna.Trial) -> None:
         self.trial = trial
+        self.last_ok = time.monotonic()
+        """When a call last reached the storage: the device time of an attempt that storage
+        failed ends here, not after the minutes of retrying through the outage."""
 
     def report(self, value: float, step: int) -> None:
         self.trial.report(value, step)
+        self.last_ok = time.monotonic()
 
     def should_prune(self) -> bool:
-        return self.trial.should_prune()
+        prune = self.trial.should_prune()
+        self.last_ok = time.monotonic()
+        return prune
 
     def set_attrs(self, attrs: dict[str, Any]) -> None:
         for key, value in attrs.items():
             self.trial.set_user_attr(key, value)
+        self.last_ok = time.monotonic()
+
+
+class StorageLost(Exception):
+    """The storage stayed unreachable past its retries while this worker held a trial.
+
+    Not the trial's fault: the worker exits without telling anything, and the trial is handed
+    back by its supervisor, or reaped once the storage is back and its heartbeat is stale.
+    """
+
+
+STORAGE_LOST = 75  # EX_TEMPFAIL: the worker's exit code after StorageLost
+
+
+def is_storage_failure(exc: BaseException) -> bool:
+    """An error of the storage (ours or Optuna's), after its own retries, not of the trial."""
+    from optuna.exceptions import StorageInternalError
+    from sqlalchemy.exc import SQLAlchemyError
+
+    return isinstance(exc, (StorageError, StorageInternalError, SQLAlchemyError))
 
 
 PR_SET_PDEATHSIG = 1
@@ -144,6 +170,11 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         if peers:
             peers.close(kill=True)
         raise SystemExit(ranks.GROUP_RESTART) from None
+    except StorageLost as exc:
+        log.error("%s; exiting (the trial is retried once the storage is back)", exc)
+        if peers:
+            peers.close(kill=True)
+        raise SystemExit(STORAGE_LOST) from None
     finally:
         storage.close()
     if peers:
@@ -243,9 +274,13 @@ class Worker:
             self._begin(trial, slot)
             try:
                 self.run_trial(trial)
-            except ranks.GroupRestart:
-                raise  # the failure is recorded; the device group's ranks must start afresh
-            except Exception:
+            except (ranks.GroupRestart, StorageLost):
+                # GroupRestart: the failure is recorded; the device group's ranks must start
+                # afresh. StorageLost: nothing can be recorded; the worker exits.
+                raise
+            except Exception as exc:
+                if is_storage_failure(exc):
+                    raise StorageLost(f"trial {trial.number}: storage unreachable ({exc})"[:500]) from exc
                 if not self._finished_elsewhere(trial):
                     raise
                 # Our heartbeat went stale (a long network cut) and a reaper failed the trial
@@ -363,6 +398,11 @@ class Worker:
             log.error("trial %d failed: %s", trial.number, exc)
             failure: str | None = exc.reason
         except Exception as exc:
+            if is_storage_failure(exc):
+                # The database, not the trial: keep its checkpoints and hand it back.
+                log.error("trial %d: the storage failed: %s", trial.number, str(exc).splitlines()[0][:300])
+                self._hand_back_after_storage_failure(trial, out_dir, reporter, started, exc)
+                return
             log.error("trial %d failed:\n%s", trial.number, traceback.format_exc())
             failure = f"{type(exc).__name__}: {exc}"[:500]
         else:
@@ -420,6 +460,36 @@ class Worker:
             self._fail(trial, result.fail_reason or "no validation point reached")
         if result.status != "interrupted":
             self._retain()
+
+    def _hand_back_after_storage_failure(
+        self, trial: optuna.Trial, out_dir: Path, reporter: TrialReporter, started: float, exc: Exception
+    ) -> None:
+        """Queue a retry that resumes from the trial's resumable state, like a crash.
+
+        The retry waits until the storage answers again (each call retries patiently); if it
+        does not, ``StorageLost`` ends the worker and the trial is reaped later.
+        """
+        from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE
+
+        # Only time that reached the storage counts: the outage is no device's work.
+        spent = (reporter.last_ok - started) * self.world.size
+        try:
+            before = float(trial.user_attrs.get(studies.DEVICE_SECONDS, 0.0))
+            trial.set_user_attr(studies.DEVICE_SECONDS, round(before + max(0.0, spent), 3))
+            retry.hand_back(
+                self.storage,
+                self.study,
+                trial._trial_id,
+                reason=f"storage_error ({type(exc).__name__})",
+                resume_from=out_dir / RESUME / RESUME_FILE,
+                max_retries=self.spec.search.max_retries,
+            )
+        except Exception as err:
+            if not is_storage_failure(err):
+                raise
+            raise StorageLost(f"trial {trial.number}: storage unreachable ({err})"[:500]) from err
+        if self.world.size > 1:
+            raise ranks.GroupRestart(f"trial {trial.number} lost its storage on a {self.world.size}-device group")
 
     def _retain(self) -> None:
         """Keep only the best checkpoints of the study's top trials (see storage/checkpoints.py)."""

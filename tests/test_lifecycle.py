@@ -9,8 +9,10 @@ import time
 from pathlib import Path
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
+from tests.conftest import spec_text
 from tests.test_faults import _sa_url, _slow_spec, _spawned_workers, _start, _wait_for_report
 
 
@@ -127,3 +129,103 @@ def test_start_fails_and_retries_an_orphaned_running_trial_before_judging_gpu_ho
     orphan, retry = _trials(sqlite_url)
     assert orphan.state == TrialState.FAIL and orphan.user_attrs["fail_reason"] == "worker_lost"
     assert retry.state == TrialState.COMPLETE and retry.user_attrs["retry_of"] == orphan.number
+
+
+def _in_process_worker(tmp_path: Path, spec: Path, url: str, study: str, n_trials: int = 1) -> None:
+    """One worker in this process (faults injected with monkeypatch) runs the study to its end."""
+    from hpsearch.search import study as studies
+    from hpsearch.search.spec import load_file
+    from hpsearch.search.worker import StopFlag, Worker, WorkerArgs
+    from hpsearch.storage.open import open_storage
+
+    loaded = load_file(spec)
+    loaded.search.n_trials = n_trials
+    storage = open_storage(url, create=True)
+    try:
+        studies.create_or_resume(storage, study, loaded)
+        args = WorkerArgs(
+            study=study, storage_url=url, device="cpu", name="test/cpu:0/1", output_dir=str(tmp_path / "runs")
+        )
+        Worker(args, storage, StopFlag(), None).run()
+    finally:
+        storage.close()
+
+
+def _spec(tmp_path: Path, model: Path, data: tuple[Path, Path], n_trials: int = 1, search: str = "") -> Path:
+    """Quick trials (20 steps), no pruning, resumable state at every validation point."""
+    spec = tmp_path / "spec.toml"
+    text = spec_text(model, *data, n_trials=n_trials, search=search, extra_train="resume_every_minutes = 0")
+    spec.write_text(text.replace('pruner = "median"', 'pruner = "none"'))
+    return spec
+
+
+def test_a_storage_failure_inside_a_trial_hands_it_back_with_its_checkpoints(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from optuna.exceptions import StorageInternalError
+
+    from hpsearch.search.worker import TrialReporter
+
+    real_report = TrialReporter.report
+    outage = {"left": 1}
+
+    def report(self: TrialReporter, value: float, step: int) -> None:
+        if step == 10 and outage["left"]:
+            outage["left"] -= 1
+            time.sleep(2.0)  # the storage layer retrying through the outage
+            raise StorageInternalError("An exception is raised during the commit (injected outage)")
+        real_report(self, value, step)
+
+    monkeypatch.setattr(TrialReporter, "report", report)
+    _in_process_worker(tmp_path, _spec(tmp_path, tiny_model, demo_files), sqlite_url, "db")
+    first, retry = optuna.load_study(study_name="db", storage=sqlite_url).get_trials()
+    assert first.state == TrialState.FAIL, first.user_attrs
+    assert first.user_attrs["fail_reason"] == "storage_error (StorageInternalError)"
+    # The attempt ends where the storage stopped answering: the outage is not device time.
+    wall = (first.datetime_complete - first.datetime_start).total_seconds()
+    assert first.user_attrs["device_seconds"] < wall - 1.5, (first.user_attrs["device_seconds"], wall)
+    # The retry continued from the state saved at step 10 (resume_every_minutes = 0).
+    assert retry.state == TrialState.COMPLETE and retry.user_attrs["retry_of"] == first.number
+    assert retry.user_attrs["resumed_from_step"] == 10
+    assert min(retry.intermediate_values) > 10
+
+
+def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from optuna.exceptions import StorageInternalError
+
+    from hpsearch.search import reap, worker
+    from hpsearch.storage.errors import StorageError
+    from hpsearch.storage.open import open_storage
+
+    real_report, real_hand_back = worker.TrialReporter.report, worker.retry.hand_back
+
+    def report(self: worker.TrialReporter, value: float, step: int) -> None:
+        if step == 10:
+            raise StorageInternalError("An exception is raised during the commit (injected outage)")
+        real_report(self, value, step)
+
+    def hand_back(*args: object, **kwargs: object) -> bool:
+        raise StorageError("cannot reach the database (injected outage)")
+
+    monkeypatch.setattr(worker.TrialReporter, "report", report)
+    monkeypatch.setattr(worker.retry, "hand_back", hand_back)
+    spec = _spec(tmp_path, tiny_model, demo_files)
+    with pytest.raises(worker.StorageLost):
+        _in_process_worker(tmp_path, spec, sqlite_url, "db")
+    [trial] = optuna.load_study(study_name="db", storage=sqlite_url).get_trials()
+    assert trial.state == TrialState.RUNNING, "not failed: nothing could be told"
+    assert (tmp_path / "runs" / "db" / "trial-0" / "resume" / "state.pt").exists()
+    # The storage is back: the trial is reaped like any lost one and its retry resumes.
+    monkeypatch.setattr(worker.TrialReporter, "report", real_report)
+    monkeypatch.setattr(worker.retry, "hand_back", real_hand_back)
+    storage = open_storage(sqlite_url, create=False)
+    try:
+        assert [r.trial_number for r in reap.reap(storage, "db", max_retries=2, grace_s=0, orphans=True)] == [0]
+    finally:
+        storage.close()
+    _in_process_worker(tmp_path, spec, sqlite_url, "db")
+    first, retry = optuna.load_study(study_name="db", storage=sqlite_url).get_trials()
+    assert first.state == TrialState.FAIL and retry.state == TrialState.COMPLETE
+    assert retry.user_attrs["resumed_from_step"] == 10
