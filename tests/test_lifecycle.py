@@ -131,7 +131,9 @@ def test_start_fails_and_retries_an_orphaned_running_trial_before_judging_gpu_ho
     assert retry.state == TrialState.COMPLETE and retry.user_attrs["retry_of"] == orphan.number
 
 
-def _in_process_worker(tmp_path: Path, spec: Path, url: str, study: str, n_trials: int = 1) -> None:
+def _in_process_worker(
+    tmp_path: Path, spec: Path, url: str, study: str, n_trials: int = 1, stop: object = None
+) -> None:
     """One worker in this process (faults injected with monkeypatch) runs the study to its end."""
     from hpsearch.search import study as studies
     from hpsearch.search.spec import load_file
@@ -146,7 +148,7 @@ def _in_process_worker(tmp_path: Path, spec: Path, url: str, study: str, n_trial
         args = WorkerArgs(
             study=study, storage_url=url, device="cpu", name="test/cpu:0/1", output_dir=str(tmp_path / "runs")
         )
-        Worker(args, storage, StopFlag(), None).run()
+        Worker(args, storage, stop or StopFlag(), None).run()  # type: ignore[arg-type]
     finally:
         storage.close()
 
@@ -229,3 +231,32 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
     first, retry = optuna.load_study(study_name="db", storage=sqlite_url).get_trials()
     assert first.state == TrialState.FAIL and retry.state == TrialState.COMPLETE
     assert retry.user_attrs["resumed_from_step"] == 10
+
+
+class _StopAfter:
+    """A stop request (as SIGTERM makes) after ``n`` checks: the worker checks once per step."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self) -> bool:
+        self.n -= 1
+        return self.n < 0
+
+
+def test_a_broken_resumable_state_trains_the_retry_from_the_start(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = _spec(tmp_path, tiny_model, demo_files)
+    _in_process_worker(tmp_path, spec, sqlite_url, "broken", stop=_StopAfter(8))
+    state = tmp_path / "runs" / "broken" / "trial-0" / "resume" / "state.pt"
+    assert state.stat().st_size > 1000
+    with state.open("r+b") as f:
+        f.truncate(1000)  # what a full disk or an interrupted copy leaves
+    _in_process_worker(tmp_path, spec, sqlite_url, "broken")
+    first, retry = optuna.load_study(study_name="broken", storage=sqlite_url).get_trials()
+    assert first.user_attrs["fail_reason"] == "interrupted"
+    assert retry.state == TrialState.COMPLETE, retry.user_attrs.get("fail_reason")
+    assert "resumed_from_step" not in retry.user_attrs
+    assert min(retry.intermediate_values) == 5, "trained from the start"
+    assert "cannot read the resumable state" in caplog.text
