@@ -23,7 +23,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import ranks, reap, retry, study as studies
+from hpsearch.search import leftovers, ranks, reap, retry, study as studies
 from hpsearch.search.devices import torch_device
 from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import StudySpec, resolved
@@ -258,6 +258,7 @@ class Worker:
         # heartbeat to go stale: it would hold its slot (and, counted as running, use up
         # gpu_hours) for ever. Failed and retried here, before the budget is judged.
         reap.reap(self.storage, self.args.study, max_retries=self.spec.search.max_retries, orphans=True, stale=False)
+        self._tidy()
         while not self.stop():
             stop_reason = studies.budget_left(self.study, self.spec, self.storage.db.now())
             if stop_reason is not None:
@@ -290,6 +291,7 @@ class Worker:
                 # A trial cut short by a stop request is handed back, not finished here.
                 self.registration.trial_ended(finished=not self.stop())
             self._notify("idle", trial._trial_id, trial.number)
+            self._tidy()
             finished += 1
 
     def _begin(self, trial: optuna.Trial, slot: int) -> None:
@@ -490,6 +492,17 @@ class Worker:
             raise StorageLost(f"trial {trial.number}: storage unreachable ({err})"[:500]) from err
         if self.world.size > 1:
             raise ranks.GroupRestart(f"trial {trial.number} lost its storage on a {self.world.size}-device group")
+
+    def _tidy(self, *, retain: bool = False) -> None:
+        """Delete what no trial needs from this host's folders (see leftovers.py), and, with
+        ``retain``, the checkpoints that fell out of the top k (maybe while this host was away)."""
+        try:
+            if retain:
+                self._retain()
+            leftovers.sweep(self.storage.db, self.study, self.root, max_retries=self.spec.search.max_retries)
+        except (StorageError, OSError) as err:
+            # A later trial's sweep tries again; tidying is never worth a failed worker.
+            log.warning("could not sweep %s: %s", self.root, err)
 
     def _retain(self) -> None:
         """Keep only the best checkpoints of the study's top trials (see storage/checkpoints.py)."""

@@ -260,3 +260,68 @@ def test_a_broken_resumable_state_trains_the_retry_from_the_start(
     assert "resumed_from_step" not in retry.user_attrs
     assert min(retry.intermediate_values) == 5, "trained from the start"
     assert "cannot read the resumable state" in caplog.text
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL: nothing below the worker loop catches it, no clean-up runs."""
+
+
+def _hand_back_as_supervisor(url: str, study: str, runs: Path) -> None:
+    """What the supervisor does when its worker died during trial 0."""
+    from hpsearch.search import retry
+    from hpsearch.storage.open import open_storage
+
+    storage = open_storage(url, create=False)
+    try:
+        s = optuna.load_study(study_name=study, storage=storage.optuna)
+        [running] = s.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        resume = runs / study / f"trial-{running.number}" / "resume" / "state.pt"
+        assert retry.hand_back(storage, s, running._trial_id, reason="worker_crash", resume_from=resume, max_retries=2)
+    finally:
+        storage.close()
+
+
+def test_a_kill_during_the_first_resumable_save_leaves_no_folder_behind(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hpsearch.trainer import checkpoint
+
+    real_save = checkpoint.torch.save
+
+    def killed_while_saving(obj, f, *a, **kw):  # type: ignore[no-untyped-def]
+        Path(f).write_bytes(b"half a checkpoint")
+        raise _Killed
+
+    spec = _spec(tmp_path, tiny_model, demo_files)
+    monkeypatch.setattr(checkpoint.torch, "save", killed_while_saving)
+    with pytest.raises(_Killed):
+        _in_process_worker(tmp_path, spec, sqlite_url, "kill")
+    trial_0 = tmp_path / "runs" / "kill" / "trial-0"
+    # Killed at step 5 after its best save, inside its first resumable save.
+    assert (trial_0 / "best").is_dir() and list(trial_0.glob(".resume.tmp-*")) and not (trial_0 / "resume").exists()
+    _hand_back_as_supervisor(sqlite_url, "kill", tmp_path / "runs")
+    monkeypatch.setattr(checkpoint.torch, "save", real_save)
+    _in_process_worker(tmp_path, spec, sqlite_url, "kill")
+    first, retry = optuna.load_study(study_name="kill", storage=sqlite_url).get_trials()
+    assert retry.state == TrialState.COMPLETE and "resumed_from_step" not in retry.user_attrs
+    assert sorted(p.name for p in trial_0.iterdir() if p.name not in ("train.log", "tensorboard")) == []
+    assert first.user_attrs["best_checkpoint"].startswith("deleted (trial fail; was "), first.user_attrs
+    assert Path(retry.user_attrs["best_checkpoint"]).is_dir()
+
+
+def test_a_reaped_workers_late_resumable_state_is_swept_when_a_worker_starts(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str
+) -> None:
+    spec = _spec(tmp_path, tiny_model, demo_files)
+    _in_process_worker(tmp_path, spec, sqlite_url, "late", stop=_StopAfter(8))
+    _in_process_worker(tmp_path, spec, sqlite_url, "late")  # the retry resumes and completes
+    _, retry = optuna.load_study(study_name="late", storage=sqlite_url).get_trials()
+    assert retry.state == TrialState.COMPLETE and retry.user_attrs["resumed_from_step"] > 0
+    # The reaped attempt's worker wakes up (SIGCONT) and saves once more before it notices.
+    late = tmp_path / "runs" / "late" / "trial-0" / "resume"
+    late.mkdir()
+    (late / "state.pt").write_bytes(b"weights")
+    (late.parent / ".best.tmp-0a1b2c3d").mkdir()
+    _in_process_worker(tmp_path, spec, sqlite_url, "late")  # budget used: it only tidies
+    assert not late.exists() and not list(late.parent.glob(".best.tmp-*"))
+    assert (tmp_path / "runs" / "late" / "trial-1" / "best").is_dir()
