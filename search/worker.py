@@ -431,7 +431,7 @@ class Worker:
                 raise ranks.GroupRestart(f"trial {trial.number} failed on a {self.world.size}-device group")
             return
         if result.status == "complete" and result.best_value is not None:
-            self.study.tell(trial, result.best_value)
+            self._tell(trial, result.best_value)
             log.info(
                 "trial %d complete: %s = %.4f at step %s",
                 trial.number,
@@ -442,7 +442,7 @@ class Worker:
         elif result.status == "pruned":
             if result.fail_reason:
                 trial.set_user_attr(retry.FAIL_REASON, result.fail_reason)
-            self.study.tell(trial, state=TrialState.PRUNED)
+            self._tell(trial, state=TrialState.PRUNED)
             log.info(
                 "trial %d pruned at step %d%s",
                 trial.number,
@@ -550,9 +550,28 @@ class Worker:
         # the weights and optimizer moments twice.
         return moved
 
+    def _tell(self, trial: optuna.Trial, value: float | None = None, state: TrialState | None = None) -> None:
+        """``study.tell``, taking the grid sampler's end of the grid for what it is.
+
+        Once every grid point has run, optuna's GridSampler calls ``study.stop()`` from
+        ``after_trial``, which raises RuntimeError outside ``study.optimize``. The trial is
+        stored all the same (tell writes its state in a ``finally``), so the RuntimeError is
+        no failure: without this it passed for "the trial was reaped" and retention was skipped.
+        """
+        try:
+            self.study.tell(trial, value, state=state)
+        except RuntimeError:
+            if not isinstance(self.study.sampler, optuna.samplers.GridSampler):
+                raise
+            stored = self.storage.optuna.get_trial(trial._trial_id).state
+            if stored != (state or TrialState.COMPLETE):
+                raise
+            # The budget, not the sampler, ends the search: a failed point's retry may wait.
+            log.info("trial %d was the last point of the grid", trial.number)
+
     def _fail(self, trial: optuna.Trial, reason: str) -> None:
         trial.set_user_attr(retry.FAIL_REASON, reason)
-        self.study.tell(trial, state=TrialState.FAIL)
+        self._tell(trial, state=TrialState.FAIL)
 
     def _device_name(self) -> str:
         if self.world.size > 1:
