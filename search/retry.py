@@ -76,3 +76,12 @@ def hand_back(
         f", resuming {resume}" if resume else "",
     )
     return True
+
+
+def waiting_retries(study: optuna.Study) -> list[int]:
+    """The trials whose retry is queued and not yet taken by a worker."""
+    return [
+        int(t.user_attrs[RETRY_OF])
+        for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        if RETRY_OF in t.user_attrs
+    ]

@@ -262,8 +262,12 @@ class Worker:
         while not self.stop():
             stop_reason = studies.budget_left(self.study, self.spec, self.storage.db.now())
             if stop_reason is not None:
-                log.info("no new trial: %s; %d run here", stop_reason, finished)
-                return
+                # Trials that already started finish: a retry is not a new trial.
+                waiting = retry.waiting_retries(self.study)
+                if not waiting:
+                    log.info("no new trial: %s; %d run here", stop_reason, finished)
+                    return
+                log.info("%s, but trial(s) %s started before: running their retries", stop_reason, waiting)
             n_trials = studies.n_trials(self.study, self.spec)
             slot = budget.claim_slot(self.storage.db, self.args.study, n_trials, self.args.name)
             if slot is None:

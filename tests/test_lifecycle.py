@@ -351,3 +351,29 @@ def test_the_end_of_a_grid_is_no_reaped_trial_and_retention_runs(
     best = min(trials, key=lambda t: t.value)
     kept = sorted(p.parent.name for p in (tmp_path / "runs" / "grid").glob("trial-*/best"))
     assert kept == [f"trial-{best.number}"]
+
+
+def test_a_retry_runs_after_the_timeout_when_its_trial_started_before(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str
+) -> None:
+    from hpsearch.search import study as studies
+    from hpsearch.search.worker import StopFlag, Worker, WorkerArgs
+    from hpsearch.storage.open import open_storage
+
+    spec = _spec(tmp_path, tiny_model, demo_files, n_trials=2, search="timeout_minutes = 60")
+    _in_process_worker(tmp_path, spec, sqlite_url, "late", n_trials=2, stop=_StopAfter(8))
+    storage = open_storage(sqlite_url, create=False)
+    try:
+        # The timeout runs out while trial 0's retry waits (e.g. its worker crashed).
+        study = optuna.load_study(study_name="late", storage=storage.optuna)
+        study.set_user_attr(studies.DEADLINE_ATTR, storage.db.now() - 1)
+        args = WorkerArgs(
+            study="late", storage_url=sqlite_url, device="cpu", name="t/cpu:0/1", output_dir=str(tmp_path / "runs")
+        )
+        Worker(args, storage, StopFlag(), None).run()
+    finally:
+        storage.close()
+    first, retry = optuna.load_study(study_name="late", storage=sqlite_url).get_trials()
+    assert first.state == TrialState.FAIL
+    # It ran (no new trial started after it: the timeout holds for those).
+    assert retry.state == TrialState.COMPLETE and retry.user_attrs["retry_of"] == first.number
