@@ -258,7 +258,7 @@ class Worker:
         # heartbeat to go stale: it would hold its slot (and, counted as running, use up
         # gpu_hours) for ever. Failed and retried here, before the budget is judged.
         reap.reap(self.storage, self.args.study, max_retries=self.spec.search.max_retries, orphans=True, stale=False)
-        self._tidy()
+        self._tidy(retain=True)  # checkpoints may have fallen out of the top k while this host was away
         while not self.stop():
             stop_reason = studies.budget_left(self.study, self.spec, self.storage.db.now())
             if stop_reason is not None:

@@ -377,3 +377,26 @@ def test_a_retry_runs_after_the_timeout_when_its_trial_started_before(
     assert first.state == TrialState.FAIL
     # It ran (no new trial started after it: the timeout holds for those).
     assert retry.state == TrialState.COMPLETE and retry.user_attrs["retry_of"] == first.number
+
+
+def test_a_worker_that_starts_deletes_checkpoints_that_fell_out_of_the_top_k_meanwhile(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str
+) -> None:
+    spec = _spec(tmp_path, tiny_model, demo_files, search="keep_top_k = 1")
+    _in_process_worker(tmp_path, spec, sqlite_url, "away")
+    [ours] = optuna.load_study(study_name="away", storage=sqlite_url).get_trials()
+    assert Path(ours.user_attrs["best_checkpoint"]).is_dir()
+    # While this host was down, another host finished a better trial.
+    study = optuna.load_study(study_name="away", storage=sqlite_url)
+    study.add_trial(
+        optuna.trial.create_trial(
+            params=ours.params,
+            distributions=ours.distributions,
+            value=ours.value / 2,
+            user_attrs={"best_checkpoint": "/host-b/runs/away/trial-1/best"},
+        )
+    )
+    _in_process_worker(tmp_path, spec, sqlite_url, "away")  # budget used: it only tidies
+    note = optuna.load_study(study_name="away", storage=sqlite_url).trials[0].user_attrs["best_checkpoint"]
+    assert note.startswith("deleted (not in the study's top 1"), note
+    assert not (tmp_path / "runs" / "away" / "trial-0" / "best").exists()
