@@ -6,6 +6,7 @@ hands the trial it was running back for a retry, and restarts the child within a
 
 from __future__ import annotations
 
+import datetime
 import logging
 import multiprocessing as mp
 import os
@@ -187,10 +188,19 @@ class Supervisor:
                 return
             spec = studies.stored_spec(storage, self.study)
             study = optuna.load_study(study_name=self.study, storage=storage.optuna)
-            number = storage.optuna.get_trial(trial_id).number
-            resume = self.output_dir / self.study / f"trial-{number}" / RESUME / RESUME_FILE
+            frozen = storage.optuna.get_trial(trial_id)
+            resume = self.output_dir / self.study / f"trial-{frozen.number}" / RESUME / RESUME_FILE
+            # The attempt used its devices from its start (this host's clock wrote it) until now.
+            started = frozen.datetime_start or datetime.datetime.now()
+            spent = (datetime.datetime.now() - started).total_seconds() * len(child.device.child_ids())
             retry.hand_back(
-                storage, study, trial_id, reason=reason, resume_from=resume, max_retries=spec.search.max_retries
+                storage,
+                study,
+                trial_id,
+                reason=reason,
+                resume_from=resume,
+                max_retries=spec.search.max_retries,
+                device_seconds=max(0.0, spent),
             )
         finally:
             # The parent holds no connection while its children train.

@@ -72,7 +72,7 @@ def reap(
             s.host,
             s.heartbeat_age_s,
         )
-        retried = _fail_for_retry(storage, study, s.trial_number, max_retries)
+        retried = _fail_for_retry(storage, study, s.trial_number, max_retries, device_seconds=s.device_seconds)
         if retried is not None:
             reaped.append(Reaped(s.trial_number, s.worker, s.host, s.heartbeat_age_s, retried))
     if not orphans:
@@ -117,7 +117,9 @@ def _unbound(storage: Storage, study_name: str, running: list[optuna.trial.Froze
     ]
 
 
-def _fail_for_retry(storage: Storage, study: optuna.Study, number: int, max_retries: int) -> bool | None:
+def _fail_for_retry(
+    storage: Storage, study: optuna.Study, number: int, max_retries: int, *, device_seconds: float | None = None
+) -> bool | None:
     """Hand a running trial back for a retry; None if it is not running (nothing to do)."""
     study_id = storage.optuna.get_study_id_from_name(study.study_name)
     trial_id = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, number)
@@ -133,6 +135,7 @@ def _fail_for_retry(storage: Storage, study: optuna.Study, number: int, max_retr
         resume_from=Path(resume) if resume else None,
         max_retries=max_retries,
         local=False,
+        device_seconds=device_seconds,
     )
 
 

@@ -206,6 +206,8 @@ class StaleTrial:
     trial_number: int
     heartbeat_at: float
     heartbeat_age_s: float
+    device_seconds: float = 0.0
+    """The trial's device time up to the last heartbeat, times the worker's devices."""
 
 
 def stale_trials(
@@ -227,7 +229,15 @@ def stale_trials(
             )
         ).scalars()
         return [
-            StaleTrial(r.id, r.name, r.host, int(r.current_trial), r.heartbeat_at, now - r.heartbeat_at)
+            StaleTrial(
+                r.id,
+                r.name,
+                r.host,
+                int(r.current_trial),
+                r.heartbeat_at,
+                now - r.heartbeat_at,
+                max(0.0, r.heartbeat_at - (r.trial_started_at or r.heartbeat_at)) * (1 + r.device.count("+")),
+            )
             for r in rows
             if r.current_trial is not None
             and now - r.heartbeat_at > (grace_s if grace_s is not None else missed_beats * r.heartbeat_s)
