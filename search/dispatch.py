@@ -6,6 +6,7 @@ hands the trial it was running back for a retry, and restarts the child within a
 
 from __future__ import annotations
 
+import datetime
 import logging
 import multiprocessing as mp
 import os
@@ -22,6 +23,7 @@ import optuna
 from hpsearch.search import progress, ranks, retry, study as studies, worker
 from hpsearch.search.devices import Device, only_gpu, threads_per_worker
 from hpsearch.storage import registry
+from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import open_storage
 
 log = logging.getLogger(__name__)
@@ -132,6 +134,8 @@ class Supervisor:
             how = "restart after a failed trial"
         elif code == ranks.PEER_DIED:
             how = "a peer rank died"
+        elif code == worker.STORAGE_LOST:
+            how = "storage unreachable"
         else:
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         log.error(
@@ -160,21 +164,43 @@ class Supervisor:
 
     def _record_crash(self, child: Child, reason: str) -> None:
         """End the dead child's registry row and hand its trial back for a retry."""
+        try:
+            self._hand_back_dead(child, reason)
+        except StorageError as err:
+            # Its registry row then stays open: the trial is reaped once its heartbeat is
+            # stale and the storage answers again.
+            log.error("could not hand back the trial of worker %s: %s", child.name, err)
+
+    def _hand_back_dead(self, child: Child, reason: str) -> None:
         from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE
 
         storage = open_storage(self.storage_url, create=False)
         try:
             # Ended here, not left to turn "lost": other workers would wait for it to be reaped.
-            registry.end_dead(storage.db, self.study, host=registry.this_host(), pid=child.process.pid)
-            if child.trial is None:
+            held = registry.end_dead(storage.db, self.study, host=registry.this_host(), pid=child.process.pid)
+            if child.trial is not None:
+                trial_id = child.trial[0]
+            elif held is not None:
+                # It died after recording its trial in the registry, before telling us.
+                study_id = storage.optuna.get_study_id_from_name(self.study)
+                trial_id = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, held)
+            else:
                 return
-            trial_id = child.trial[0]
             spec = studies.stored_spec(storage, self.study)
             study = optuna.load_study(study_name=self.study, storage=storage.optuna)
-            number = storage.optuna.get_trial(trial_id).number
-            resume = self.output_dir / self.study / f"trial-{number}" / RESUME / RESUME_FILE
+            frozen = storage.optuna.get_trial(trial_id)
+            resume = self.output_dir / self.study / f"trial-{frozen.number}" / RESUME / RESUME_FILE
+            # The attempt used its devices from its start (this host's clock wrote it) until now.
+            started = frozen.datetime_start or datetime.datetime.now()
+            spent = (datetime.datetime.now() - started).total_seconds() * len(child.device.child_ids())
             retry.hand_back(
-                storage, study, trial_id, reason=reason, resume_from=resume, max_retries=spec.search.max_retries
+                storage,
+                study,
+                trial_id,
+                reason=reason,
+                resume_from=resume,
+                max_retries=spec.search.max_retries,
+                device_seconds=max(0.0, spent),
             )
         finally:
             # The parent holds no connection while its children train.

@@ -10,6 +10,7 @@ retrying host can reach that path (the same instance after a restart, or a share
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
 import time
@@ -71,13 +72,19 @@ def reap(
             s.host,
             s.heartbeat_age_s,
         )
-        retried = _fail_for_retry(storage, study, s.trial_number, max_retries)
+        retried = _fail_for_retry(storage, study, s.trial_number, max_retries, device_seconds=s.device_seconds)
         if retried is not None:
             reaped.append(Reaped(s.trial_number, s.worker, s.host, s.heartbeat_age_s, retried))
     if not orphans:
         return reaped
     grace = grace_s if grace_s is not None else registry.MISSED_BEATS * registry.heartbeat_interval()
-    running = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    running_trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    running = {t.number for t in running_trials}
+    for number in _unbound(storage, study_name, running_trials, grace):
+        retried = _fail_for_retry(storage, study, number, max_retries)
+        if retried is not None:
+            log.warning("trial %d: its worker vanished as it asked for the trial; failing it for a retry", number)
+            reaped.append(Reaped(number, "unknown", "unknown", grace, retried))
     for slot, number in budget.orphaned_slots(storage.db, study_name, older_than_s=grace):
         if number is not None and number not in running:
             continue  # a finished trial keeps its slot
@@ -92,7 +99,27 @@ def reap(
     return reaped
 
 
-def _fail_for_retry(storage: Storage, study: optuna.Study, number: int, max_retries: int) -> bool | None:
+def _unbound(storage: Storage, study_name: str, running: list[optuna.trial.FrozenTrial], grace: float) -> list[int]:
+    """Running trials that no budget slot and no live registry row name, older than ``grace``.
+
+    A worker that dies between ``ask()`` and binding the trial to its slot (milliseconds)
+    leaves such a trial. Its age is judged by its start time, which the asking host's clock
+    wrote (Optuna's); a grace of minutes dwarfs the drift of synchronised clocks.
+    """
+    if not running:
+        return []
+    named = budget.bound_trials(storage.db, study_name) | registry.held_trials(storage.db, study_name)
+    cutoff = datetime.datetime.now() - datetime.timedelta(seconds=grace)
+    return [
+        t.number
+        for t in running
+        if t.number not in named and t.datetime_start is not None and t.datetime_start < cutoff
+    ]
+
+
+def _fail_for_retry(
+    storage: Storage, study: optuna.Study, number: int, max_retries: int, *, device_seconds: float | None = None
+) -> bool | None:
     """Hand a running trial back for a retry; None if it is not running (nothing to do)."""
     study_id = storage.optuna.get_study_id_from_name(study.study_name)
     trial_id = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, number)
@@ -108,6 +135,7 @@ def _fail_for_retry(storage: Storage, study: optuna.Study, number: int, max_retr
         resume_from=Path(resume) if resume else None,
         max_retries=max_retries,
         local=False,
+        device_seconds=device_seconds,
     )
 
 

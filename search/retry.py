@@ -12,6 +12,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
+from hpsearch.search.study import DEVICE_SECONDS
 from hpsearch.storage import budget
 from hpsearch.storage.open import Storage
 from hpsearch.trainer.report import RESUME_CHECKPOINT_ATTR
@@ -34,11 +35,15 @@ def hand_back(
     resume_from: Path | None,
     max_retries: int,
     local: bool = True,
+    device_seconds: float | None = None,
 ) -> bool:
     """Mark the trial failed and, retries permitting, queue it again; True if queued.
 
     ``local=False`` when the resumable state may live on another host (the reaper): its path
     is recorded unchecked, and the retrying worker resumes from it if it can reach it.
+
+    ``device_seconds``: the attempt's device time, for whoever hands back an attempt that
+    could not record its own (a crashed or lost worker); it counts against ``gpu_hours``.
 
     The retry is enqueued before the budget slot is released, so whichever worker claims
     the slot next pops exactly this retry from Optuna's queue.
@@ -47,6 +52,8 @@ def hand_back(
     if frozen.state.is_finished():
         return False
     storage.optuna.set_trial_user_attr(trial_id, FAIL_REASON, reason)
+    if device_seconds is not None and DEVICE_SECONDS not in frozen.user_attrs:
+        storage.optuna.set_trial_user_attr(trial_id, DEVICE_SECONDS, round(device_seconds, 3))
     try:
         storage.optuna.set_trial_state_values(trial_id, TrialState.FAIL)
     except RuntimeError:
@@ -76,3 +83,12 @@ def hand_back(
         f", resuming {resume}" if resume else "",
     )
     return True
+
+
+def waiting_retries(study: optuna.Study) -> list[int]:
+    """The trials whose retry is queued and not yet taken by a worker."""
+    return [
+        int(t.user_attrs[RETRY_OF])
+        for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        if RETRY_OF in t.user_attrs
+    ]

@@ -6,10 +6,13 @@ pre-trained weights once and keeps them for every trial it runs.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import multiprocessing as mp
 import os
 import shutil
 import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -20,12 +23,13 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import ranks, reap, retry, study as studies
+from hpsearch.search import leftovers, ranks, reap, retry, study as studies
 from hpsearch.search.devices import torch_device
 from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import StudySpec, resolved
 from hpsearch.storage import budget, checkpoints as retention, registry
 from hpsearch.storage.db import PATIENT_RETRY
+from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage, open_storage
 
 log = logging.getLogger(__name__)
@@ -54,16 +58,47 @@ class TrialReporter:
 
     def __init__(self, trial: optuna.Trial) -> None:
         self.trial = trial
+        self.last_ok = time.monotonic()
+        """When a call last reached the storage: the device time of an attempt that storage
+        failed ends here, not after the minutes of retrying through the outage."""
 
     def report(self, value: float, step: int) -> None:
         self.trial.report(value, step)
+        self.last_ok = time.monotonic()
 
     def should_prune(self) -> bool:
-        return self.trial.should_prune()
+        prune = self.trial.should_prune()
+        self.last_ok = time.monotonic()
+        return prune
 
     def set_attrs(self, attrs: dict[str, Any]) -> None:
         for key, value in attrs.items():
             self.trial.set_user_attr(key, value)
+        self.last_ok = time.monotonic()
+
+
+class StorageLost(Exception):
+    """The storage stayed unreachable past its retries while this worker held a trial.
+
+    Not the trial's fault: the worker exits without telling anything, and the trial is handed
+    back by its supervisor, or reaped once the storage is back and its heartbeat is stale.
+    """
+
+
+STORAGE_LOST = 75  # EX_TEMPFAIL: the worker's exit code after StorageLost
+
+
+def is_storage_failure(exc: BaseException) -> bool:
+    """An error of the storage (ours or Optuna's), after its own retries, not of the trial."""
+    from optuna.exceptions import StorageInternalError
+    from sqlalchemy.exc import SQLAlchemyError
+
+    return isinstance(exc, (StorageError, StorageInternalError, SQLAlchemyError))
+
+
+PR_SET_PDEATHSIG = 1
+PARENT_DIED = signal.SIGUSR1
+"""The signal the kernel sends a worker when its supervisor dies (see ``_die_with_parent``)."""
 
 
 class StopFlag:
@@ -76,6 +111,14 @@ class StopFlag:
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._handle)
         signal.signal(signal.SIGINT, self._handle)
+        signal.signal(PARENT_DIED, self._parent_died)
+
+    def _parent_died(self, _signum: int, _frame: Any) -> None:
+        # A graceful stop, never the second signal's exit: the kernel sends the parent-death
+        # signal once per thread of the dead supervisor (it re-parents to each in turn).
+        if not self.requested:
+            self.requested, self.signum = True, signal.SIGTERM
+            log.warning("the supervisor died: checkpointing and handing the trial back")
 
     def _handle(self, signum: int, _frame: Any) -> None:
         if self.requested:
@@ -94,6 +137,9 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     stop = StopFlag()
     stop.install()
+    if not _die_with_parent():
+        log.warning("the supervisor that started this worker is gone; exiting")
+        raise SystemExit(128 + signal.SIGTERM)
     import torch
 
     if args.threads:
@@ -124,6 +170,11 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         if peers:
             peers.close(kill=True)
         raise SystemExit(ranks.GROUP_RESTART) from None
+    except StorageLost as exc:
+        log.error("%s; exiting (the trial is retried once the storage is back)", exc)
+        if peers:
+            peers.close(kill=True)
+        raise SystemExit(STORAGE_LOST) from None
     finally:
         storage.close()
     if peers:
@@ -133,6 +184,25 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         # Tell the supervisor we were stopped (its trial is already handed back), so it
         # restarts us unless it is stopping too.
         raise SystemExit(128 + stop.signum)
+
+
+def _die_with_parent() -> bool:
+    """Have the kernel signal this worker when its supervisor dies; False if it is gone already.
+
+    A supervisor killed with SIGKILL cannot stop its workers, and an orphan worker would train
+    (or ask a trial) with nobody to hand its trial back if it crashed. With the parent-death
+    signal it takes the graceful SIGTERM path instead: checkpoint, hand the trial back, exit.
+    Not SIGTERM itself: it comes once per supervisor thread, and a second SIGTERM means "exit
+    now". The parent may have died before prctl took effect, so its pid is checked afterwards.
+    """
+    parent = mp.parent_process()
+    if parent is None:
+        return True  # not a spawned child (run in-process by a test or a benchmark)
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, PARENT_DIED, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d)", ctypes.get_errno())
+    return os.getppid() == parent.pid
 
 
 class Worker:
@@ -184,11 +254,20 @@ class Worker:
 
     def run(self) -> None:
         finished = 0
+        # A trial left RUNNING by a worker that died before the registry knew it has no
+        # heartbeat to go stale: it would hold its slot (and, counted as running, use up
+        # gpu_hours) for ever. Failed and retried here, before the budget is judged.
+        reap.reap(self.storage, self.args.study, max_retries=self.spec.search.max_retries, orphans=True, stale=False)
+        self._tidy(retain=True)  # checkpoints may have fallen out of the top k while this host was away
         while not self.stop():
             stop_reason = studies.budget_left(self.study, self.spec, self.storage.db.now())
             if stop_reason is not None:
-                log.info("no new trial: %s; %d run here", stop_reason, finished)
-                return
+                # Trials that already started finish: a retry is not a new trial.
+                waiting = retry.waiting_retries(self.study)
+                if not waiting:
+                    log.info("no new trial: %s; %d run here", stop_reason, finished)
+                    return
+                log.info("%s, but trial(s) %s started before: running their retries", stop_reason, waiting)
             n_trials = studies.n_trials(self.study, self.spec)
             slot = budget.claim_slot(self.storage.db, self.args.study, n_trials, self.args.name)
             if slot is None:
@@ -197,15 +276,16 @@ class Worker:
                 log.info("study budget (%d trials) is used; %d run here", n_trials, finished)
                 return
             trial = self.study.ask()
-            budget.bind_slot(self.storage.db, self.args.study, slot, trial.number)
-            self._notify("trial", trial._trial_id, trial.number)
-            if self.registration:
-                self.registration.trial_started(trial.number)
+            self._begin(trial, slot)
             try:
                 self.run_trial(trial)
-            except ranks.GroupRestart:
-                raise  # the failure is recorded; the device group's ranks must start afresh
-            except Exception:
+            except (ranks.GroupRestart, StorageLost):
+                # GroupRestart: the failure is recorded; the device group's ranks must start
+                # afresh. StorageLost: nothing can be recorded; the worker exits.
+                raise
+            except Exception as exc:
+                if is_storage_failure(exc):
+                    raise StorageLost(f"trial {trial.number}: storage unreachable ({exc})"[:500]) from exc
                 if not self._finished_elsewhere(trial):
                     raise
                 # Our heartbeat went stale (a long network cut) and a reaper failed the trial
@@ -215,7 +295,38 @@ class Worker:
                 # A trial cut short by a stop request is handed back, not finished here.
                 self.registration.trial_ended(finished=not self.stop())
             self._notify("idle", trial._trial_id, trial.number)
+            self._tidy()
             finished += 1
+
+    def _begin(self, trial: optuna.Trial, slot: int) -> None:
+        """Bind the trial to its slot and to this worker's registry row, then tell the supervisor.
+
+        Until the registry row names the trial, nothing would ever notice this worker dying
+        with it (no heartbeat covers it): a failure in between hands the trial back here.
+        """
+        try:
+            budget.bind_slot(self.storage.db, self.args.study, slot, trial.number)
+            if self.registration:
+                self.registration.trial_started(trial.number)
+        except BaseException:
+            log.error("trial %d could not be registered; handing it back", trial.number)
+            self._hand_back_unstarted(trial)
+            raise
+        self._notify("trial", trial._trial_id, trial.number)
+
+    def _hand_back_unstarted(self, trial: optuna.Trial) -> None:
+        try:
+            retry.hand_back(
+                self.storage,
+                self.study,
+                trial._trial_id,
+                reason="not_started",
+                resume_from=None,
+                max_retries=self.spec.search.max_retries,
+            )
+        except StorageError as err:
+            # Left RUNNING: the orphan sweep of the next worker to start fails and retries it.
+            log.warning("could not hand trial %d back: %s", trial.number, err)
 
     def _wait_for_missing_workers(self) -> bool:
         """True (after a pause, if needed) when the used-up budget may still free a slot here.
@@ -293,6 +404,11 @@ class Worker:
             log.error("trial %d failed: %s", trial.number, exc)
             failure: str | None = exc.reason
         except Exception as exc:
+            if is_storage_failure(exc):
+                # The database, not the trial: keep its checkpoints and hand it back.
+                log.error("trial %d: the storage failed: %s", trial.number, str(exc).splitlines()[0][:300])
+                self._hand_back_after_storage_failure(trial, out_dir, reporter, started, exc)
+                return
             log.error("trial %d failed:\n%s", trial.number, traceback.format_exc())
             failure = f"{type(exc).__name__}: {exc}"[:500]
         else:
@@ -319,7 +435,7 @@ class Worker:
                 raise ranks.GroupRestart(f"trial {trial.number} failed on a {self.world.size}-device group")
             return
         if result.status == "complete" and result.best_value is not None:
-            self.study.tell(trial, result.best_value)
+            self._tell(trial, result.best_value)
             log.info(
                 "trial %d complete: %s = %.4f at step %s",
                 trial.number,
@@ -330,7 +446,7 @@ class Worker:
         elif result.status == "pruned":
             if result.fail_reason:
                 trial.set_user_attr(retry.FAIL_REASON, result.fail_reason)
-            self.study.tell(trial, state=TrialState.PRUNED)
+            self._tell(trial, state=TrialState.PRUNED)
             log.info(
                 "trial %d pruned at step %d%s",
                 trial.number,
@@ -350,6 +466,47 @@ class Worker:
             self._fail(trial, result.fail_reason or "no validation point reached")
         if result.status != "interrupted":
             self._retain()
+
+    def _hand_back_after_storage_failure(
+        self, trial: optuna.Trial, out_dir: Path, reporter: TrialReporter, started: float, exc: Exception
+    ) -> None:
+        """Queue a retry that resumes from the trial's resumable state, like a crash.
+
+        The retry waits until the storage answers again (each call retries patiently); if it
+        does not, ``StorageLost`` ends the worker and the trial is reaped later.
+        """
+        from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE
+
+        # Only time that reached the storage counts: the outage is no device's work.
+        spent = (reporter.last_ok - started) * self.world.size
+        try:
+            before = float(trial.user_attrs.get(studies.DEVICE_SECONDS, 0.0))
+            trial.set_user_attr(studies.DEVICE_SECONDS, round(before + max(0.0, spent), 3))
+            retry.hand_back(
+                self.storage,
+                self.study,
+                trial._trial_id,
+                reason=f"storage_error ({type(exc).__name__})",
+                resume_from=out_dir / RESUME / RESUME_FILE,
+                max_retries=self.spec.search.max_retries,
+            )
+        except Exception as err:
+            if not is_storage_failure(err):
+                raise
+            raise StorageLost(f"trial {trial.number}: storage unreachable ({err})"[:500]) from err
+        if self.world.size > 1:
+            raise ranks.GroupRestart(f"trial {trial.number} lost its storage on a {self.world.size}-device group")
+
+    def _tidy(self, *, retain: bool = False) -> None:
+        """Delete what no trial needs from this host's folders (see leftovers.py), and, with
+        ``retain``, the checkpoints that fell out of the top k (maybe while this host was away)."""
+        try:
+            if retain:
+                self._retain()
+            leftovers.sweep(self.storage.db, self.study, self.root, max_retries=self.spec.search.max_retries)
+        except (StorageError, OSError) as err:
+            # A later trial's sweep tries again; tidying is never worth a failed worker.
+            log.warning("could not sweep %s: %s", self.root, err)
 
     def _retain(self) -> None:
         """Keep only the best checkpoints of the study's top trials (see storage/checkpoints.py)."""
@@ -397,9 +554,28 @@ class Worker:
         # the weights and optimizer moments twice.
         return moved
 
+    def _tell(self, trial: optuna.Trial, value: float | None = None, state: TrialState | None = None) -> None:
+        """``study.tell``, taking the grid sampler's end of the grid for what it is.
+
+        Once every grid point has run, optuna's GridSampler calls ``study.stop()`` from
+        ``after_trial``, which raises RuntimeError outside ``study.optimize``. The trial is
+        stored all the same (tell writes its state in a ``finally``), so the RuntimeError is
+        no failure: without this it passed for "the trial was reaped" and retention was skipped.
+        """
+        try:
+            self.study.tell(trial, value, state=state)
+        except RuntimeError:
+            if not isinstance(self.study.sampler, optuna.samplers.GridSampler):
+                raise
+            stored = self.storage.optuna.get_trial(trial._trial_id).state
+            if stored != (state or TrialState.COMPLETE):
+                raise
+            # The budget, not the sampler, ends the search: a failed point's retry may wait.
+            log.info("trial %d was the last point of the grid", trial.number)
+
     def _fail(self, trial: optuna.Trial, reason: str) -> None:
         trial.set_user_attr(retry.FAIL_REASON, reason)
-        self.study.tell(trial, state=TrialState.FAIL)
+        self._tell(trial, state=TrialState.FAIL)
 
     def _device_name(self) -> str:
         if self.world.size > 1:
@@ -411,8 +587,15 @@ class Worker:
         return "cpu"
 
     def _notify(self, *message: Any) -> None:
-        if self.conn is not None:
+        if self.conn is None:
+            return
+        try:
             self.conn.send(message)
+        except OSError:  # BrokenPipeError: the supervisor is gone
+            if not self.stop():
+                # Off Linux there is no parent-death signal; this is the same graceful stop.
+                log.warning("the supervisor is gone: checkpointing and handing the trial back")
+                self.stop.requested, self.stop.signum = True, signal.SIGTERM
 
 
 def _trial_log(out_dir: Path) -> logging.Handler:

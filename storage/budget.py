@@ -64,6 +64,19 @@ def used_slots(db: Database, study_name: str) -> int:
     )
 
 
+def bound_trials(db: Database, study_name: str) -> set[int]:
+    """The trial numbers the study's budget slots are bound to."""
+    rows = db.run(
+        lambda s: s.execute(
+            select(BudgetSlot.trial_number).where(
+                BudgetSlot.study_name == study_name, BudgetSlot.trial_number.is_not(None)
+            )
+        ).all(),
+        what="read bound trial budget slots",
+    )
+    return {int(r[0]) for r in rows}
+
+
 def _used_slots(s: Session, study_name: str) -> set[int]:
     rows = s.execute(select(BudgetSlot.slot).where(BudgetSlot.study_name == study_name))
     return {r[0] for r in rows}

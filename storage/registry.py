@@ -150,20 +150,41 @@ def end(db: Database, worker_id: int) -> None:
     )
 
 
-def end_dead(db: Database, study: str, *, host: str, pid: int) -> None:
+def held_trials(db: Database, study: str) -> set[int]:
+    """The trials that workers not known to have ended hold (live or lost ones)."""
+    rows = db.run(
+        lambda s: s.execute(
+            select(WorkerRecord.current_trial).where(
+                WorkerRecord.study_name == study,
+                WorkerRecord.ended_at.is_(None),
+                WorkerRecord.current_trial.is_not(None),
+            )
+        ).all(),
+        what="read the trials workers hold",
+    )
+    return {int(r[0]) for r in rows}
+
+
+def end_dead(db: Database, study: str, *, host: str, pid: int) -> int | None:
     """A worker process its supervisor saw die: end its row at its last heartbeat.
 
-    Its trial was already handed back by the supervisor; without this the row would turn
-    "lost" with a current trial, and workers would wait for a reaper to clear it.
+    Returns the trial the row held, for the supervisor to hand back (it may have died
+    between recording the trial here and telling its supervisor). Without this the row
+    would turn "lost" with a current trial, and workers would wait for a reaper to clear it.
     """
+    where = (
+        WorkerRecord.study_name == study,
+        WorkerRecord.host == host,
+        WorkerRecord.pid == pid,
+        WorkerRecord.ended_at.is_(None),
+    )
+    held = db.run(
+        lambda s: s.execute(select(WorkerRecord.current_trial).where(*where)).scalars().first(),
+        what="read a dead worker's trial",
+    )
     stmt = (
         update(WorkerRecord)
-        .where(
-            WorkerRecord.study_name == study,
-            WorkerRecord.host == host,
-            WorkerRecord.pid == pid,
-            WorkerRecord.ended_at.is_(None),
-        )
+        .where(*where)
         .values(
             device_seconds=_device_seconds_at(WorkerRecord.heartbeat_at),
             current_trial=None,
@@ -172,6 +193,7 @@ def end_dead(db: Database, study: str, *, host: str, pid: int) -> None:
         )
     )
     db.run(lambda s: s.execute(stmt), what="record a dead worker")
+    return None if held is None else int(held)
 
 
 @dataclass(frozen=True)
@@ -184,6 +206,8 @@ class StaleTrial:
     trial_number: int
     heartbeat_at: float
     heartbeat_age_s: float
+    device_seconds: float = 0.0
+    """The trial's device time up to the last heartbeat, times the worker's devices."""
 
 
 def stale_trials(
@@ -205,7 +229,15 @@ def stale_trials(
             )
         ).scalars()
         return [
-            StaleTrial(r.id, r.name, r.host, int(r.current_trial), r.heartbeat_at, now - r.heartbeat_at)
+            StaleTrial(
+                r.id,
+                r.name,
+                r.host,
+                int(r.current_trial),
+                r.heartbeat_at,
+                now - r.heartbeat_at,
+                max(0.0, r.heartbeat_at - (r.trial_started_at or r.heartbeat_at)) * (1 + r.device.count("+")),
+            )
             for r in rows
             if r.current_trial is not None
             and now - r.heartbeat_at > (grace_s if grace_s is not None else missed_beats * r.heartbeat_s)

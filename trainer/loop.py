@@ -228,7 +228,13 @@ def _restore(
     """Load a resumable checkpoint, if the run has one: (step, best value, best step, micro-batch)."""
     if run.resume_from is None:
         return 0, None, None, micro
-    state = ckpt.load_resume(run.resume_from)
+    try:
+        state = ckpt.load_resume(run.resume_from)
+    except Exception as exc:  # torch.load's errors: truncated zip, bad pickle, missing file
+        # A checkpoint cut short (a full disk, a copy interrupted) must not cost the trial:
+        # it trains again from the start.
+        log.warning("cannot read the resumable state %s (%s); training from the start", run.resume_from, exc)
+        return 0, None, None, micro
     run.model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,77 @@
+"""Sweeping this host's trial folders of what no trial will read again.
+
+Retention (storage/checkpoints.py) keeps the top k best checkpoints of complete trials; a
+trial that ends cleanly deletes its own resumable state. What killed or reaped attempts leave
+behind is swept here, at worker start and after every trial:
+
+* temp folders of a checkpoint write cut short (``.best.tmp-*``, ``.resume.old-*``);
+* the resumable state of finished trials (a reaped worker may write one after it was reaped);
+* a failed attempt's best model and resumable state once nothing will take them over: its
+  retry either starts over (``resume_from`` empty) or has finished, so it moved them into its
+  own folder when it began (worker.py ``_resume_point``), or it is out of retries.
+
+A running trial's folder is never touched, nor that of a failed attempt whose retry is still
+waiting to resume from it or has just started to (it moves the folder's contents first).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from hpsearch.search import retry
+from hpsearch.storage import checkpoints as retention
+from hpsearch.storage.db import Database
+
+log = logging.getLogger(__name__)
+
+BEST, RESUME = "best", "resume"  # trainer/checkpoint.py's folder names, without importing torch
+PARTIAL = (".best.", ".resume.")  # the prefixes of its temp and old folders
+
+
+def sweep(db: Database, study: optuna.Study, root: Path, *, max_retries: int) -> list[Path]:
+    """Delete the leftovers under ``root`` (this host's ``OUTPUT/STUDY``); returns what went."""
+    if not root.is_dir():
+        return []
+    trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+    retries: dict[int, list[FrozenTrial]] = {}
+    for t in trials.values():
+        of = t.user_attrs.get(retry.RETRY_OF)
+        if isinstance(of, int):
+            retries.setdefault(of, []).append(t)
+    gone: list[Path] = []
+    for folder in root.glob("trial-*"):
+        number = folder.name.removeprefix("trial-")
+        trial = trials.get(int(number)) if number.isdigit() else None
+        if trial is None or not trial.state.is_finished() or not folder.is_dir():
+            continue
+        doomed = [p for p in folder.iterdir() if p.name.startswith(PARTIAL)]
+        if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
+            doomed.append(folder / RESUME)  # only a retry resumes, and a finished trial has none
+        if trial.state == TrialState.PRUNED:
+            doomed.append(folder / BEST)  # never in the top k
+        if trial.state == TrialState.FAIL and _released(trial, retries.get(trial.number, []), max_retries):
+            doomed += [folder / BEST, folder / RESUME]
+        for path in dict.fromkeys(doomed):
+            if not path.exists():
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(path)
+            log.info("removed %s (trial %d is %s)", path, trial.number, trial.state.name.lower())
+            if path.name == BEST and trial.user_attrs.get(retention.BEST_CHECKPOINT_ATTR):
+                note = f"{retention.DELETED_PREFIX} (trial {trial.state.name.lower()}; was {path})"
+                retention.mark_deleted(db, trial._trial_id, note)
+    return gone
+
+
+def _released(failed: FrozenTrial, its_retries: list[FrozenTrial], max_retries: int) -> bool:
+    """Whether no retry will take over the failed attempt's folder any more."""
+    if not its_retries:
+        # Out of retries. With retries left, hand_back may be about to queue one (it fails
+        # the trial first); such a folder waits for the next sweep.
+        return int(failed.user_attrs.get(retry.RETRY_COUNT, 0)) >= max_retries
+    return all(r.state.is_finished() or not r.user_attrs.get(retry.RESUME_FROM) for r in its_retries)
