@@ -159,6 +159,18 @@ CASES: list[tuple[str, Callable[[str], str], str]] = [
             'micro_batch_size = { type = "categorical", choices = [16, 32] }',
             "batch_size = 16\nmicro_batch_size = 32",
         ),
+        # The space itself holds that pair, so the check of pairs of searched values finds it first.
+        "search.space: batch_size = 16 with micro_batch_size = 32 gives an invalid trial: "
+        "train.micro_batch_size: 32 must divide batch_size (16)",
+    ),
+    (
+        # A range too wide to check in pairs: only the enqueued combination is checked.
+        "enqueue_breaks_micro_batch_rule_wide_range",
+        _enqueue(
+            'batch_size = { type = "int", low = 16, high = 160016, step = 16 }\n'
+            'micro_batch_size = { type = "categorical", choices = [16, 32] }',
+            "batch_size = 16\nmicro_batch_size = 32",
+        ),
         "search.enqueue[0]: batch_size = 16, micro_batch_size = 32 gives an invalid trial: "
         "train.micro_batch_size: 32 must divide batch_size (16)",
     ),
