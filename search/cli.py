@@ -205,7 +205,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     try:
         storage = open_storage(url, create=False)
     except StudyNotFoundError:  # no storage yet: the study is new, and so must its folder be
-        rundir.check(study_dir, args.study, None, exists=False)
+        rundir.check(study_dir, args.study, None, exists=False, storage=urls.mask(urls.normalize(url)))
     else:
         try:
             _check_study(storage, args.study, spec, study_dir)
@@ -238,7 +238,7 @@ def _check_study(storage: Any, name: str, spec: Any, study_dir: Path) -> None:
 
     studies.check_spec_before_create(storage, name, spec)
     exists, uid = studies.find_uid(storage, name)
-    rundir.check(study_dir, name, uid, exists=exists)
+    rundir.check(study_dir, name, uid, exists=exists, storage=storage.display)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

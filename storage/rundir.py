@@ -30,16 +30,20 @@ def owner(study_dir: Path) -> dict[str, str] | None:
     return data if isinstance(data, dict) else {"uid": "", "study": "?", "storage": "?"}
 
 
-def check(study_dir: Path, study: str, uid: str | None, *, exists: bool) -> None:
+def check(study_dir: Path, study: str, uid: str | None, *, exists: bool, storage: str = "") -> None:
     """Refuse a folder that another study's trials wrote, before anything is written.
 
     ``uid`` is the study's id (None for a study that does not exist yet, or one made before
-    studies had ids); ``exists`` says whether the study is in the storage already.
+    studies had ids); ``exists`` says whether the study is in the storage already; ``storage``
+    (masked) is where it lives, to tell an earlier study of the same storage from another's.
     """
     marker = owner(study_dir)
     if marker is not None:
         if uid is None or marker.get("uid") != uid:
-            raise StudyFolderError(_taken(study_dir, study, marker.get("storage", "?")))
+            owner_storage = marker.get("storage", "?")
+            if owner_storage == storage:
+                owner_storage = f"{storage}, since deleted or created again"
+            raise StudyFolderError(_taken(study_dir, study, owner_storage))
         return
     # No marker: a folder from before markers existed. A study that already has trials may
     # have written it; a new one cannot have.

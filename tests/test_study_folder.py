@@ -44,8 +44,10 @@ def test_same_name_on_another_storage_is_refused(
 
     # The database deleted and the study started again: the old checkpoints are not the new study's.
     (tmp_path / "a.db").rename(tmp_path / "a-old.db")
-    _refused(cli("start", "--config", str(spec), *argv[:2], "--storage", f"sqlite:///{tmp_path / 'a.db'}",
-                 *argv[4:], cwd=tmp_path), study_dir)  # fmt: skip
+    again = cli("start", "--config", str(spec), *argv[:2], "--storage", f"sqlite:///{tmp_path / 'a.db'}",
+                *argv[4:], cwd=tmp_path)  # fmt: skip
+    _refused(again, study_dir)
+    assert f"(from sqlite:///{tmp_path / 'a.db'}, since deleted or created again)" in again.stderr, again.stderr
     assert {p: p.stat().st_mtime_ns for p in study_dir.rglob("*") if p.is_file()} == before
 
     # A worker joining a same-named study elsewhere is refused the same way.
