@@ -173,8 +173,10 @@ def make_sampler(spec: StudySpec, seed: int) -> optuna.samplers.BaseSampler:
         space = {name: distribution(p) for name, p in spec.space.items()}
         return QuasiRandomSampler(space, spec.search.seed)
     if kind == "grid":
-        # Each worker walks the same grid; optuna skips points another worker already ran.
-        return optuna.samplers.GridSampler(grid_space(spec), seed=seed)
+        # GridSampler shuffles the grid with its seed and stores only each trial's index into
+        # it: every worker (and a resumed study) must shuffle alike, so the study's seed, not
+        # the worker's, or index 2 means another point to each and points run twice or never.
+        return optuna.samplers.GridSampler(grid_space(spec), seed=spec.search.seed)
     n_startup = max(3, min(10, spec.search.n_trials // 3))
     if kind == "gp":
         return optuna.samplers.GPSampler(seed=seed, n_startup_trials=n_startup)

@@ -546,6 +546,7 @@ class Worker:
         # fit() takes the best point from the moved model's own meta (see _restored_best).
         if (old_dir / BEST).exists() and not (out_dir / BEST).exists():
             shutil.move(old_dir / BEST, out_dir / BEST)
+            self._mark_moved(trial, old_dir / BEST)
         shutil.rmtree(out_dir / RESUME, ignore_errors=True)
         shutil.move(state.parent, out_dir / RESUME)
         moved = out_dir / RESUME / state.name
@@ -554,17 +555,29 @@ class Worker:
         # the weights and optimizer moments twice.
         return moved
 
+    def _mark_moved(self, trial: optuna.Trial, was: Path) -> None:
+        """The failed attempt's ``best_checkpoint`` must not name the folder its retry took."""
+        of = trial.user_attrs.get(retry.RETRY_OF)
+        if not isinstance(of, int):
+            return
+        study_id = self.storage.optuna.get_study_id_from_name(self.args.study)
+        failed = self.storage.optuna.get_trial_id_from_study_id_trial_number(study_id, of)
+        note = f"{retention.DELETED_PREFIX} (taken over by its retry, trial {trial.number}; was {was})"
+        retention.mark_deleted(self.storage.db, failed, note)
+
     def _tell(self, trial: optuna.Trial, value: float | None = None, state: TrialState | None = None) -> None:
         """``study.tell``, taking the grid sampler's end of the grid for what it is.
 
         Once every grid point has run, optuna's GridSampler calls ``study.stop()`` from
-        ``after_trial``, which raises RuntimeError outside ``study.optimize``. The trial is
-        stored all the same (tell writes its state in a ``finally``), so the RuntimeError is
-        no failure: without this it passed for "the trial was reaped" and retention was skipped.
+        ``after_trial``, which raises RuntimeError outside ``study.optimize``; and with one
+        point left, it reads the trial's grid index, which a retry or an enqueued trial (fixed
+        parameters) lacks: KeyError. The trial is stored all the same (tell writes its state in
+        a ``finally``), so neither is a failure: without this they passed for "the trial was
+        reaped" and retention was skipped.
         """
         try:
             self.study.tell(trial, value, state=state)
-        except RuntimeError:
+        except (RuntimeError, KeyError):
             if not isinstance(self.study.sampler, optuna.samplers.GridSampler):
                 raise
             stored = self.storage.optuna.get_trial(trial._trial_id).state

@@ -102,6 +102,9 @@ def _assert_recovered(url: str, n_trials: int, reason: str, runs: Path) -> None:
     assert len(failed) == 1 and failed[0].user_attrs["fail_reason"].startswith(reason)
     # The failed attempt's device time counts against gpu_hours, whoever handed it back.
     assert failed[0].user_attrs["device_seconds"] > 0, failed[0].user_attrs
+    # Its record names no folder that is gone: its retry took the best model over, or it was swept.
+    note = failed[0].user_attrs.get("best_checkpoint")
+    assert note is None or note.startswith("deleted (") or Path(note).is_dir(), note
     retry = next(t for t in trials if t.user_attrs.get("retry_of") == failed[0].number)
     assert retry.params == failed[0].params
     assert retry.user_attrs["resumed_from_step"] > 0

@@ -353,6 +353,52 @@ def test_the_end_of_a_grid_is_no_reaped_trial_and_retention_runs(
     assert kept == [f"trial-{best.number}"]
 
 
+def _grid_spec(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], n_trials: int, choices: str = "1e-3, 2e-3, 3e-3"
+) -> Path:
+    spec = tmp_path / "grid.toml"
+    spec.write_text(
+        spec_text(
+            tiny_model,
+            *demo_files,
+            n_trials=n_trials,
+            space=f'learning_rate = {{ type = "categorical", choices = [{choices}] }}',
+        )
+        .replace('sampler = "tpe"', 'sampler = "grid"')
+        .replace('pruner = "median"', 'pruner = "none"')
+        .replace("epochs = 2", "epochs = 1")
+    )
+    return spec
+
+
+def test_a_resumed_grid_runs_each_point_once(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str
+) -> None:
+    # Each worker used to shuffle the grid with its own seed: after a restart, the stored
+    # index of a point meant another point, so one ran twice and another never.
+    rates = [1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3]
+    spec = _grid_spec(tmp_path, tiny_model, demo_files, n_trials=6, choices=", ".join(map(str, rates)))
+    _in_process_worker(tmp_path, spec, sqlite_url, "g", n_trials=1)
+    _in_process_worker(tmp_path, spec, sqlite_url, "g", n_trials=6)
+    trials = optuna.load_study(study_name="g", storage=sqlite_url).get_trials()
+    assert sorted(t.params["learning_rate"] for t in trials) == rates
+
+
+def test_an_enqueued_trial_that_ends_with_one_grid_point_left_is_no_reaped_trial(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A retry or an enqueued trial has fixed parameters and no grid index; with one point
+    # left, optuna's GridSampler looked that index up when it ended (KeyError).
+    spec = _grid_spec(tmp_path, tiny_model, demo_files, n_trials=4)
+    _in_process_worker(tmp_path, spec, sqlite_url, "q", n_trials=2)
+    optuna.load_study(study_name="q", storage=sqlite_url).enqueue_trial({"learning_rate": 1e-3})
+    _in_process_worker(tmp_path, spec, sqlite_url, "q", n_trials=4)
+    trials = optuna.load_study(study_name="q", storage=sqlite_url).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
+    assert sorted({t.params["learning_rate"] for t in trials}) == [1e-3, 2e-3, 3e-3]
+    assert "reaped" not in caplog.text
+
+
 def test_a_retry_runs_after_the_timeout_when_its_trial_started_before(
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str
 ) -> None:
