@@ -20,7 +20,7 @@ from typing import Any
 
 import optuna
 
-from hpsearch.search import progress, ranks, retry, study as studies, worker
+from hpsearch.search import lifeline, progress, ranks, retry, study as studies, worker
 from hpsearch.search.devices import Device, only_gpu, threads_per_worker
 from hpsearch.storage import registry
 from hpsearch.storage.errors import StorageError
@@ -134,7 +134,7 @@ class Supervisor:
             how = "restart after a failed trial"
         elif code == ranks.PEER_DIED:
             how = "a peer rank died"
-        elif code == worker.STORAGE_LOST:
+        elif code == lifeline.STORAGE_LOST:
             how = "storage unreachable"
         else:
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"

@@ -6,13 +6,10 @@ pre-trained weights once and keeps them for every trial it runs.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import multiprocessing as mp
 import os
 import shutil
 import signal
-import sys
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -23,7 +20,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import leftovers, ranks, reap, retry, study as studies
+from hpsearch.search import leftovers, lifeline, ranks, reap, retry, study as studies
 from hpsearch.search.devices import torch_device
 from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import StudySpec, resolved
@@ -77,30 +74,6 @@ class TrialReporter:
         self.last_ok = time.monotonic()
 
 
-class StorageLost(Exception):
-    """The storage stayed unreachable past its retries while this worker held a trial.
-
-    Not the trial's fault: the worker exits without telling anything, and the trial is handed
-    back by its supervisor, or reaped once the storage is back and its heartbeat is stale.
-    """
-
-
-STORAGE_LOST = 75  # EX_TEMPFAIL: the worker's exit code after StorageLost
-
-
-def is_storage_failure(exc: BaseException) -> bool:
-    """An error of the storage (ours or Optuna's), after its own retries, not of the trial."""
-    from optuna.exceptions import StorageInternalError
-    from sqlalchemy.exc import SQLAlchemyError
-
-    return isinstance(exc, (StorageError, StorageInternalError, SQLAlchemyError))
-
-
-PR_SET_PDEATHSIG = 1
-PARENT_DIED = signal.SIGUSR1
-"""The signal the kernel sends a worker when its supervisor dies (see ``_die_with_parent``)."""
-
-
 class StopFlag:
     """First SIGTERM/SIGINT: finish the step, checkpoint, hand the trial back. Second: exit now."""
 
@@ -111,7 +84,7 @@ class StopFlag:
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._handle)
         signal.signal(signal.SIGINT, self._handle)
-        signal.signal(PARENT_DIED, self._parent_died)
+        signal.signal(lifeline.PARENT_DIED, self._parent_died)
 
     def _parent_died(self, _signum: int, _frame: Any) -> None:
         # A graceful stop, never the second signal's exit: the kernel sends the parent-death
@@ -137,7 +110,7 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     stop = StopFlag()
     stop.install()
-    if not _die_with_parent():
+    if not lifeline.die_with_parent():
         log.warning("the supervisor that started this worker is gone; exiting")
         raise SystemExit(128 + signal.SIGTERM)
     import torch
@@ -170,11 +143,11 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         if peers:
             peers.close(kill=True)
         raise SystemExit(ranks.GROUP_RESTART) from None
-    except StorageLost as exc:
+    except lifeline.StorageLost as exc:
         log.error("%s; exiting (the trial is retried once the storage is back)", exc)
         if peers:
             peers.close(kill=True)
-        raise SystemExit(STORAGE_LOST) from None
+        raise SystemExit(lifeline.STORAGE_LOST) from None
     finally:
         storage.close()
     if peers:
@@ -184,25 +157,6 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         # Tell the supervisor we were stopped (its trial is already handed back), so it
         # restarts us unless it is stopping too.
         raise SystemExit(128 + stop.signum)
-
-
-def _die_with_parent() -> bool:
-    """Have the kernel signal this worker when its supervisor dies; False if it is gone already.
-
-    A supervisor killed with SIGKILL cannot stop its workers, and an orphan worker would train
-    (or ask a trial) with nobody to hand its trial back if it crashed. With the parent-death
-    signal it takes the graceful SIGTERM path instead: checkpoint, hand the trial back, exit.
-    Not SIGTERM itself: it comes once per supervisor thread, and a second SIGTERM means "exit
-    now". The parent may have died before prctl took effect, so its pid is checked afterwards.
-    """
-    parent = mp.parent_process()
-    if parent is None:
-        return True  # not a spawned child (run in-process by a test or a benchmark)
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, PARENT_DIED, 0, 0, 0) != 0:
-            log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d)", ctypes.get_errno())
-    return os.getppid() == parent.pid
 
 
 class Worker:
@@ -279,13 +233,13 @@ class Worker:
             self._begin(trial, slot)
             try:
                 self.run_trial(trial)
-            except (ranks.GroupRestart, StorageLost):
+            except (ranks.GroupRestart, lifeline.StorageLost):
                 # GroupRestart: the failure is recorded; the device group's ranks must start
                 # afresh. StorageLost: nothing can be recorded; the worker exits.
                 raise
             except Exception as exc:
-                if is_storage_failure(exc):
-                    raise StorageLost(f"trial {trial.number}: storage unreachable ({exc})"[:500]) from exc
+                if lifeline.is_storage_failure(exc):
+                    raise lifeline.StorageLost(f"trial {trial.number}: storage unreachable ({exc})"[:500]) from exc
                 if not self._finished_elsewhere(trial):
                     raise
                 # Our heartbeat went stale (a long network cut) and a reaper failed the trial
@@ -404,7 +358,7 @@ class Worker:
             log.error("trial %d failed: %s", trial.number, exc)
             failure: str | None = exc.reason
         except Exception as exc:
-            if is_storage_failure(exc):
+            if lifeline.is_storage_failure(exc):
                 # The database, not the trial: keep its checkpoints and hand it back.
                 log.error("trial %d: the storage failed: %s", trial.number, str(exc).splitlines()[0][:300])
                 self._hand_back_after_storage_failure(trial, out_dir, reporter, started, exc)
@@ -491,9 +445,9 @@ class Worker:
                 max_retries=self.spec.search.max_retries,
             )
         except Exception as err:
-            if not is_storage_failure(err):
+            if not lifeline.is_storage_failure(err):
                 raise
-            raise StorageLost(f"trial {trial.number}: storage unreachable ({err})"[:500]) from err
+            raise lifeline.StorageLost(f"trial {trial.number}: storage unreachable ({err})"[:500]) from err
         if self.world.size > 1:
             raise ranks.GroupRestart(f"trial {trial.number} lost its storage on a {self.world.size}-device group")
 

@@ -197,7 +197,7 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
 ) -> None:
     from optuna.exceptions import StorageInternalError
 
-    from hpsearch.search import reap, worker
+    from hpsearch.search import lifeline, reap, worker
     from hpsearch.storage.errors import StorageError
     from hpsearch.storage.open import open_storage
 
@@ -214,7 +214,7 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
     monkeypatch.setattr(worker.TrialReporter, "report", report)
     monkeypatch.setattr(worker.retry, "hand_back", hand_back)
     spec = _spec(tmp_path, tiny_model, demo_files)
-    with pytest.raises(worker.StorageLost):
+    with pytest.raises(lifeline.StorageLost):
         _in_process_worker(tmp_path, spec, sqlite_url, "db")
     [trial] = optuna.load_study(study_name="db", storage=sqlite_url).get_trials()
     assert trial.state == TrialState.RUNNING, "not failed: nothing could be told"

@@ -1,0 +1,63 @@
+"""How a worker notices that what it depends on is gone: its supervisor, or its storage.
+
+A supervisor killed with SIGKILL cannot stop its workers, and a worker whose database stays
+down past every retry cannot record anything. Either way the trial is not the worker's to
+finish: it stops and lets the trial be handed back (by the supervisor, or by a reaper once
+the storage answers again), instead of training on unsupervised or failing the trial.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+
+from hpsearch.storage.errors import StorageError
+
+log = logging.getLogger(__name__)
+
+
+class StorageLost(Exception):
+    """The storage stayed unreachable past its retries while this worker held a trial.
+
+    Not the trial's fault: the worker exits without telling anything, and the trial is handed
+    back by its supervisor, or reaped once the storage is back and its heartbeat is stale.
+    """
+
+
+STORAGE_LOST = 75  # EX_TEMPFAIL: the worker's exit code after StorageLost
+
+
+def is_storage_failure(exc: BaseException) -> bool:
+    """An error of the storage (ours or Optuna's), after its own retries, not of the trial."""
+    from optuna.exceptions import StorageInternalError
+    from sqlalchemy.exc import SQLAlchemyError
+
+    return isinstance(exc, (StorageError, StorageInternalError, SQLAlchemyError))
+
+
+PR_SET_PDEATHSIG = 1
+PARENT_DIED = signal.SIGUSR1
+"""The signal the kernel sends a worker when its supervisor dies (see ``die_with_parent``)."""
+
+
+def die_with_parent() -> bool:
+    """Have the kernel signal this worker when its supervisor dies; False if it is gone already.
+
+    A supervisor killed with SIGKILL cannot stop its workers, and an orphan worker would train
+    (or ask a trial) with nobody to hand its trial back if it crashed. With the parent-death
+    signal it takes the graceful SIGTERM path instead: checkpoint, hand the trial back, exit.
+    Not SIGTERM itself: it comes once per supervisor thread, and a second SIGTERM means "exit
+    now". The parent may have died before prctl took effect, so its pid is checked afterwards.
+    """
+    parent = mp.parent_process()
+    if parent is None:
+        return True  # not a spawned child (run in-process by a test or a benchmark)
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, PARENT_DIED, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d)", ctypes.get_errno())
+    return os.getppid() == parent.pid
