@@ -236,8 +236,7 @@ def _check_study(storage: Any, name: str, spec: Any, study_dir: Path) -> None:
     from hpsearch.search import study as studies
     from hpsearch.storage import rundir
 
-    studies.check_spec_before_create(storage, name, spec)
-    exists, uid = studies.find_uid(storage, name)
+    exists, uid = studies.check_spec_before_create(storage, name, spec)
     rundir.check(study_dir, name, uid, exists=exists, storage=storage.display)
 
 
@@ -320,13 +319,12 @@ def cmd_reap(args: argparse.Namespace) -> int:
 def cmd_best(args: argparse.Namespace) -> int:
     from hpsearch.storage import urls
 
-    url = urls.resolve(args.storage)
+    status = _status(args.study, urls.resolve(args.storage), best_only=True)
     if args.export is not None:
         from hpsearch.search.export import export_best
 
-        status = _status(args.study, url, best_only=True)
-        export_best(status["best"], args.study, args.export.resolve(), status.get("uid"))
-    print(_render(args.study, url, as_json=args.json, best_only=True))
+        export_best(status["best"], args.study, args.export.resolve(), status["uid"])
+    print(_format(status, as_json=args.json, best_only=True))
     if args.export is not None and not args.json:
         print(f"exported to {args.export.resolve()}")
     return EXIT_OK

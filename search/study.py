@@ -71,16 +71,6 @@ def ensure_uid(study: optuna.Study) -> str:
     return str(uid)
 
 
-def find_uid(storage: Storage, name: str) -> tuple[bool, str | None]:
-    """Whether the study exists, and its id if it has one (read only)."""
-    try:
-        study_id = storage.optuna.get_study_id_from_name(name)
-    except KeyError:
-        return False, None
-    uid = storage.optuna.get_study_user_attrs(study_id).get(UID_ATTR)
-    return True, str(uid) if uid else None
-
-
 def check_same(name: str, stored: StudySpec, given: StudySpec) -> None:
     diff = difference(stored.identity(), given.identity())
     if diff:
@@ -101,16 +91,20 @@ def stored_spec(storage: Storage, name: str) -> StudySpec:
     return StudySpec.from_dict(attrs[SPEC_ATTR])
 
 
-def check_spec_before_create(storage: Storage, name: str, spec: StudySpec) -> None:
-    """Raise on a spec mismatch without writing anything (bad input leaves storage untouched)."""
+def check_spec_before_create(storage: Storage, name: str, spec: StudySpec) -> tuple[bool, str | None]:
+    """Raise on a spec mismatch without writing anything (bad input leaves storage untouched).
+
+    Returns whether the study exists, and its id if it has one (``UID_ATTR``)."""
     try:
         study_id = storage.optuna.get_study_id_from_name(name)
     except KeyError:
-        return
-    stored = storage.optuna.get_study_user_attrs(study_id).get(SPEC_ATTR)
+        return False, None
+    attrs = storage.optuna.get_study_user_attrs(study_id)
+    stored = attrs.get(SPEC_ATTR)
     if stored is not None:
         check_same(name, StudySpec.from_dict(stored), spec)
-        return
+        uid = attrs.get(UID_ATTR)
+        return True, str(uid) if uid else None
     # A study someone made with Optuna itself: its trials were never judged by this spec
     # (another objective, maybe the other direction), so hpsearch does not adopt it. An empty
     # one of the same direction is what a `start` cut short right after creating it leaves.
@@ -121,6 +115,7 @@ def check_spec_before_create(storage: Storage, name: str, spec: StudySpec) -> No
             f"study {name!r} exists but was not created by hpsearch ({n_trials} trials, "
             f"{direction.name.lower()}); choose another --study name"
         )
+    return True, None
 
 
 def n_trials(study: optuna.Study, spec: StudySpec) -> int:
