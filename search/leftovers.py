@@ -29,14 +29,14 @@ from hpsearch.storage.db import Database
 
 log = logging.getLogger(__name__)
 
-BEST, RESUME = "best", "resume"  # trainer/checkpoint.py's folder names, without importing torch
-PARTIAL = (".best.", ".resume.")  # the prefixes of its temp and old folders
-
 
 def sweep(db: Database, study: optuna.Study, root: Path, *, max_retries: int) -> list[Path]:
     """Delete the leftovers under ``root`` (this host's ``OUTPUT/STUDY``); returns what went."""
+    from hpsearch.trainer.checkpoint import BEST, RESUME  # torch: only in the worker, which has it
+
     if not root.is_dir():
         return []
+    partial = (f".{BEST}.", f".{RESUME}.")  # checkpoint.py's temp and old folders: .best.tmp-*, .resume.old-*
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
     retries: dict[int, list[FrozenTrial]] = {}
     for t in trials.values():
@@ -49,7 +49,7 @@ def sweep(db: Database, study: optuna.Study, root: Path, *, max_retries: int) ->
         trial = trials.get(int(number)) if number.isdigit() else None
         if trial is None or not trial.state.is_finished() or not folder.is_dir():
             continue
-        doomed = [p for p in folder.iterdir() if p.name.startswith(PARTIAL)]
+        doomed = [p for p in folder.iterdir() if p.name.startswith(partial)]
         if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
             doomed.append(folder / RESUME)  # only a retry resumes, and a finished trial has none
         if trial.state == TrialState.PRUNED:

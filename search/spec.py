@@ -317,6 +317,7 @@ class StudySpec:
             )
         train_keys = {f.name for f in fields(TrainConfig)} - set(UNSEARCHABLE)
         hints = typing.get_type_hints(TrainConfig)
+        checked: dict[str, list[Any]] = {}
         for name, param in self.space.items():
             if name in UNSEARCHABLE:
                 raise SpecError(f"search.space.{name}: cannot be searched: {UNSEARCHABLE[name]}")
@@ -326,19 +327,20 @@ class StudySpec:
                 )
             _check_type_fits(param, hints[name])
             # Every checked value must make a valid trial, or trials would fail at run time.
-            for value in param.checked_values():
+            checked[name] = param.checked_values()
+            for value in checked[name]:
                 self._check_trial({name: value}, f"search.space.{name}: value {value!r}")
         # ... and so must every pair: batch_size 16 and micro_batch_size 32 are each fine alone.
-        params = list(self.space.values())
-        for i, a in enumerate(params):
-            for b in params[i + 1 :]:
-                values_a, values_b = a.checked_values(), b.checked_values()
+        names = list(checked)
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                values_a, values_b = checked[a], checked[b]
                 if len(values_a) * len(values_b) > MAX_CHECKED_VALUES:
                     continue  # the trainer still checks each trial's values when it starts
                 for va in values_a:
                     for vb in values_b:
-                        where = f"search.space: {a.name} = {va!r} with {b.name} = {vb!r}"
-                        self._check_trial({a.name: va, b.name: vb}, where)
+                        where = f"search.space: {a} = {va!r} with {b} = {vb!r}"
+                        self._check_trial({a: va, b: vb}, where)
         # An enqueued trial runs with exactly these values over [train]: it must be a valid trial.
         for i, entry in enumerate(self.enqueue):
             try:

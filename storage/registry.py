@@ -178,10 +178,6 @@ def end_dead(db: Database, study: str, *, host: str, pid: int) -> int | None:
         WorkerRecord.pid == pid,
         WorkerRecord.ended_at.is_(None),
     )
-    held = db.run(
-        lambda s: s.execute(select(WorkerRecord.current_trial).where(*where)).scalars().first(),
-        what="read a dead worker's trial",
-    )
     stmt = (
         update(WorkerRecord)
         .where(*where)
@@ -192,8 +188,13 @@ def end_dead(db: Database, study: str, *, host: str, pid: int) -> int | None:
             ended_at=WorkerRecord.heartbeat_at,
         )
     )
-    db.run(lambda s: s.execute(stmt), what="record a dead worker")
-    return None if held is None else int(held)
+
+    def record(s: Session) -> int | None:
+        held = s.execute(select(WorkerRecord.current_trial).where(*where)).scalars().first()
+        s.execute(stmt)
+        return None if held is None else int(held)
+
+    return db.run(record, what="record a dead worker")
 
 
 @dataclass(frozen=True)
