@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 import optuna
+from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
 from hpsearch.search.study import DEVICE_SECONDS
@@ -92,3 +93,22 @@ def waiting_retries(study: optuna.Study) -> list[int]:
         for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         if RETRY_OF in t.user_attrs
     ]
+
+
+def pop_retry(study: optuna.Study) -> optuna.Trial | None:
+    """Start a waiting retry, never a new trial: what a worker may still run past the deadline.
+
+    ``Study.ask`` would pop the oldest waiting trial, which may be a ``[[search.enqueue]]``
+    configuration that never started, or create a new trial if another worker took the retry.
+    The claim is optuna's own: WAITING to RUNNING, which only one worker wins.
+    """
+    storage = study._storage
+    for frozen in storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.WAITING,)):
+        if RETRY_OF not in frozen.user_attrs:
+            continue
+        try:
+            if storage.set_trial_state_values(frozen._trial_id, state=TrialState.RUNNING):
+                return optuna.Trial(study, frozen._trial_id)
+        except UpdateFinishedTrialError:
+            continue
+    return None

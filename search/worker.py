@@ -215,7 +215,8 @@ class Worker:
         self._tidy(retain=True)  # checkpoints may have fallen out of the top k while this host was away
         while not self.stop():
             stop_reason = studies.budget_left(self.study, self.spec, self.storage.db.now())
-            if stop_reason is not None:
+            retries_only = stop_reason is not None
+            if retries_only:
                 # Trials that already started finish: a retry is not a new trial.
                 waiting = retry.waiting_retries(self.study)
                 if not waiting:
@@ -229,7 +230,10 @@ class Worker:
                     continue
                 log.info("study budget (%d trials) is used; %d run here", n_trials, finished)
                 return
-            trial = self.study.ask()
+            trial = retry.pop_retry(self.study) if retries_only else self.study.ask()
+            if trial is None:  # another worker took the last retry
+                budget.release_slot(self.storage.db, self.args.study, slot=slot)
+                continue
             self._begin(trial, slot)
             try:
                 self.run_trial(trial)

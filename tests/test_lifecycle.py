@@ -406,8 +406,10 @@ def test_a_retry_runs_after_the_timeout_when_its_trial_started_before(
     from hpsearch.search.worker import StopFlag, Worker, WorkerArgs
     from hpsearch.storage.open import open_storage
 
-    spec = _spec(tmp_path, tiny_model, demo_files, n_trials=2, search="timeout_minutes = 60")
-    _in_process_worker(tmp_path, spec, sqlite_url, "late", n_trials=2, stop=_StopAfter(8))
+    # Two known-good configurations queued first: trial 0 starts, trial 1 waits its turn.
+    queued = "timeout_minutes = 60\n" + "[[search.enqueue]]\nlearning_rate = 0.002\n" * 2
+    spec = _spec(tmp_path, tiny_model, demo_files, n_trials=3, search=queued)
+    _in_process_worker(tmp_path, spec, sqlite_url, "late", n_trials=3, stop=_StopAfter(8))
     storage = open_storage(sqlite_url, create=False)
     try:
         # The timeout runs out while trial 0's retry waits (e.g. its worker crashed).
@@ -419,10 +421,12 @@ def test_a_retry_runs_after_the_timeout_when_its_trial_started_before(
         Worker(args, storage, StopFlag(), None).run()
     finally:
         storage.close()
-    first, retry = optuna.load_study(study_name="late", storage=sqlite_url).get_trials()
+    first, queued_second, retry = optuna.load_study(study_name="late", storage=sqlite_url).get_trials()
     assert first.state == TrialState.FAIL
-    # It ran (no new trial started after it: the timeout holds for those).
+    # The retry ran, though the never-started queued trial came before it in optuna's queue:
+    # that one would be a new trial, and the timeout holds for those.
     assert retry.state == TrialState.COMPLETE and retry.user_attrs["retry_of"] == first.number
+    assert queued_second.state == TrialState.WAITING
 
 
 def test_a_worker_that_starts_deletes_checkpoints_that_fell_out_of_the_top_k_meanwhile(
@@ -446,3 +450,15 @@ def test_a_worker_that_starts_deletes_checkpoints_that_fell_out_of_the_top_k_mea
     note = optuna.load_study(study_name="away", storage=sqlite_url).trials[0].user_attrs["best_checkpoint"]
     assert note.startswith("deleted (not in the study's top 1"), note
     assert not (tmp_path / "runs" / "away" / "trial-0" / "best").exists()
+
+
+def test_past_the_deadline_only_a_retry_is_taken_from_the_queue() -> None:
+    from hpsearch.search import retry
+
+    study = optuna.create_study()
+    study.enqueue_trial({"x": 1.0})  # a [[search.enqueue]] configuration, never started
+    study.enqueue_trial({"x": 2.0}, user_attrs={retry.RETRY_OF: 0})
+    taken = retry.pop_retry(study)
+    assert taken is not None and taken.number == 1
+    assert retry.pop_retry(study) is None, "no retry left: nothing else may start"
+    assert [t.state for t in study.get_trials()] == [TrialState.WAITING, TrialState.RUNNING]
