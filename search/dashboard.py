@@ -24,7 +24,6 @@ import optuna
 from hpsearch.search import note, study as studies
 from hpsearch.search.spec import SpecError
 from hpsearch.storage import urls
-from hpsearch.storage.db import engine_kwargs
 from hpsearch.storage.open import Storage, open_storage, require_study
 
 log = logging.getLogger(__name__)
@@ -53,6 +52,8 @@ class Dashboard:
     url: str
     """The page to open: the study's page when a study was named, else the study list."""
     storage: optuna.storages.RDBStorage
+    read_only: bool = False
+    """The storage is a SQLite file this user cannot write: the page browses, edits fail."""
 
     @property
     def port(self) -> int:
@@ -70,10 +71,11 @@ def create(storage_url: str, study: str | None, host: str = DEFAULT_HOST, port: 
     """Check the storage and study, refresh the study note, bind the server (not serving yet)."""
     if not 0 <= port <= 65535:
         raise DashboardError(f"--port {port}: must be between 1 and 65535 (0 picks a free port)")
-    checked = open_storage(storage_url, create=False)
+    # A SQLite file this user cannot write (a copy on a read-only mount) is browsed read-only.
+    checked = open_storage(storage_url, create=False, read_only=True)
     try:
         study_id = require_study(checked, study) if study else None
-        if study:
+        if study and not checked.read_only:
             try:
                 _refresh_note(checked, study)
             except Exception as exc:
@@ -81,11 +83,10 @@ def create(storage_url: str, study: str | None, host: str = DEFAULT_HOST, port: 
                 log.warning("could not update the study note: %s", str(exc).splitlines()[0])
     finally:
         checked.close()
-    normalized = urls.normalize(storage_url)
     # A few pooled connections for the threaded server; skip table creation: a viewer
     # must not change the schema of a database that workers are writing to.
     rdb = optuna.storages.RDBStorage(
-        normalized, engine_kwargs=engine_kwargs(normalized, pool_size=4), skip_table_creation=True
+        checked.url, engine_kwargs=checked.engine_kwargs(pool_size=4), skip_table_creation=True
     )
     from optuna_dashboard import wsgi
 
@@ -98,7 +99,8 @@ def create(storage_url: str, study: str | None, host: str = DEFAULT_HOST, port: 
     if ":" in shown:
         shown = f"[{shown}]"
     path = f"/dashboard/studies/{study_id}" if study_id is not None else "/dashboard"
-    return Dashboard(server=server, url=f"http://{shown}:{server.server_port}{path}", storage=rdb)
+    url = f"http://{shown}:{server.server_port}{path}"
+    return Dashboard(server=server, url=url, storage=rdb, read_only=checked.read_only)
 
 
 def _refresh_note(storage: Storage, name: str) -> None:
@@ -137,6 +139,8 @@ def how_to_reach(dash: Dashboard, host: str, study: str | None, storage_display:
         "               (SSH_HOST and SSH_PORT: from the instance's login command `ssh -p SSH_PORT root@SSH_HOST`),",
         f"               then open http://127.0.0.1:{port}{path}",
     ]
+    if dash.read_only:
+        lines.insert(1, "  read-only (this user cannot write the file): browsing works, notes and deletions do not")
     if port == AUTODL_PORT and host not in ("127.0.0.1", "localhost", "::1"):
         lines.append(f"  AutoDL custom service (自定义服务): open the console's link for port {port}, then {path}")
     else:

@@ -42,10 +42,20 @@ class Storage:
     """The normalized URL (with password; never print it, use ``display``)."""
     optuna: optuna.storages.RDBStorage
     db: Database
+    reader: Callable[[], sqlite3.Connection] | None = None
+    """How a SQLite file this user cannot write is opened (read-only), else None."""
 
     @property
     def display(self) -> str:
         return urls.mask(self.url)
+
+    @property
+    def read_only(self) -> bool:
+        return self.reader is not None
+
+    def engine_kwargs(self, *, pool_size: int = 1) -> dict[str, Any]:
+        """Settings for another engine on the same storage, opened the same way."""
+        return {"creator": self.reader} if self.reader else engine_kwargs(self.url, pool_size=pool_size)
 
     def close(self) -> None:
         self.optuna.engine.dispose()
@@ -86,6 +96,7 @@ def open_storage(url: str, *, create: bool, read_only: bool = False, retry: Retr
     try:
         with _schema_lock(normalized, kwargs, create and path is None):
             storage = _open(url, normalized, kwargs, create, display, retry or DEFAULT_RETRY)
+        storage.reader = kwargs.get("creator")
     except (OperationalError, optuna.exceptions.StorageInternalError) as exc:
         # The first connection failed: a fixable one-line message (bad host, password, ...).
         # No separate probe connection first: its backend lingers for a moment after close,
@@ -237,7 +248,7 @@ def _check_sqlite(
         return _read_only_connector(path)
     raise StorageUrlError(
         f"storage {display}: {unwritable}, and this command writes to the study; make it writable "
-        "(hpsearch status and best read it as it is)"
+        "(hpsearch status, best and dashboard read it as it is)"
     )
 
 

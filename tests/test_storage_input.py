@@ -6,6 +6,9 @@ import os
 import sqlite3
 import subprocess
 import sys
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import optuna
@@ -32,26 +35,37 @@ def _error_line(result: subprocess.CompletedProcess[str], command: str) -> str:
     return last
 
 
-def _hpsearch_read_only(folder: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """The real CLI while ``folder`` is read-only. root writes through mode bits, so for root
-    the folder becomes a read-only bind mount in a private mount namespace."""
+@contextmanager
+def _read_only(folder: Path) -> Iterator[list[str]]:
+    """The real CLI's command line while ``folder`` is read-only. root writes through mode bits,
+    so for root the folder becomes a read-only bind mount in a private mount namespace."""
+    cli = [sys.executable, "-m", "hpsearch.search.cli"]
     if os.geteuid() != 0:
         folder.chmod(0o555)
         try:
-            return hpsearch(*args, cwd=cwd)
+            yield cli
         finally:
             folder.chmod(0o755)
+        return
     try:
         probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
     except FileNotFoundError:
         pytest.skip("running as root without unshare: cannot make a folder read-only")
     if probe.returncode:
         pytest.skip("running as root and unshare -m is refused: cannot make a folder read-only")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.pop("HPSEARCH_STORAGE", None)
     script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
-    argv = ["unshare", "-m", "sh", "-c", script, str(folder), sys.executable, "-m", "hpsearch.search.cli", *args]
-    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    yield ["unshare", "-m", "sh", "-c", script, str(folder), *cli]
+
+
+def _cli_env() -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("HPSEARCH_STORAGE", None)
+    return env
+
+
+def _hpsearch_read_only(folder: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    with _read_only(folder) as cli:
+        return subprocess.run([*cli, *args], cwd=cwd, env=_cli_env(), capture_output=True, text=True, timeout=600)
 
 
 def _journal_mode(path: Path) -> str:
@@ -167,7 +181,30 @@ def test_a_study_in_a_read_only_folder_can_be_read_not_written(tmp_path: Path, s
             _hpsearch_read_only(folder, command, "--study", "s", "--storage", url, cwd=tmp_path), command
         )
         assert f"storage {url}: " in line and ("read-only" in line or "not writable" in line), line
-        assert "make it writable (hpsearch status and best read it as it is)" in line, line
+        assert "make it writable (hpsearch status, best and dashboard read it as it is)" in line, line
+    assert db.read_bytes() == before
+    assert sorted(p.name for p in folder.iterdir()) == ["study.db"]
+
+
+def test_the_dashboard_browses_a_study_in_a_read_only_folder(tmp_path: Path, spec_file: Path) -> None:
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    db = _hpsearch_study(folder / "study.db", spec_file)
+    before = db.read_bytes()
+    with _read_only(folder) as cli:
+        argv = [*cli, "dashboard", "--study", "s", "--storage", f"sqlite:///{db}", "--port", "0"]
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=_cli_env(), stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            printed = [proc.stdout.readline() for _ in range(3)]
+            assert "read-only" in printed[1], printed
+            url = printed[2].split("open ", 1)[1].strip()
+            base = url.split("/dashboard/")[0]
+            with urllib.request.urlopen(f"{base}/api/studies", timeout=60) as response:
+                assert b'"study_name": "s"' in response.read()
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
     assert db.read_bytes() == before
     assert sorted(p.name for p in folder.iterdir()) == ["study.db"]
 
