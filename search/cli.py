@@ -267,10 +267,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Any]) -> int:
     from hpsearch.search import summary
     from hpsearch.search.dispatch import Supervisor
+    from hpsearch.storage.errors import StorageError
 
     level = logging.DEBUG if args.verbose else logging.INFO
     code = Supervisor(args.study, url, device_list, args.output_dir.resolve(), level).run()
-    s = _status(args.study, url, best_only=False)
+    try:
+        s = _status(args.study, url, best_only=False)
+    except StorageError as exc:
+        # The workers are done (or stopped); only the summary is lost. Not the input's fault,
+        # so never exit 2, and keep the supervisor's code (128 + signal after a stop).
+        print(
+            f"hpsearch {args.command}: the storage is unreachable, so no summary ({str(exc).splitlines()[0]}); "
+            f"interrupted trials resume from their checkpoints at the next `hpsearch {args.command}` once it is back",
+            file=sys.stderr,
+        )
+        return code or 1
     print(_format(s, as_json=False, best_only=False))
     failure = summary.failed_only(s)
     if code == 0 and failure:

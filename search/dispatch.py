@@ -135,6 +135,8 @@ class Supervisor:
         elif code == ranks.PEER_DIED:
             how = "a peer rank died"
         elif code == lifeline.STORAGE_LOST:
+            # Its resumable state is on disk; the trial is handed back here if the storage
+            # answers, else reaped and resumed once it is back.
             how = "storage unreachable"
         else:
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
@@ -169,7 +171,11 @@ class Supervisor:
         except StorageError as err:
             # Its registry row then stays open: the trial is reaped once its heartbeat is
             # stale and the storage answers again.
-            log.error("could not hand back the trial of worker %s: %s", child.name, err)
+            log.error(
+                "could not hand back the trial of worker %s (it is retried once the storage is back): %s",
+                child.name,
+                err,
+            )
 
     def _hand_back_dead(self, child: Child, reason: str) -> None:
         from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE

@@ -27,8 +27,13 @@ class StorageLost(Exception):
     back by its supervisor, or reaped once the storage is back and its heartbeat is stale.
     """
 
+    @classmethod
+    def during(cls, trial_number: int, exc: BaseException) -> StorageLost:
+        return cls(f"trial {trial_number}: storage unreachable ({describe(exc)})")
 
-STORAGE_LOST = 75  # EX_TEMPFAIL: the worker's exit code after StorageLost
+
+STORAGE_LOST = 77
+"""The worker's exit code after StorageLost (ranks.py uses 75 and 76)."""
 
 
 def is_storage_failure(exc: BaseException) -> bool:
@@ -37,6 +42,16 @@ def is_storage_failure(exc: BaseException) -> bool:
     from sqlalchemy.exc import SQLAlchemyError
 
     return isinstance(exc, (StorageError, StorageInternalError, SQLAlchemyError))
+
+
+def describe(exc: BaseException) -> str:
+    """One line on a storage failure: the driver's words, not Optuna's wrapper text (which
+    blames "invalid data in the commit" for a server that is simply down)."""
+    from optuna.exceptions import StorageInternalError
+
+    shown = exc.__cause__ if isinstance(exc, StorageInternalError) and exc.__cause__ else exc
+    text = str(getattr(shown, "orig", None) or shown).strip()
+    return (text.splitlines()[0] if text else type(shown).__name__)[:300]
 
 
 PR_SET_PDEATHSIG = 1

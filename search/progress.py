@@ -29,7 +29,7 @@ from typing import Any, TextIO
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import note, study as studies, summary
+from hpsearch.search import lifeline, note, study as studies, summary
 from hpsearch.search.devices import Device
 from hpsearch.search.retry import RETRY_OF
 from hpsearch.search.spec import StudySpec
@@ -140,7 +140,7 @@ class Poller(threading.Thread):
                 log.warning(
                     "progress: cannot read study %s (%s); will retry",
                     self.study_name,
-                    str(exc).splitlines()[0],
+                    lifeline.describe(exc),
                 )
             self._failing = True
             return None

@@ -74,12 +74,22 @@ class TrialReporter:
         self.last_ok = time.monotonic()
 
 
+STOP_STORAGE_PATIENCE_S = 20.0
+"""After a stop request, how long storage calls still retry through an outage. A shutting-down
+instance has seconds, not the minutes PATIENT_RETRY waits; the resumable state is on disk and
+the trial is reaped and resumed once the database is back."""
+
+
 class StopFlag:
     """First SIGTERM/SIGINT: finish the step, checkpoint, hand the trial back. Second: exit now."""
 
     def __init__(self) -> None:
         self.requested = False
         self.signum = 0
+        self.requested_at = 0.0
+
+    def storage_patience_over(self) -> bool:
+        return self.requested and time.monotonic() - self.requested_at > STOP_STORAGE_PATIENCE_S
 
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._handle)
@@ -90,7 +100,7 @@ class StopFlag:
         # A graceful stop, never the second signal's exit: the kernel sends the parent-death
         # signal once per thread of the dead supervisor (it re-parents to each in turn).
         if not self.requested:
-            self.requested, self.signum = True, signal.SIGTERM
+            self.requested, self.signum, self.requested_at = True, signal.SIGTERM, time.monotonic()
             log.warning("the supervisor died: checkpointing and handing the trial back")
 
     def _handle(self, signum: int, _frame: Any) -> None:
@@ -98,6 +108,7 @@ class StopFlag:
             os._exit(128 + signum)
         self.requested = True
         self.signum = signum
+        self.requested_at = time.monotonic()
         log.warning("received %s: checkpointing and handing the trial back", signal.Signals(signum).name)
 
     def __call__(self) -> bool:
@@ -129,7 +140,8 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     if args.peer_devices:
         peers = ranks.Peers(args.device, args.peer_devices, args.name, args.output_dir, args.threads)
     world = peers.start(torch_device(args.device)) if peers else World()
-    storage = open_storage(args.storage_url, create=False, retry=PATIENT_RETRY)
+    patience = replace(PATIENT_RETRY, give_up=stop.storage_patience_over)
+    storage = open_storage(args.storage_url, create=False, retry=patience)
     try:
         # Registered (and heartbeating) from the start, so status shows a worker still loading.
         device = args.device_label or args.device
@@ -243,7 +255,7 @@ class Worker:
                 raise
             except Exception as exc:
                 if lifeline.is_storage_failure(exc):
-                    raise lifeline.StorageLost(f"trial {trial.number}: storage unreachable ({exc})"[:500]) from exc
+                    raise lifeline.StorageLost.during(trial.number, exc) from exc
                 if not self._finished_elsewhere(trial):
                     raise
                 # Our heartbeat went stale (a long network cut) and a reaper failed the trial
@@ -325,7 +337,17 @@ class Worker:
         out_dir = self.root / f"trial-{trial.number}"
         out_dir.mkdir(parents=True, exist_ok=True)
         reporter = TrialReporter(trial)
-        reporter.set_attrs({"device": self._device_name(), "host": registry.this_host(), "worker": self.args.name})
+        # Where the resumable state goes, on record before the first one is written: a stop
+        # during a database outage saves one that no later call could name (see reap.py).
+        state = out_dir / RESUME / RESUME_FILE
+        reporter.set_attrs(
+            {
+                "device": self._device_name(),
+                "host": registry.this_host(),
+                "worker": self.args.name,
+                retry.RESUME_CHECKPOINT: str(state.resolve()),
+            }
+        )
         resume = self._resume_point(trial, out_dir, reporter)
         handler = _trial_log(out_dir)
         log.info("trial %d starts: %s", trial.number, params)
@@ -364,7 +386,7 @@ class Worker:
         except Exception as exc:
             if lifeline.is_storage_failure(exc):
                 # The database, not the trial: keep its checkpoints and hand it back.
-                log.error("trial %d: the storage failed: %s", trial.number, str(exc).splitlines()[0][:300])
+                log.error("trial %d: the storage failed: %s", trial.number, lifeline.describe(exc))
                 self._hand_back_after_storage_failure(trial, out_dir, reporter, started, exc)
                 return
             log.error("trial %d failed:\n%s", trial.number, traceback.format_exc())
@@ -451,7 +473,7 @@ class Worker:
         except Exception as err:
             if not lifeline.is_storage_failure(err):
                 raise
-            raise lifeline.StorageLost(f"trial {trial.number}: storage unreachable ({err})"[:500]) from err
+            raise lifeline.StorageLost.during(trial.number, err) from err
         if self.world.size > 1:
             raise ranks.GroupRestart(f"trial {trial.number} lost its storage on a {self.world.size}-device group")
 

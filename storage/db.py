@@ -45,12 +45,25 @@ class RetryPolicy:
     attempts: int = 8
     base_delay_s: float = 0.2
     max_delay_s: float = 30.0
+    give_up: Callable[[], bool] | None = None
+    """Asked before each retry: True ends the retries early (the process is shutting down and
+    has somewhere better to be than waiting for the database)."""
 
     def delays(self) -> Iterator[float]:
         for attempt in range(self.attempts - 1):
+            if self.give_up is not None and self.give_up():
+                return
             cap = min(self.max_delay_s, self.base_delay_s * 2**attempt)
             # Full jitter: workers that lost the server together must not reconnect in lockstep.
             yield random.uniform(cap / 2, cap)
+
+    def sleep(self, delay: float) -> None:
+        """Wait ``delay`` seconds before a retry, cut short as soon as ``give_up`` says so."""
+        end = time.monotonic() + delay
+        while (left := end - time.monotonic()) > 0:
+            if self.give_up is not None and self.give_up():
+                return
+            time.sleep(min(left, 0.5))
 
 
 DEFAULT_RETRY = RetryPolicy()
@@ -206,9 +219,9 @@ def with_retries(fn: Callable[[], T], *, policy: RetryPolicy = DEFAULT_RETRY, wh
                 raise StorageError(f"{what} failed: {_one_line(exc)}") from exc
             delay = next(delays, None)
             if delay is None:
-                raise StorageError(f"{what} failed after {policy.attempts} attempts: {_one_line(exc)}") from exc
+                raise StorageError(f"{what} failed, retries used up: {_one_line(exc)}") from exc
             log.warning("%s: transient database error (%s); retrying in %.1fs", what, _one_line(exc), delay)
-            time.sleep(delay)
+            policy.sleep(delay)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -82,7 +81,7 @@ def _patient(name: str, method: F) -> F:
                     attempt,
                     delay,
                 )
-                time.sleep(delay)
+                self.retry_policy.sleep(delay)
 
     return call  # type: ignore[return-value]
 

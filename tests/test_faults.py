@@ -219,6 +219,45 @@ def test_database_restart_under_a_running_worker_loses_nothing(
         cluster.destroy()
 
 
+def test_sigterm_during_a_database_outage_exits_soon_and_the_retry_resumes_where_it_stopped(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
+    from tests.pgcluster import Cluster
+
+    # No periodic resumable state: the only one is what the worker saves when it stops.
+    spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=1)
+    spec.write_text(spec.read_text().replace("resume_every_minutes = 0", "resume_every_minutes = 60"))
+    cluster = Cluster()
+    try:
+        cluster.start()
+        url = cluster.url
+        proc = _start(tmp_path, spec, url, HPSEARCH_HEARTBEAT_S="1")
+        try:
+            _wait_for_report(_sa_url(url), min_step=10)
+            cluster.stop("fast")
+            time.sleep(3)  # the worker trains on, or waits for the database at its next report
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)  # the instance shuts down while the database is away
+            _, err = proc.communicate(timeout=600)
+            took = time.monotonic() - t0
+        finally:
+            proc.kill()
+        # Not the minutes storage calls otherwise wait through an outage.
+        assert took < 60, f"exited {took:.0f} s after SIGTERM"
+        assert "Traceback" not in err, err[-3000:]
+        assert list((tmp_path / "runs" / "f").glob("trial-0/resume/state.pt")), err[-3000:]
+        cluster.start()
+        again = _start(tmp_path, spec, url, HPSEARCH_HEARTBEAT_S="1")
+        _, err = again.communicate(timeout=600)
+        assert again.returncode == 0, err[-3000:]
+        _assert_recovered(url, 1, "worker_lost", tmp_path / "runs")
+        [retry] = [t for t in optuna.load_study(study_name="f", storage=_sa_url(url)).get_trials() if t.number == 1]
+        # It resumed from the state saved at the stop, past the last validation point reported.
+        assert retry.user_attrs["resumed_from_step"] > 10, retry.user_attrs
+    finally:
+        cluster.destroy()
+
+
 def _lose_host(tmp_path: Path, spec: Path, url: str) -> None:
     """Run the search on "host-a" until its trial has a resumable checkpoint, then pull the plug:
     supervisor and worker die at once, so nobody on host-a hands the trial back."""

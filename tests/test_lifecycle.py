@@ -462,3 +462,10 @@ def test_past_the_deadline_only_a_retry_is_taken_from_the_queue() -> None:
     assert taken is not None and taken.number == 1
     assert retry.pop_retry(study) is None, "no retry left: nothing else may start"
     assert [t.state for t in study.get_trials()] == [TrialState.WAITING, TrialState.RUNNING]
+
+
+def test_a_worker_s_exit_codes_say_one_thing_each() -> None:
+    from hpsearch.search import lifeline, ranks
+
+    # The supervisor tells a lost storage from a dead peer rank by the code alone.
+    assert len({lifeline.STORAGE_LOST, ranks.PEER_DIED, ranks.GROUP_RESTART}) == 3

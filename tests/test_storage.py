@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -81,3 +82,32 @@ def test_database_clock_is_sane(storage_url: str) -> None:
     storage = open_storage(storage_url, create=True)
     assert abs(storage.db.now() - time.time()) < 5
     storage.close()
+
+
+def test_a_shutdown_cuts_the_retries_through_an_outage_short() -> None:
+    import time
+
+    from sqlalchemy.exc import OperationalError
+
+    from hpsearch.storage.db import PATIENT_RETRY, with_retries
+    from hpsearch.storage.errors import StorageError
+
+    shutting_down = {"now": False}
+    policy = replace(PATIENT_RETRY, give_up=lambda: shutting_down["now"])
+    calls = []
+
+    def unreachable() -> None:
+        calls.append(time.monotonic())
+        if len(calls) == 3:
+            shutting_down["now"] = True  # SIGTERM arrives while the database is away
+        raise OperationalError("SELECT 1", {}, Exception("connection refused"))
+
+    began = time.monotonic()
+    with pytest.raises(StorageError, match="retries used up: connection refused"):
+        with_retries(unreachable, policy=policy)
+    # Three attempts, then no more (PATIENT_RETRY alone would try 40 times, for minutes).
+    assert len(calls) == 3 and time.monotonic() - began < 5
+    # A wait already begun ends too: the give-up is checked while it sleeps.
+    began = time.monotonic()
+    policy.sleep(30.0)
+    assert time.monotonic() - began < 5

@@ -24,7 +24,7 @@ from hpsearch.trainer.evaluate import Metrics, evaluate
 from hpsearch.trainer.judge import Judge
 from hpsearch.trainer.model import enable_gradient_checkpointing
 from hpsearch.trainer.optim import build_optimizer, build_scheduler, plan_steps, warmup_steps
-from hpsearch.trainer.report import RESUME_CHECKPOINT_ATTR, Reporter, TrainResult
+from hpsearch.trainer.report import RESUME_CHECKPOINT_ATTR, Reporter, StateSavingReporter, TrainResult
 from hpsearch.trainer.stats import Throughput
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,10 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     scheduler = build_scheduler(optimizer, cfg, total_steps)
     scaler = prec.grad_scaler(precision, device)
     step, best_value, best_step, micro = _restore(run, optimizer, scheduler, scaler, reporter, micro)
+    # Reads step, best_value, best_step and micro as they are when a call fails.
+    reporter = StateSavingReporter(
+        reporter, lambda: _save_resume(run, optimizer, scheduler, scaler, step, best_value, best_step, micro)
+    )
     per_step = cfg.batch_size // micro  # micro-batches of one optimizer step, over every rank
     better = (lambda a, b: a < b) if run.metric == "loss" else (lambda a, b: a > b)
     speed = Throughput(device, flops_per_token=flops_per_token(run.model))

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Reporter(Protocol):
@@ -34,6 +39,38 @@ class NullReporter:
 
     def set_attrs(self, attrs: dict[str, Any]) -> None:
         self.attrs.update(attrs)
+
+
+class StateSavingReporter:
+    """A reporter whose failed call first saves the run's resumable state, then raises.
+
+    A call fails when the search's storage stayed away longer than its retries (or a shutdown
+    cut them short). The run ends there and its retry resumes from the state saved here,
+    not from the last periodic one, up to ``resume_every_minutes`` of training earlier.
+    """
+
+    def __init__(self, inner: Reporter, save_state: Callable[[], object]) -> None:
+        self.inner, self.save_state = inner, save_state
+
+    def report(self, value: float, step: int) -> None:
+        self._call(self.inner.report, value, step)
+
+    def should_prune(self) -> bool:
+        return self._call(self.inner.should_prune)
+
+    def set_attrs(self, attrs: dict[str, Any]) -> None:
+        self._call(self.inner.set_attrs, attrs)
+
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return fn(*args)
+        except Exception as exc:
+            try:
+                saved = self.save_state()
+                log.warning("the search could not be told (%s); resumable state saved: %s", type(exc).__name__, saved)
+            except Exception as err:  # the original error is the one to report
+                log.warning("could not save the resumable state after %s: %s", type(exc).__name__, err)
+            raise
 
 
 RESUME_CHECKPOINT_ATTR = "resume_checkpoint"
