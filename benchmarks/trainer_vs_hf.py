@@ -170,8 +170,9 @@ class HpsearchSide:
 
     def __init__(self, s: Setup) -> None:
         from hpsearch.search import study as studies
+        from hpsearch.search.lifeline import StopFlag
         from hpsearch.search.spec import StudySpec
-        from hpsearch.search.worker import StopFlag, Worker, WorkerArgs
+        from hpsearch.search.worker import Worker, WorkerArgs
         from hpsearch.storage.open import open_storage
 
         self.s = s

@@ -8,7 +8,7 @@ behind is swept here, at worker start and after every trial:
 * the resumable state of finished trials (a reaped worker may write one after it was reaped);
 * a failed attempt's best model and resumable state once nothing will take them over: its
   retry either starts over (``resume_from`` empty) or has finished, so it moved them into its
-  own folder when it began (worker.py ``_resume_point``), or it is out of retries.
+  own folder when it began (retry.py ``take_over``), or it is out of retries.
 
 A running trial's folder is never touched, nor that of a failed attempt whose retry is still
 waiting to resume from it or has just started to (it moves the folder's contents first).

@@ -1,4 +1,4 @@
-"""How a worker notices that what it depends on is gone: its supervisor, or its storage.
+"""How a worker notices that it must stop: a signal, its supervisor gone, or its storage gone.
 
 A supervisor killed with SIGKILL cannot stop its workers, and a worker whose database stays
 down past every retry cannot record anything. Either way the trial is not the worker's to
@@ -14,6 +14,8 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import time
+from typing import Any
 
 from hpsearch.storage.errors import StorageError
 
@@ -76,3 +78,44 @@ def die_with_parent() -> bool:
         if libc.prctl(PR_SET_PDEATHSIG, PARENT_DIED, 0, 0, 0) != 0:
             log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d)", ctypes.get_errno())
     return os.getppid() == parent.pid
+
+
+STOP_STORAGE_PATIENCE_S = 20.0
+"""After a stop request, how long storage calls still retry through an outage. A shutting-down
+instance has seconds, not the minutes PATIENT_RETRY waits; the resumable state is on disk and
+the trial is reaped and resumed once the database is back."""
+
+
+class StopFlag:
+    """First SIGTERM/SIGINT: finish the step, checkpoint, hand the trial back. Second: exit now."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signum = 0
+        self.requested_at = 0.0
+
+    def storage_patience_over(self) -> bool:
+        return self.requested and time.monotonic() - self.requested_at > STOP_STORAGE_PATIENCE_S
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(PARENT_DIED, self._parent_died)
+
+    def _parent_died(self, _signum: int, _frame: Any) -> None:
+        # A graceful stop, never the second signal's exit: the kernel sends the parent-death
+        # signal once per thread of the dead supervisor (it re-parents to each in turn).
+        if not self.requested:
+            self.requested, self.signum, self.requested_at = True, signal.SIGTERM, time.monotonic()
+            log.warning("the supervisor died: checkpointing and handing the trial back")
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self.requested:
+            os._exit(128 + signum)
+        self.requested = True
+        self.signum = signum
+        self.requested_at = time.monotonic()
+        log.warning("received %s: checkpointing and handing the trial back", signal.Signals(signum).name)
+
+    def __call__(self) -> bool:
+        return self.requested

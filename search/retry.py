@@ -7,6 +7,7 @@ Retries are explicit and counted: a trial is retried at most ``max_retries`` tim
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import optuna
@@ -14,7 +15,7 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
 from hpsearch.search.study import DEVICE_SECONDS
-from hpsearch.storage import budget
+from hpsearch.storage import budget, checkpoints as retention
 from hpsearch.storage.open import Storage
 from hpsearch.trainer.report import RESUME_CHECKPOINT_ATTR
 
@@ -112,3 +113,43 @@ def pop_retry(study: optuna.Study) -> optuna.Trial | None:
         except UpdateFinishedTrialError:
             continue
     return None
+
+
+def take_over(storage: Storage, study_name: str, trial: optuna.Trial, out_dir: Path) -> Path | None:
+    """Move the failed attempt's best model and resumable state into this retry's folder.
+
+    Moved, not read in place: this attempt then owns them, so the usual clean-up (resume/
+    goes when the trial ends, best/ goes with retention) covers them, and a crash of this
+    attempt before it writes its own state hands back this same state (the supervisor looks
+    in the trial's folder, the reaper at ``resume_checkpoint``, recorded at the trial's start).
+    Returns the state to resume from, or None to train from the start.
+    """
+    from hpsearch.trainer.checkpoint import BEST, RESUME  # torch: only in the worker, which has it
+
+    source = trial.user_attrs.get(RESUME_FROM)
+    if not source or not Path(source).exists():
+        return None
+    state = Path(source)
+    old_dir = state.parent.parent
+    if old_dir.resolve() == out_dir.resolve():
+        return state
+    # fit() takes the best point from the moved model's own meta (see _restored_best).
+    if (old_dir / BEST).exists() and not (out_dir / BEST).exists():
+        shutil.move(old_dir / BEST, out_dir / BEST)
+        _mark_moved(storage, study_name, trial, old_dir / BEST)
+    shutil.rmtree(out_dir / RESUME, ignore_errors=True)
+    shutil.move(state.parent, out_dir / RESUME)
+    # fit() loads the state and records resumed_from_step; reading it here too would load
+    # the weights and optimizer moments twice.
+    return out_dir / RESUME / state.name
+
+
+def _mark_moved(storage: Storage, study_name: str, trial: optuna.Trial, was: Path) -> None:
+    """The failed attempt's ``best_checkpoint`` must not name the folder its retry took."""
+    of = trial.user_attrs.get(RETRY_OF)
+    if not isinstance(of, int):
+        return
+    study_id = storage.optuna.get_study_id_from_name(study_name)
+    failed = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, of)
+    note = f"{retention.DELETED_PREFIX} (taken over by its retry, trial {trial.number}; was {was})"
+    retention.mark_deleted(storage.db, failed, note)

@@ -74,52 +74,11 @@ class TrialReporter:
         self.last_ok = time.monotonic()
 
 
-STOP_STORAGE_PATIENCE_S = 20.0
-"""After a stop request, how long storage calls still retry through an outage. A shutting-down
-instance has seconds, not the minutes PATIENT_RETRY waits; the resumable state is on disk and
-the trial is reaped and resumed once the database is back."""
-
-
-class StopFlag:
-    """First SIGTERM/SIGINT: finish the step, checkpoint, hand the trial back. Second: exit now."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.signum = 0
-        self.requested_at = 0.0
-
-    def storage_patience_over(self) -> bool:
-        return self.requested and time.monotonic() - self.requested_at > STOP_STORAGE_PATIENCE_S
-
-    def install(self) -> None:
-        signal.signal(signal.SIGTERM, self._handle)
-        signal.signal(signal.SIGINT, self._handle)
-        signal.signal(lifeline.PARENT_DIED, self._parent_died)
-
-    def _parent_died(self, _signum: int, _frame: Any) -> None:
-        # A graceful stop, never the second signal's exit: the kernel sends the parent-death
-        # signal once per thread of the dead supervisor (it re-parents to each in turn).
-        if not self.requested:
-            self.requested, self.signum, self.requested_at = True, signal.SIGTERM, time.monotonic()
-            log.warning("the supervisor died: checkpointing and handing the trial back")
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if self.requested:
-            os._exit(128 + signum)
-        self.requested = True
-        self.signum = signum
-        self.requested_at = time.monotonic()
-        log.warning("received %s: checkpointing and handing the trial back", signal.Signals(signum).name)
-
-    def __call__(self) -> bool:
-        return self.requested
-
-
 def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     """Entry point of the spawned worker process."""
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s [{args.name}] %(levelname)s %(message)s")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    stop = StopFlag()
+    stop = lifeline.StopFlag()
     stop.install()
     if not lifeline.die_with_parent():
         log.warning("the supervisor that started this worker is gone; exiting")
@@ -176,7 +135,7 @@ class Worker:
         self,
         args: WorkerArgs,
         storage: Storage,
-        stop: StopFlag,
+        stop: lifeline.StopFlag,
         conn: Connection | None,
         registration: registry.Registration | None = None,
         world: Any = None,
@@ -348,7 +307,7 @@ class Worker:
                 retry.RESUME_CHECKPOINT: str(state.resolve()),
             }
         )
-        resume = self._resume_point(trial, out_dir, reporter)
+        resume = retry.take_over(self.storage, self.args.study, trial, out_dir)
         handler = _trial_log(out_dir)
         log.info("trial %d starts: %s", trial.number, params)
         started = time.monotonic()  # first_step_seconds and device time count from here
@@ -505,45 +464,6 @@ class Worker:
             minimize=self.spec.direction == "minimize",
             max_disk_gb=search.max_disk_gb,
         )
-
-    def _resume_point(self, trial: optuna.Trial, out_dir: Path, reporter: TrialReporter) -> Path | None:
-        """Move the failed attempt's best model and resumable state into this attempt's folder.
-
-        Moved, not read in place: this attempt then owns them, so the usual clean-up (resume/
-        goes when the trial ends, best/ goes with retention) covers them, and a crash of this
-        attempt before it writes its own state hands back this same state (the supervisor
-        looks in the trial's folder, the reaper at the attribute set here).
-        """
-        from hpsearch.trainer.checkpoint import BEST, RESUME
-
-        source = trial.user_attrs.get(retry.RESUME_FROM)
-        if not source or not Path(source).exists():
-            return None
-        state = Path(source)
-        old_dir = state.parent.parent
-        if old_dir.resolve() == out_dir.resolve():
-            return state
-        # fit() takes the best point from the moved model's own meta (see _restored_best).
-        if (old_dir / BEST).exists() and not (out_dir / BEST).exists():
-            shutil.move(old_dir / BEST, out_dir / BEST)
-            self._mark_moved(trial, old_dir / BEST)
-        shutil.rmtree(out_dir / RESUME, ignore_errors=True)
-        shutil.move(state.parent, out_dir / RESUME)
-        moved = out_dir / RESUME / state.name
-        reporter.set_attrs({retry.RESUME_CHECKPOINT: str(moved.resolve())})
-        # fit() loads the state and records resumed_from_step; reading it here too would load
-        # the weights and optimizer moments twice.
-        return moved
-
-    def _mark_moved(self, trial: optuna.Trial, was: Path) -> None:
-        """The failed attempt's ``best_checkpoint`` must not name the folder its retry took."""
-        of = trial.user_attrs.get(retry.RETRY_OF)
-        if not isinstance(of, int):
-            return
-        study_id = self.storage.optuna.get_study_id_from_name(self.args.study)
-        failed = self.storage.optuna.get_trial_id_from_study_id_trial_number(study_id, of)
-        note = f"{retention.DELETED_PREFIX} (taken over by its retry, trial {trial.number}; was {was})"
-        retention.mark_deleted(self.storage.db, failed, note)
 
     def _tell(self, trial: optuna.Trial, value: float | None = None, state: TrialState | None = None) -> None:
         """``study.tell``, taking the grid sampler's end of the grid for what it is.

@@ -10,8 +10,9 @@ import pytest
 from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.search import study as studies
+from hpsearch.search.lifeline import StopFlag
 from hpsearch.search.spec import load_file
-from hpsearch.search.worker import StopFlag, Worker, WorkerArgs
+from hpsearch.search.worker import Worker, WorkerArgs
 from hpsearch.storage.open import open_storage
 from hpsearch.trainer import checkpoint
 

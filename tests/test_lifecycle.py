@@ -136,8 +136,9 @@ def _in_process_worker(
 ) -> None:
     """One worker in this process (faults injected with monkeypatch) runs the study to its end."""
     from hpsearch.search import study as studies
+    from hpsearch.search.lifeline import StopFlag
     from hpsearch.search.spec import load_file
-    from hpsearch.search.worker import StopFlag, Worker, WorkerArgs
+    from hpsearch.search.worker import Worker, WorkerArgs
     from hpsearch.storage.open import open_storage
 
     loaded = load_file(spec)
@@ -403,7 +404,8 @@ def test_a_retry_runs_after_the_timeout_when_its_trial_started_before(
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str
 ) -> None:
     from hpsearch.search import study as studies
-    from hpsearch.search.worker import StopFlag, Worker, WorkerArgs
+    from hpsearch.search.lifeline import StopFlag
+    from hpsearch.search.worker import Worker, WorkerArgs
     from hpsearch.storage.open import open_storage
 
     # Two known-good configurations queued first: trial 0 starts, trial 1 waits its turn.
