@@ -162,8 +162,14 @@ def _spec(tmp_path: Path, model: Path, data: tuple[Path, Path], n_trials: int = 
     return spec
 
 
+@pytest.mark.parametrize("resume_every_minutes", [0, 60])
 def test_a_storage_failure_inside_a_trial_hands_it_back_with_its_checkpoints(
-    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    tiny_model: Path,
+    demo_files: tuple[Path, Path],
+    sqlite_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    resume_every_minutes: int,
 ) -> None:
     from optuna.exceptions import StorageInternalError
 
@@ -180,14 +186,18 @@ def test_a_storage_failure_inside_a_trial_hands_it_back_with_its_checkpoints(
         real_report(self, value, step)
 
     monkeypatch.setattr(TrialReporter, "report", report)
-    _in_process_worker(tmp_path, _spec(tmp_path, tiny_model, demo_files), sqlite_url, "db")
+    spec = _spec(tmp_path, tiny_model, demo_files)
+    periodic = f"resume_every_minutes = {resume_every_minutes}"
+    spec.write_text(spec.read_text().replace("resume_every_minutes = 0", periodic))
+    _in_process_worker(tmp_path, spec, sqlite_url, "db")
     first, retry = optuna.load_study(study_name="db", storage=sqlite_url).get_trials()
     assert first.state == TrialState.FAIL, first.user_attrs
     assert first.user_attrs["fail_reason"] == "storage_error (StorageInternalError)"
     # The attempt ends where the storage stopped answering: the outage is not device time.
     wall = (first.datetime_complete - first.datetime_start).total_seconds()
     assert first.user_attrs["device_seconds"] < wall - 1.5, (first.user_attrs["device_seconds"], wall)
-    # The retry continued from the state saved at step 10 (resume_every_minutes = 0).
+    # The retry continued from step 10: the periodic state written there, or (none due for an
+    # hour) the one saved when the report failed.
     assert retry.state == TrialState.COMPLETE and retry.user_attrs["retry_of"] == first.number
     assert retry.user_attrs["resumed_from_step"] == 10
     assert min(retry.intermediate_values) > 10
