@@ -219,8 +219,8 @@ class Supervisor:
             log.warning("stopping: workers checkpoint and hand their trials back (again to quit at once)")
             for child in self.children.values():
                 if child.process.is_alive() and signum == signal.SIGTERM:
-                    # Ctrl-C reaches the whole process group already; SIGTERM only us.
-                    os.kill(child.process.pid, signal.SIGTERM)
+                    # Ctrl-C reaches the whole process group already; SIGTERM maybe only us.
+                    os.kill(child.process.pid, lifeline.STOP_REQUEST)
         else:
             for child in self.children.values():
                 if child.process.is_alive():

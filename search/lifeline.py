@@ -59,6 +59,10 @@ def describe(exc: BaseException) -> str:
 PR_SET_PDEATHSIG = 1
 PARENT_DIED = signal.SIGUSR1
 """The signal the kernel sends a worker when its supervisor dies (see ``die_with_parent``)."""
+STOP_REQUEST = signal.SIGUSR2
+"""The signal a supervisor that got SIGTERM passes on to its workers: a graceful stop only.
+Not SIGTERM: a shutdown (or ``kill -TERM -PGID``) signals the whole process group, and the
+worker would take its own SIGTERM plus the forwarded one for "second signal: exit now"."""
 
 
 def die_with_parent() -> bool:
@@ -93,6 +97,8 @@ class StopFlag:
         self.requested = False
         self.signum = 0
         self.requested_at = 0.0
+        self.signalled = False
+        """A SIGTERM or SIGINT came from outside (not the supervisor's forwarded request)."""
 
     def storage_patience_over(self) -> bool:
         return self.requested and time.monotonic() - self.requested_at > STOP_STORAGE_PATIENCE_S
@@ -101,21 +107,26 @@ class StopFlag:
         signal.signal(signal.SIGTERM, self._handle)
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(PARENT_DIED, self._parent_died)
+        signal.signal(STOP_REQUEST, self._supervisor_asks)
 
     def _parent_died(self, _signum: int, _frame: Any) -> None:
         # A graceful stop, never the second signal's exit: the kernel sends the parent-death
         # signal once per thread of the dead supervisor (it re-parents to each in turn).
-        if not self.requested:
-            self.requested, self.signum, self.requested_at = True, signal.SIGTERM, time.monotonic()
-            log.warning("the supervisor died: checkpointing and handing the trial back")
+        self.request(signal.SIGTERM, "the supervisor died")
+
+    def _supervisor_asks(self, _signum: int, _frame: Any) -> None:
+        self.request(signal.SIGTERM, "the supervisor is stopping")
 
     def _handle(self, signum: int, _frame: Any) -> None:
-        if self.requested:
-            os._exit(128 + signum)
-        self.requested = True
-        self.signum = signum
-        self.requested_at = time.monotonic()
-        log.warning("received %s: checkpointing and handing the trial back", signal.Signals(signum).name)
+        if self.signalled:
+            os._exit(128 + signum)  # a second SIGTERM / Ctrl-C from outside: exit now
+        self.signalled = True
+        self.request(signum, f"received {signal.Signals(signum).name}")
+
+    def request(self, signum: int, why: str) -> None:
+        if not self.requested:
+            self.requested, self.signum, self.requested_at = True, signum, time.monotonic()
+            log.warning("%s: checkpointing and handing the trial back", why)
 
     def __call__(self) -> bool:
         return self.requested

@@ -507,8 +507,7 @@ class Worker:
         except OSError:  # BrokenPipeError: the supervisor is gone
             if not self.stop():
                 # Off Linux there is no parent-death signal; this is the same graceful stop.
-                log.warning("the supervisor is gone: checkpointing and handing the trial back")
-                self.stop.requested, self.stop.signum = True, signal.SIGTERM
+                self.stop.request(signal.SIGTERM, "the supervisor is gone")
 
 
 def _trial_log(out_dir: Path) -> logging.Handler:

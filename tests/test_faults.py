@@ -172,15 +172,21 @@ def test_a_dead_peer_rank_hands_the_trial_back_and_the_group_restarts(
     assert len(digests) == 2 and digests[0] == digests[1], "the restarted ranks resumed the same state"
 
 
+@pytest.mark.parametrize("whole_group", [False, True], ids=["supervisor", "process-group"])
 def test_sigterm_of_start_hands_back_and_next_start_resumes(
-    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str, whole_group: bool
 ) -> None:
     spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=1)
     proc = _start(tmp_path, spec, sqlite_url)
     try:
         _wait_for_report(sqlite_url, min_step=10)
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)  # what AutoDL sends at shutdown
+        if whole_group:
+            # A shutdown (or `kill -TERM -PGID`) signals the workers as well as the supervisor:
+            # that is one stop, not the "second signal, exit now" of a double Ctrl-C.
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)  # what AutoDL sends at shutdown
         _, err = proc.communicate(timeout=60)
         assert time.monotonic() - t0 < 30, "must exit within 30 s of SIGTERM"
     finally:
