@@ -17,7 +17,9 @@ import sys
 import time
 from typing import Any
 
+from hpsearch.storage.db import RetryPolicy
 from hpsearch.storage.errors import StorageError
+from hpsearch.storage.open import Storage
 
 log = logging.getLogger(__name__)
 
@@ -130,3 +132,30 @@ class StopFlag:
 
     def __call__(self) -> bool:
         return self.requested
+
+
+def open_patiently(url: str, policy: RetryPolicy, stop: StopFlag) -> Storage | None:
+    """The storage, waited for as every later call waits for it; None if a stop came first.
+
+    The supervisor checked the URL a moment ago, so a refused connection here is an outage,
+    not a typo: failing at once would count as a crash, and three of them give the device up.
+    """
+    from hpsearch.storage.errors import StudyNotFoundError
+    from hpsearch.storage.open import open_storage
+
+    delays = policy.delays()
+    while True:
+        try:
+            return open_storage(url, create=False, retry=policy)
+        except StudyNotFoundError:
+            raise
+        except StorageError as exc:
+            if stop():
+                return None  # no trial is held yet: nothing to hand back
+            delay = next(delays, None)
+            if delay is None:
+                raise StorageLost(f"storage unreachable since this worker started ({exc})") from exc
+            log.warning("the storage does not answer yet (%s); retrying in %.1fs", exc, delay)
+            policy.sleep(delay)
+            if stop():
+                return None

@@ -15,7 +15,7 @@ import traceback
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import optuna
 from optuna.trial import TrialState
@@ -27,7 +27,7 @@ from hpsearch.search.spec import StudySpec, resolved
 from hpsearch.storage import budget, checkpoints as retention, registry
 from hpsearch.storage.db import PATIENT_RETRY
 from hpsearch.storage.errors import StorageError
-from hpsearch.storage.open import Storage, open_storage
+from hpsearch.storage.open import Storage
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,12 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         peers = ranks.Peers(args.device, args.peer_devices, args.name, args.output_dir, args.threads)
     world = peers.start(torch_device(args.device)) if peers else World()
     patience = replace(PATIENT_RETRY, give_up=stop.storage_patience_over)
-    storage = open_storage(args.storage_url, create=False, retry=patience)
+    try:
+        storage = lifeline.open_patiently(args.storage_url, patience, stop)
+    except lifeline.StorageLost as exc:
+        _exit(lifeline.STORAGE_LOST, f"{exc}; exiting", peers)
+    if storage is None:
+        _exit(128 + stop.signum, "stopped before the storage answered", peers)
     try:
         # Registered (and heartbeating) from the start, so status shows a worker still loading.
         device = args.device_label or args.device
@@ -110,15 +115,17 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
             with Reaper(storage, args.study, max_retries=worker.spec.search.max_retries, interval_s=reg.interval_s):
                 worker.run()
     except ranks.GroupRestart as exc:
-        log.error("%s; restarting the device group", exc)
-        if peers:
-            peers.close(kill=True)
-        raise SystemExit(ranks.GROUP_RESTART) from None
-    except lifeline.StorageLost as exc:
-        log.error("%s; exiting (the trial is retried once the storage is back)", exc)
-        if peers:
-            peers.close(kill=True)
-        raise SystemExit(lifeline.STORAGE_LOST) from None
+        _exit(ranks.GROUP_RESTART, f"{exc}; restarting the device group", peers)
+    except Exception as exc:
+        if not isinstance(exc, lifeline.StorageLost) and not lifeline.is_storage_failure(exc):
+            raise
+        # Also a storage call outside a trial (reading the spec while loading) that ran out
+        # of patience after a stop: one line, not a traceback.
+        _exit(
+            lifeline.STORAGE_LOST,
+            f"{lifeline.describe(exc)}; exiting (a held trial is retried once the storage is back)",
+            peers,
+        )
     finally:
         storage.close()
     if peers:
@@ -128,6 +135,13 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         # Tell the supervisor we were stopped (its trial is already handed back), so it
         # restarts us unless it is stopping too.
         raise SystemExit(128 + stop.signum)
+
+
+def _exit(code: int, why: str, peers: ranks.Peers | None) -> NoReturn:
+    log.error("%s", why)
+    if peers:
+        peers.close(kill=True)
+    raise SystemExit(code)
 
 
 class Worker:

@@ -269,6 +269,38 @@ def test_sigterm_during_a_database_outage_exits_soon_and_the_retry_resumes_where
         cluster.destroy()
 
 
+def test_a_worker_that_starts_during_an_outage_waits_for_the_storage_or_a_stop() -> None:
+    import threading
+
+    from hpsearch.search.lifeline import StopFlag, open_patiently
+    from hpsearch.storage.db import PATIENT_RETRY
+    from hpsearch.storage.open import open_storage
+    from tests.pgcluster import Cluster
+
+    cluster = Cluster()
+    try:
+        cluster.start()
+        open_storage(cluster.url, create=True).close()  # a storage whose worker is being spawned
+        # The server goes away just as the worker opens the storage, and is back 3 s later:
+        # the worker waits for it, as every later storage call would (it used to crash, and
+        # three crashes in a row gave its device up).
+        cluster.stop("fast")
+        threading.Timer(3.0, cluster.start).start()
+        began = time.monotonic()
+        storage = open_patiently(cluster.url, PATIENT_RETRY, StopFlag())
+        assert storage is not None and time.monotonic() - began > 2
+        storage.close()
+        # A stop while it waits: it holds no trial yet, so it just goes.
+        cluster.stop("fast")
+        stop = StopFlag()
+        threading.Timer(1.0, stop.request, args=(signal.SIGTERM, "test")).start()
+        began = time.monotonic()
+        assert open_patiently(cluster.url, PATIENT_RETRY, stop) is None
+        assert time.monotonic() - began < 10
+    finally:
+        cluster.destroy()
+
+
 def _lose_host(tmp_path: Path, spec: Path, url: str) -> None:
     """Run the search on "host-a" until its trial has a resumable checkpoint, then pull the plug:
     supervisor and worker die at once, so nobody on host-a hands the trial back."""
