@@ -18,8 +18,8 @@ import time
 from typing import Any
 
 from hpsearch.storage.db import RetryPolicy
-from hpsearch.storage.errors import StorageError
-from hpsearch.storage.open import Storage
+from hpsearch.storage.errors import StorageError, StudyNotFoundError
+from hpsearch.storage.open import Storage, open_storage
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +140,6 @@ def open_patiently(url: str, policy: RetryPolicy, stop: StopFlag) -> Storage | N
     The supervisor checked the URL a moment ago, so a refused connection here is an outage,
     not a typo: failing at once would count as a crash, and three of them give the device up.
     """
-    from hpsearch.storage.errors import StudyNotFoundError
-    from hpsearch.storage.open import open_storage
-
     delays = policy.delays()
     while True:
         try:
