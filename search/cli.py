@@ -265,7 +265,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Any]) -> int:
-    from hpsearch.search import summary
+    from hpsearch.search import lifeline, summary
     from hpsearch.search.dispatch import Supervisor
     from hpsearch.storage.errors import StorageError
 
@@ -277,7 +277,7 @@ def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Any]) 
         # The workers are done (or stopped); only the summary is lost. Not the input's fault,
         # so never exit 2, and keep the supervisor's code (128 + signal after a stop).
         print(
-            f"hpsearch {args.command}: the storage is unreachable, so no summary ({str(exc).splitlines()[0]}); "
+            f"hpsearch {args.command}: the storage is unreachable, so no summary ({lifeline.describe(exc)}); "
             f"interrupted trials resume from their checkpoints at the next `hpsearch {args.command}` once it is back",
             file=sys.stderr,
         )

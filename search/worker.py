@@ -360,7 +360,7 @@ class Worker:
             if lifeline.is_storage_failure(exc):
                 # The database, not the trial: keep its checkpoints and hand it back.
                 log.error("trial %d: the storage failed: %s", trial.number, lifeline.describe(exc))
-                self._hand_back_after_storage_failure(trial, out_dir, reporter, started, exc)
+                self._hand_back_after_storage_failure(trial, state, reporter, started, exc)
                 return
             log.error("trial %d failed:\n%s", trial.number, traceback.format_exc())
             failure = f"{type(exc).__name__}: {exc}"[:500]
@@ -412,7 +412,7 @@ class Worker:
                 self.study,
                 trial._trial_id,
                 reason="interrupted",
-                resume_from=out_dir / RESUME / RESUME_FILE,
+                resume_from=state,
                 max_retries=self.spec.search.max_retries,
             )
         else:
@@ -421,15 +421,13 @@ class Worker:
             self._retain()
 
     def _hand_back_after_storage_failure(
-        self, trial: optuna.Trial, out_dir: Path, reporter: TrialReporter, started: float, exc: Exception
+        self, trial: optuna.Trial, state: Path, reporter: TrialReporter, started: float, exc: Exception
     ) -> None:
         """Queue a retry that resumes from the trial's resumable state, like a crash.
 
         The retry waits until the storage answers again (each call retries patiently); if it
         does not, ``StorageLost`` ends the worker and the trial is reaped later.
         """
-        from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE
-
         # Only time that reached the storage counts: the outage is no device's work.
         spent = (reporter.last_ok - started) * self.world.size
         try:
@@ -440,7 +438,7 @@ class Worker:
                 self.study,
                 trial._trial_id,
                 reason=f"storage_error ({type(exc).__name__})",
-                resume_from=out_dir / RESUME / RESUME_FILE,
+                resume_from=state,
                 max_retries=self.spec.search.max_retries,
             )
         except Exception as err:
