@@ -338,22 +338,34 @@ def test_a_reaped_workers_late_resumable_state_is_swept_when_a_worker_starts(
     assert (tmp_path / "runs" / "late" / "trial-1" / "best").is_dir()
 
 
-def test_the_end_of_a_grid_is_no_reaped_trial_and_retention_runs(
-    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str, caplog: pytest.LogCaptureFixture
-) -> None:
+def _grid_spec(
+    tmp_path: Path,
+    tiny_model: Path,
+    demo_files: tuple[Path, Path],
+    n_trials: int,
+    choices: str = "1e-3, 2e-3, 3e-3",
+    search: str = "",
+) -> Path:
     spec = tmp_path / "grid.toml"
     spec.write_text(
         spec_text(
             tiny_model,
             *demo_files,
-            n_trials=3,
-            search="keep_top_k = 1",
-            space='learning_rate = { type = "categorical", choices = [1e-3, 2e-3, 3e-3] }',
+            n_trials=n_trials,
+            search=search,
+            space=f'learning_rate = {{ type = "categorical", choices = [{choices}] }}',
         )
         .replace('sampler = "tpe"', 'sampler = "grid"')
         .replace('pruner = "median"', 'pruner = "none"')
         .replace("epochs = 2", "epochs = 1")
     )
+    return spec
+
+
+def test_the_end_of_a_grid_is_no_reaped_trial_and_retention_runs(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = _grid_spec(tmp_path, tiny_model, demo_files, n_trials=3, search="keep_top_k = 1")
     _in_process_worker(tmp_path, spec, sqlite_url, "grid", n_trials=3)
     trials = optuna.load_study(study_name="grid", storage=sqlite_url).get_trials()
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
@@ -362,24 +374,6 @@ def test_the_end_of_a_grid_is_no_reaped_trial_and_retention_runs(
     best = min(trials, key=lambda t: t.value)
     kept = sorted(p.parent.name for p in (tmp_path / "runs" / "grid").glob("trial-*/best"))
     assert kept == [f"trial-{best.number}"]
-
-
-def _grid_spec(
-    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], n_trials: int, choices: str = "1e-3, 2e-3, 3e-3"
-) -> Path:
-    spec = tmp_path / "grid.toml"
-    spec.write_text(
-        spec_text(
-            tiny_model,
-            *demo_files,
-            n_trials=n_trials,
-            space=f'learning_rate = {{ type = "categorical", choices = [{choices}] }}',
-        )
-        .replace('sampler = "tpe"', 'sampler = "grid"')
-        .replace('pruner = "median"', 'pruner = "none"')
-        .replace("epochs = 2", "epochs = 1")
-    )
-    return spec
 
 
 def test_a_resumed_grid_runs_each_point_once(
