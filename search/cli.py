@@ -270,14 +270,19 @@ def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Any]) 
     from hpsearch.storage.errors import StorageError
 
     level = logging.DEBUG if args.verbose else logging.INFO
-    code = Supervisor(args.study, url, device_list, args.output_dir.resolve(), level).run()
-    try:
-        s = _status(args.study, url, best_only=False)
-    except StorageError as exc:
+    supervisor = Supervisor(args.study, url, device_list, args.output_dir.resolve(), level)
+    code = supervisor.run()
+    lost = "the workers could not reach it while stopping" if supervisor.storage_lost else None
+    if lost is None:
+        try:
+            s = _status(args.study, url, best_only=False)
+        except StorageError as exc:
+            lost = lifeline.describe(exc)
+    if lost is not None:
         # The workers are done (or stopped); only the summary is lost. Not the input's fault,
         # so never exit 2, and keep the supervisor's code (128 + signal after a stop).
         print(
-            f"hpsearch {args.command}: the storage is unreachable, so no summary ({lifeline.describe(exc)}); "
+            f"hpsearch {args.command}: the storage is unreachable, so no summary ({lost}); "
             f"interrupted trials resume from their checkpoints at the next `hpsearch {args.command}` once it is back",
             file=sys.stderr,
         )

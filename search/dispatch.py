@@ -53,6 +53,8 @@ class Supervisor:
         self.stopping = 0
         self.stop_signal = 0
         self.failed_devices: list[str] = []
+        self.storage_lost = False
+        """A worker stopped without reaching the storage: nothing more is asked of it."""
         self.progress = progress.for_terminal(study, storage_url, devices)
 
     def run(self) -> int:
@@ -74,7 +76,7 @@ class Supervisor:
                             self._receive(child)
                 self.progress.tick(self.children.values())
         finally:
-            self.progress.stop()
+            self.progress.stop(storage_lost=self.storage_lost)
             for s, handler in previous.items():
                 signal.signal(s, handler)
         if self.stopping:
@@ -140,12 +142,14 @@ class Supervisor:
             how = "storage unreachable"
         else:
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        log.error(
-            "worker %s died unexpectedly (%s)%s",
-            child.name,
-            how,
-            f" during trial {child.trial[1]}" if child.trial else "",
-        )
+        during = f" during trial {child.trial[1]}" if child.trial else ""
+        if self.stopping and code == lifeline.STORAGE_LOST:
+            # It stopped after the storage went quiet: another try from here would only add
+            # a connect timeout to the shutdown. The trial is reaped once the storage is back.
+            log.warning("worker %s stopped without reaching the storage%s", child.name, during)
+            self.storage_lost = True
+            return
+        log.error("worker %s died unexpectedly (%s)%s", child.name, how, during)
         self._record_crash(child, f"worker_crash ({how})")
         if self.stopping:
             return

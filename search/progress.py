@@ -187,11 +187,13 @@ class Progress:
     def start(self) -> None:
         self.poller.start()
 
-    def stop(self) -> None:
+    def stop(self, *, storage_lost: bool = False) -> None:
+        """``storage_lost``: the workers stopped without reaching the storage, so neither
+        wait for a read in flight nor try a last one (each could take a connect timeout)."""
         self.poller.stop()
-        self.poller.join(timeout=5)
+        self.poller.join(timeout=0.5 if storage_lost else 5)
         # One last read, so the final line and the study note include the last trial.
-        if not self.poller.is_alive():
+        if not storage_lost and not self.poller.is_alive():
             self.poller.refresh()
         self.finish()
 

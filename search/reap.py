@@ -160,7 +160,8 @@ class Reaper:
 
     def __exit__(self, *_exc: object) -> None:
         self._stop.set()
-        self._thread.join(timeout=30)
+        # Not for a pass stuck on a database this stopping worker has given up on.
+        self._thread.join(timeout=1.0 if self.storage.db.given_up else 30)
 
     def _loop(self) -> None:
         healthy_since: float | None = None

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import psycopg2
 import sqlalchemy
 from sqlalchemy import Float
 from sqlalchemy.engine import Engine
@@ -71,6 +72,9 @@ DEFAULT_RETRY = RetryPolicy()
 PATIENT_RETRY = RetryPolicy(attempts=40, base_delay_s=0.5, max_delay_s=15.0)
 
 
+GAVE_UP = "the database stopped answering and this process is stopping"
+
+
 class ThreadSharedPool(QueuePool):
     """A QueuePool whose overflow connection is only for the thread that already holds one.
 
@@ -85,18 +89,40 @@ class ThreadSharedPool(QueuePool):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._held = threading.local()
+        self.give_up: Callable[[], bool] | None = None
+        """Set by ``give_up_on_silence``: once it says so, a database already seen unreachable is
+        not waited for again (each wait would be a connect timeout or a hung call's)."""
+        self.unreachable = False
+
+    def recreate(self) -> QueuePool:
+        fresh = super().recreate()
+        assert isinstance(fresh, ThreadSharedPool)
+        fresh.give_up = self.give_up
+        return fresh
+
+    def hopeless(self) -> bool:
+        return self.unreachable and self.give_up is not None and self.give_up()
 
     def _do_get(self) -> ConnectionPoolEntry:
+        if self.hopeless():
+            raise sqlalchemy.exc.TimeoutError(GAVE_UP)
         held = getattr(self._held, "n", 0)
         if held == 0 and self.overflow() >= 0:
             # Every connection the pool keeps exists (overflow counts up from -pool_size) and
             # this thread holds none: wait for one to come back instead of opening another.
-            try:
-                record = self._pool.get(True, self._timeout)
-            except sqla_queue.Empty:
-                raise sqlalchemy.exc.TimeoutError(
-                    f"waited {self._timeout:.0f}s for this process's database connection"
-                ) from None
+            # In slices: the thread holding it may be stuck on a dead network path.
+            deadline = time.monotonic() + self._timeout
+            while True:
+                try:
+                    record = self._pool.get(True, min(1.0, max(0.0, deadline - time.monotonic())))
+                    break
+                except sqla_queue.Empty:
+                    if self.hopeless():
+                        raise sqlalchemy.exc.TimeoutError(GAVE_UP) from None
+                    if time.monotonic() >= deadline:
+                        raise sqlalchemy.exc.TimeoutError(
+                            f"waited {self._timeout:.0f}s for this process's database connection"
+                        ) from None
         else:
             record = super()._do_get()
         self._held.n = held + 1
@@ -113,11 +139,14 @@ logging.getLogger(f"{ThreadSharedPool.__module__}.{ThreadSharedPool.__name__}").
 
 
 def engine_kwargs(url: str, *, pool_size: int = 1) -> dict[str, Any]:
-    """Engine settings for ``url``: few connections, pre-ping, keepalives, lock patience."""
+    """Engine settings for ``url``: few connections, pre-ping, dead-peer detection, lock patience."""
     if urls.is_sqlite(url):
         # Several local worker processes share the file: wait for the write lock instead of
         # failing with "database is locked".
         return {"connect_args": {"timeout": 120}}
+    # libpq options the storage URL sets itself (?connect_timeout=30) win: SQLAlchemy would
+    # otherwise let these defaults overwrite them.
+    given = set(urls.parse(url).query)
     return {
         "poolclass": ThreadSharedPool,
         "pool_pre_ping": True,
@@ -126,22 +155,57 @@ def engine_kwargs(url: str, *, pool_size: int = 1) -> dict[str, Any]:
         # it is closed as soon as it is returned.
         "max_overflow": 1,
         "pool_recycle": 1800,
-        "connect_args": {
-            "connect_timeout": 10,
-            "application_name": "hpsearch",
-            # An hour-long trial leaves its connection idle; NAT gateways and cloud firewalls
-            # silently drop idle TCP flows, so probe it well before that happens.
-            "keepalives": 1,
-            "keepalives_idle": 60,
-            "keepalives_interval": 10,
-            "keepalives_count": 5,
-        },
+        "connect_args": {k: v for k, v in LIBPQ_DEFAULTS.items() if k not in given},
     }
+
+
+LIBPQ_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 10,
+    "application_name": "hpsearch",
+    # A cloud network fails silently: no reset, no "unreachable", packets just go unanswered.
+    # Without these a call in flight waits for the kernel to give up on the connection (about
+    # 15 minutes of retransmissions; two hours of silence for an idle one), holding the
+    # process's one connection, so a stopping worker could not hand its trial back in time.
+    # Idle connections (an hour-long trial's) are probed every 15 s, which also keeps NAT
+    # gateways from dropping them, and declared dead after 3 unanswered probes.
+    "keepalives": 1,
+    "keepalives_idle": 15,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+}
+# Data sent and not acknowledged for this long closes the connection (libpq 12+; the libpq
+# in psycopg2-binary is newer). A slow query is not affected: its request was acknowledged.
+if psycopg2.__libpq_version__ >= 120000:
+    LIBPQ_DEFAULTS["tcp_user_timeout"] = 20_000
 
 
 def create_engine(url: str, *, pool_size: int = 1) -> Engine:
     normalized = urls.normalize(url)
     return sqlalchemy.create_engine(normalized, **engine_kwargs(normalized, pool_size=pool_size))
+
+
+def give_up_on_silence(engine: Engine, give_up: Callable[[], bool] | None) -> None:
+    """Once ``give_up`` says so (a worker stopping for a while), calls on a database already
+    seen unreachable fail at once instead of each waiting out a connect timeout.
+
+    A stopping worker's state is on disk by then; what it still tries to record (its trial
+    handed back, its registry row ended) is done by the reaper later if the database is away.
+    """
+    pool = engine.pool
+    if give_up is None or not isinstance(pool, ThreadSharedPool):
+        return
+    pool.give_up = give_up
+
+    @sqlalchemy.event.listens_for(engine, "handle_error")
+    def _seen_failing(ctx: sqlalchemy.engine.ExceptionContext) -> None:
+        # A lost connection, or one that could not be made (no Connection yet); not a
+        # deadlock or a constraint, which a live server reports.
+        if ctx.is_disconnect or ctx.connection is None:
+            engine.pool.unreachable = True  # type: ignore[attr-defined]
+
+    @sqlalchemy.event.listens_for(engine, "connect")
+    def _answered(_dbapi: Any, _record: Any) -> None:
+        engine.pool.unreachable = False  # type: ignore[attr-defined]
 
 
 def check_connection(engine: Engine) -> None:
@@ -249,6 +313,13 @@ class Database:
             raise
         finally:
             session.close()
+
+    @property
+    def given_up(self) -> bool:
+        """The process is stopping and the database stopped answering (``give_up_on_silence``):
+        calls fail at once, so nobody should wait for one in flight either."""
+        pool = self.engine.pool
+        return isinstance(pool, ThreadSharedPool) and pool.hopeless()
 
     def run(self, fn: Callable[[Session], T], *, what: str) -> T:
         """Run ``fn`` in its own transaction, retried as a whole on transient errors."""

@@ -26,6 +26,7 @@ from hpsearch.storage.db import (
     RetryPolicy,
     describe_connect_error,
     engine_kwargs,
+    give_up_on_silence,
     with_retries,
 )
 from hpsearch.storage.errors import StorageError, StorageUrlError, StudyNotFoundError
@@ -128,6 +129,7 @@ def _open(url: str, normalized: str, kwargs: dict[str, Any], create: bool, displ
         skip_table_creation=not create,
     )
     rdb.retry_policy = retry
+    give_up_on_silence(rdb.engine, retry.give_up)
     if not create and not sqlalchemy.inspect(rdb.engine).has_table("studies"):
         rdb.engine.dispose()
         raise _no_studies(url)

@@ -411,7 +411,10 @@ class Registration:
     ) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=self.interval_s + self.patience_s + 5)
+            # A beat in flight on a dead network path ends only when the connection is
+            # declared dead; a stopping worker that gave the database up does not wait for it.
+            wait = 1.0 if self.db.given_up else self.interval_s + self.patience_s + 5
+            self._thread.join(timeout=wait)
         if self._piggyback:
             event.remove(self.db.engine, "checkin", self._on_checkin)
         if self.id is None:

@@ -13,12 +13,17 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.netns import Host
 
 OS_USER = "hpsearch-pg"
 
 
 class Cluster:
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, host: Host | None = None) -> None:
+        """``host``: run the server inside that network namespace, listening on its address."""
         found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
         if not found:
             raise RuntimeError("initdb not found (install the postgresql package)")
@@ -27,7 +32,9 @@ class Cluster:
         self.port = port if port is not None else free_port()
         self.root = Path(tempfile.mkdtemp(prefix="hpsearch-test-pg-"))
         self.data = self.root / "data"
-        self.as_user: list[str] = []
+        self.host = host
+        self.address = host.address if host is not None else "127.0.0.1"
+        self.as_user: list[str] = host.prefix() if host is not None else []
         if os.geteuid() == 0:
             # initdb refuses to run as root: the cluster runs as an unprivileged user.
             try:
@@ -36,9 +43,13 @@ class Cluster:
                 subprocess.run(["useradd", "--system", "--no-create-home", OS_USER], check=True)
             entry = pwd.getpwnam(OS_USER)
             os.chown(self.root, entry.pw_uid, entry.pw_gid)
-            self.as_user = ["runuser", "-u", OS_USER, "--"]
+            self.as_user += ["runuser", "-u", OS_USER, "--"]
         self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust")
-        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+        if host is not None:
+            # initdb trusts only loopback; the client is the other end of the host's link.
+            with (self.data / "pg_hba.conf").open("a") as hba:
+                hba.write(f"host all all {host.peer}/32 trust\n")
+        self.url = f"postgresql://postgres@{self.address}:{self.port}/postgres"
 
     def _run(self, tool: str, *args: str) -> None:
         subprocess.run(
@@ -49,7 +60,7 @@ class Cluster:
         )
 
     def start(self) -> None:
-        opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1"
+        opts = f"-p {self.port} -k {self.root} -c listen_addresses={self.address}"
         self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "server.log"), "-w", "start")
 
     def stop(self, mode: str = "fast") -> None:

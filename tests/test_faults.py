@@ -14,6 +14,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from tests import netns
 from tests.conftest import lm_spec_text, spec_text
 
 
@@ -267,6 +268,49 @@ def test_sigterm_during_a_database_outage_exits_soon_and_the_retry_resumes_where
         assert retry.user_attrs["resumed_from_step"] > 10, retry.user_attrs
     finally:
         cluster.destroy()
+
+
+@pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 to make a network namespace")
+def test_sigterm_during_a_network_partition_saves_at_once_and_exits_soon(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
+    from tests.pgcluster import Cluster
+
+    # The database on another "host" whose network path goes silent: calls hang instead of
+    # failing. The worker blocks in a report, is stopped there, and must neither wait for
+    # the dead path (it took 164 s) nor exit before its resumable state is on disk.
+    spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=1)
+    spec.write_text(spec.read_text().replace("resume_every_minutes = 0", "resume_every_minutes = 60"))
+    host = netns.Host()
+    cluster = Cluster(host=host)
+    try:
+        cluster.start()
+        url = cluster.url
+        proc = _start(tmp_path, spec, url, HPSEARCH_HEARTBEAT_S="1")
+        try:
+            _wait_for_report(_sa_url(url), min_step=10)
+            host.cut()
+            time.sleep(3)  # the worker reaches its next report and hangs there
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=600)
+            took = time.monotonic() - t0
+        finally:
+            proc.kill()
+        assert took < 60, f"exited {took:.0f} s after SIGTERM"
+        assert "Traceback" not in err, err[-3000:]
+        assert "a stop came while the search did not answer; resumable state saved" in err, err[-3000:]
+        assert "stopped without reaching the storage" in err, err[-3000:]
+        host.heal()
+        again = _start(tmp_path, spec, url, HPSEARCH_HEARTBEAT_S="1")
+        _, err = again.communicate(timeout=600)
+        assert again.returncode == 0, err[-3000:]
+        _assert_recovered(url, 1, "worker_lost", tmp_path / "runs")
+        [retry] = [t for t in optuna.load_study(study_name="f", storage=_sa_url(url)).get_trials() if t.number == 1]
+        assert retry.user_attrs["resumed_from_step"] > 10, retry.user_attrs
+    finally:
+        cluster.destroy()
+        host.destroy()
 
 
 def test_a_worker_that_starts_during_an_outage_waits_for_the_storage_or_a_stop() -> None:

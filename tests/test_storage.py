@@ -111,3 +111,36 @@ def test_a_shutdown_cuts_the_retries_through_an_outage_short() -> None:
     began = time.monotonic()
     policy.sleep(30.0)
     assert time.monotonic() - began < 5
+
+
+def test_libpq_options_in_the_url_win_over_hpsearchs_defaults() -> None:
+    from hpsearch.storage.db import LIBPQ_DEFAULTS, engine_kwargs
+
+    given = engine_kwargs("postgresql://u@db.example:5432/hp?connect_timeout=30&keepalives_idle=300")["connect_args"]
+    # SQLAlchemy lets connect_args overwrite the URL's options: ours must leave them out.
+    assert "connect_timeout" not in given and "keepalives_idle" not in given
+    assert given["keepalives_count"] == LIBPQ_DEFAULTS["keepalives_count"]
+    plain = engine_kwargs("postgresql://u@db.example:5432/hp")["connect_args"]
+    assert plain["connect_timeout"] == 10 and plain["tcp_user_timeout"] > 0
+
+
+def test_a_stopping_process_stops_waiting_on_a_database_seen_unreachable() -> None:
+    import time
+
+    import sqlalchemy
+
+    from hpsearch.storage.db import GAVE_UP, create_engine, give_up_on_silence
+    from tests.pgcluster import free_port
+
+    # Nothing listens there: each attempt is a refused connection.
+    engine = create_engine(f"postgresql://postgres@127.0.0.1:{free_port()}/postgres")
+    stopping = {"now": False}
+    give_up_on_silence(engine, lambda: stopping["now"])
+    with pytest.raises(sqlalchemy.exc.OperationalError):
+        engine.connect()  # seen unreachable, but not stopping: it was really tried
+    stopping["now"] = True
+    began = time.monotonic()
+    with pytest.raises(sqlalchemy.exc.TimeoutError, match=GAVE_UP):
+        engine.connect()
+    assert time.monotonic() - began < 1
+    engine.dispose()

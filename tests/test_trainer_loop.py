@@ -201,3 +201,53 @@ def test_resumable_state_is_written_at_most_every_resume_every_minutes(
     _, result, _ = train_tiny(tiny_model, prepared, cfg, tmp_path / "r")
     assert result.status == "complete"
     assert (tmp_path / "r" / RESUME / RESUME_FILE).exists() is expected
+
+
+class _HangingReporter:
+    """A search whose storage went silent: report() blocks until the test lets it fail."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release = threading.Event()
+
+    def report(self, value: float, step: int) -> None:
+        self.release.wait(30)
+        raise ConnectionError("the database stopped answering")
+
+    def should_prune(self) -> bool:
+        return False
+
+    def set_attrs(self, attrs: dict[str, object]) -> None:
+        pass
+
+
+def test_a_stop_during_a_hung_report_saves_the_state_at_once() -> None:
+    import threading
+    import time
+
+    from hpsearch.trainer.report import StateSavingReporter
+
+    inner, saved, stop = _HangingReporter(), [], threading.Event()
+    reporter = StateSavingReporter(inner, lambda: saved.append(time.monotonic()) or "state.pt", stop.is_set)
+    threading.Timer(0.5, stop.set).start()  # the stop arrives while report() hangs
+    threading.Timer(3.0, inner.release.set).start()
+    began = time.monotonic()
+    with pytest.raises(ConnectionError):
+        reporter.report(0.5, 10)
+    # Saved once, soon after the stop, not when the call finally failed.
+    assert len(saved) == 1 and saved[0] - began < 1.5, [t - began for t in saved]
+
+
+def test_a_failed_report_saves_the_state_and_a_good_one_does_not() -> None:
+    from hpsearch.trainer.report import NullReporter, StateSavingReporter
+
+    saved: list[int] = []
+    failing = _HangingReporter()
+    failing.release.set()
+    with pytest.raises(ConnectionError):
+        StateSavingReporter(failing, lambda: saved.append(1)).report(0.5, 10)
+    assert saved == [1]
+    fine = StateSavingReporter(NullReporter(), lambda: saved.append(2))
+    fine.report(0.25, 20)
+    assert saved == [1] and fine.should_prune() is False

@@ -81,10 +81,17 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     scheduler = build_scheduler(optimizer, cfg, total_steps)
     scaler = prec.grad_scaler(precision, device)
     step, best_value, best_step, micro = _restore(run, optimizer, scheduler, scaler, reporter, micro)
-    # Reads step, best_value, best_step and micro as they are when a call fails.
-    reporter = StateSavingReporter(
-        reporter, lambda: _save_resume(run, optimizer, scheduler, scaler, step, best_value, best_step, micro)
-    )
+    saved: tuple[int, Path] | None = None  # the step of the resumable state last written, and where
+
+    def save_state() -> Path:
+        """The resumable state of the step reached (step, best_value, ... as they are now),
+        written once per step: a stop and a failing call at the same step need one copy."""
+        nonlocal saved
+        if saved is None or saved[0] != step:
+            saved = (step, _save_resume(run, optimizer, scheduler, scaler, step, best_value, best_step, micro))
+        return saved[1]
+
+    reporter = StateSavingReporter(reporter, save_state, run.should_stop)
     per_step = cfg.batch_size // micro  # micro-batches of one optimizer step, over every rank
     better = (lambda a, b: a < b) if run.metric == "loss" else (lambda a, b: a > b)
     speed = Throughput(device, flops_per_token=flops_per_token(run.model))
@@ -171,7 +178,7 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                 break
             if stopping:
                 if world.is_main:
-                    _save_resume(run, optimizer, scheduler, scaler, step, best_value, best_step, micro)
+                    save_state()
                 result = TrainResult(status="interrupted")
                 break
             metrics = _evaluate_fitting(compiled, data, micro * 2, device, precision, world)
@@ -192,7 +199,7 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                 # The resumable state (weights + optimizer moments, ~3x the model) is costly to
                 # write, so it is refreshed at most every resume_every_minutes.
                 if step < total_steps and time.monotonic() - last_resume >= cfg.resume_every_minutes * 60:
-                    state = _save_resume(run, optimizer, scheduler, scaler, step, best_value, best_step, micro)
+                    state = save_state()
                     # Recorded so that a retry on another worker can find it (see search/reap.py).
                     reporter.set_attrs({RESUME_CHECKPOINT_ATTR: str(state.resolve())})
                     last_resume = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
@@ -42,15 +43,26 @@ class NullReporter:
 
 
 class StateSavingReporter:
-    """A reporter whose failed call first saves the run's resumable state, then raises.
+    """A reporter that saves the run's resumable state when the search cannot be reached.
 
     A call fails when the search's storage stayed away longer than its retries (or a shutdown
-    cut them short). The run ends there and its retry resumes from the state saved here,
-    not from the last periodic one, up to ``resume_every_minutes`` of training earlier.
+    cut them short): the state is saved, then the error raised. The run ends there and its
+    retry resumes from the state saved here, not from the last periodic one, up to
+    ``resume_every_minutes`` of training earlier.
+
+    A call can also hang (a network path that went silent) until the connection is declared
+    dead. It runs on a helper thread, so that a stop arriving meanwhile is seen at once
+    (signal handlers run only in the main thread, and only between Python operations): the
+    state is saved right away, and the call is then waited for as before. A shutting-down
+    instance may not outlive that wait.
     """
 
-    def __init__(self, inner: Reporter, save_state: Callable[[], object]) -> None:
-        self.inner, self.save_state = inner, save_state
+    POLL_S = 0.2
+
+    def __init__(
+        self, inner: Reporter, save_state: Callable[[], object], should_stop: Callable[[], bool] = lambda: False
+    ) -> None:
+        self.inner, self.save_state, self.should_stop = inner, save_state, should_stop
 
     def report(self, value: float, step: int) -> None:
         self._call(self.inner.report, value, step)
@@ -62,15 +74,42 @@ class StateSavingReporter:
         self._call(self.inner.set_attrs, attrs)
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        call = _Call(fn, args)
+        saved = False
+        while not call.done.wait(self.POLL_S):
+            if not saved and self.should_stop():
+                saved = self._save("a stop came while the search did not answer")
+        if call.error is None:
+            return call.result
+        if not saved:
+            self._save(f"the search could not be told ({type(call.error).__name__})")
+        raise call.error
+
+    def _save(self, why: str) -> bool:
         try:
-            return fn(*args)
-        except Exception as exc:
-            try:
-                saved = self.save_state()
-                log.warning("the search could not be told (%s); resumable state saved: %s", type(exc).__name__, saved)
-            except Exception as err:  # the original error is the one to report
-                log.warning("could not save the resumable state after %s: %s", type(exc).__name__, err)
-            raise
+            log.warning("%s; resumable state saved: %s", why, self.save_state())
+        except Exception as err:  # the storage's error, if any, is the one to report
+            log.warning("%s; could not save the resumable state: %s", why, err)
+        return True
+
+
+class _Call:
+    """``fn(*args)`` on a daemon thread; ``done`` is set once it has returned or raised."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self._fn, self._args = fn, args
+        threading.Thread(target=self._run, name="hpsearch-report", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self._fn(*self._args)
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.done.set()
 
 
 RESUME_CHECKPOINT_ATTR = "resume_checkpoint"
