@@ -184,6 +184,32 @@ def create_engine(url: str, *, pool_size: int = 1) -> Engine:
     return sqlalchemy.create_engine(normalized, **engine_kwargs(normalized, pool_size=pool_size))
 
 
+SERVER_WATCH: dict[str, int] = {"tcp_keepalives_idle": 15, "tcp_keepalives_interval": 5, "tcp_keepalives_count": 3}
+"""The server's side of the same rule, set per session. A worker whose instance vanished
+inside a transaction (an uncommitted budget slot, a locked trial row) blocks every worker
+that touches those rows until the server drops its session: by default after two hours of
+silence, with these in about 30 s."""
+
+
+@sqlalchemy.event.listens_for(ThreadSharedPool, "connect")
+def _server_drops_silent_clients(dbapi: Any, _record: Any) -> None:
+    """Set SERVER_WATCH on each new PostgreSQL session (ThreadSharedPool pools only them)."""
+    settings = dict(SERVER_WATCH)
+    if dbapi.server_version >= 120000:
+        settings["tcp_user_timeout"] = 20_000  # unacknowledged replies, as on our side
+    sql = "SELECT " + ", ".join(f"set_config('{k}', '{v}', false)" for k, v in settings.items())
+    cursor = dbapi.cursor()
+    try:
+        cursor.execute(sql)
+        dbapi.commit()
+    except psycopg2.Error as exc:
+        # A pooler that refuses them; the search works without, only less well guarded.
+        dbapi.rollback()
+        log.debug("could not set the server's keepalives: %s", exc)
+    finally:
+        cursor.close()
+
+
 def give_up_on_silence(engine: Engine, give_up: Callable[[], bool] | None) -> None:
     """Once ``give_up`` says so (a worker stopping for a while), calls on a database already
     seen unreachable fail at once instead of each waiting out a connect timeout.

@@ -36,6 +36,7 @@ class Host:
         net = f"10.{random.randrange(200, 250)}.{random.randrange(256)}"
         self.peer, self.address = f"{net}.1", f"{net}.2"
         self._here, self._there = f"hpo{tag}", f"hpi{tag}"
+        self._both_ways = False
         self._ip("netns", "add", self.name)
         try:
             self._ip("link", "add", self._here, "type", "veth", "peer", "name", self._there)
@@ -56,14 +57,25 @@ class Host:
     def run(self, *argv: str) -> None:
         subprocess.run([*self.prefix(), *argv], check=True, capture_output=True)
 
-    def cut(self) -> None:
-        """Drop every packet this host sends back: connections hang, none is refused or reset."""
+    def cut(self, *, both_ways: bool = False) -> None:
+        """Drop every packet this host sends back: connections hang, none is refused or reset.
+
+        ``both_ways``: also drop what this side sends it, as when this side's instance is
+        gone; not even a closing connection's FIN gets through.
+        """
         self.run("ip", "route", "add", "blackhole", f"{self.peer}/32")
+        if both_ways:
+            self._ip("route", "add", "blackhole", f"{self.address}/32")
+        self._both_ways = both_ways
 
     def heal(self) -> None:
         self.run("ip", "route", "del", "blackhole", f"{self.peer}/32")
+        if self._both_ways:
+            self._ip("route", "del", "blackhole", f"{self.address}/32")
 
     def destroy(self) -> None:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            self._ip("route", "del", "blackhole", f"{self.address}/32")
         # Deleting the namespace deletes its end of the pair, and so the pair.
         with contextlib.suppress(subprocess.CalledProcessError):
             self._ip("netns", "del", self.name)

@@ -46,9 +46,10 @@ class Cluster:
             self.as_user += ["runuser", "-u", OS_USER, "--"]
         self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust")
         if host is not None:
-            # initdb trusts only loopback; the client is the other end of the host's link.
+            # initdb trusts only loopback; clients are the other end of the host's link and
+            # the host itself.
             with (self.data / "pg_hba.conf").open("a") as hba:
-                hba.write(f"host all all {host.peer}/32 trust\n")
+                hba.write(f"host all all {host.peer}/32 trust\nhost all all {host.address}/32 trust\n")
         self.url = f"postgresql://postgres@{self.address}:{self.port}/postgres"
 
     def _run(self, tool: str, *args: str) -> None:

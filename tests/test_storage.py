@@ -10,6 +10,7 @@ import pytest
 from hpsearch.storage import budget, urls
 from hpsearch.storage.errors import StorageUrlError, StudyNotFoundError
 from hpsearch.storage.open import open_storage, require_study
+from tests import netns
 
 
 def test_bare_postgres_url_uses_psycopg2() -> None:
@@ -144,3 +145,41 @@ def test_a_stopping_process_stops_waiting_on_a_database_seen_unreachable() -> No
         engine.connect()
     assert time.monotonic() - began < 1
     engine.dispose()
+
+
+@pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 to make a network namespace")
+def test_a_host_that_vanishes_mid_transaction_blocks_the_others_for_seconds_not_hours() -> None:
+    import subprocess
+    import time
+
+    import sqlalchemy
+
+    from hpsearch.storage.tables import BudgetSlot
+    from tests.pgcluster import Cluster
+
+    host = netns.Host()  # PostgreSQL's instance; this process plays a worker's instance
+    cluster = Cluster(host=host)
+    try:
+        cluster.start()
+        storage = open_storage(cluster.url, create=True)
+        conn = storage.optuna.engine.connect()
+        # A worker claims budget slot 0, and its instance vanishes before the commit: not even
+        # its FIN reaches the server, which holds the uncommitted row.
+        conn.execute(sqlalchemy.insert(BudgetSlot).values(study_name="s", slot=0, worker="a", claimed_at=0.0))
+        host.cut(both_ways=True)
+        # Another worker (on the server's instance, which still reaches it) claims the same
+        # slot: its insert waits for the first one's transaction to end.
+        insert = "INSERT INTO hpsearch_budget_slots (study_name, slot, worker, claimed_at) VALUES ('s', 0, 'b', 0)"
+        psql = [*host.prefix(), "psql", "-h", host.address, "-p", str(cluster.port), "-U", "postgres", "-c", insert]
+        began = time.monotonic()
+        try:
+            other = subprocess.run(psql, capture_output=True, text=True, timeout=180)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server still held the vanished worker's transaction after 180 s")
+        # It was two hours (the kernel's keepalive default) before the server was told to probe.
+        assert other.returncode == 0 and time.monotonic() - began < 90, other.stderr
+        conn.invalidate()
+        storage.close()
+    finally:
+        cluster.destroy()
+        host.destroy()
