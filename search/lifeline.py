@@ -45,7 +45,9 @@ def is_storage_failure(exc: BaseException) -> bool:
     from optuna.exceptions import StorageInternalError
     from sqlalchemy.exc import SQLAlchemyError
 
-    return isinstance(exc, (StorageError, StorageInternalError, SQLAlchemyError))
+    from hpsearch.trainer.report import CallAbandoned
+
+    return isinstance(exc, (StorageError, StorageInternalError, SQLAlchemyError, CallAbandoned))
 
 
 def describe(exc: BaseException) -> str:

@@ -346,6 +346,7 @@ class Worker:
                 out_dir=out_dir,
                 resume_from=resume,
                 should_stop=self.stop,
+                stop_waiting=self.stop.storage_patience_over,
                 meta={"study": self.args.study, "trial": trial.number, "params": params},
                 started=started,
                 world=self.world,

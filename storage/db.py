@@ -73,6 +73,7 @@ PATIENT_RETRY = RetryPolicy(attempts=40, base_delay_s=0.5, max_delay_s=15.0)
 
 
 GAVE_UP = "the database stopped answering and this process is stopping"
+HELD_TOO_LONG_S = 5.0
 
 
 class ThreadSharedPool(QueuePool):
@@ -111,12 +112,17 @@ class ThreadSharedPool(QueuePool):
             # Every connection the pool keeps exists (overflow counts up from -pool_size) and
             # this thread holds none: wait for one to come back instead of opening another.
             # In slices: the thread holding it may be stuck on a dead network path.
-            deadline = time.monotonic() + self._timeout
+            began = time.monotonic()
+            deadline = began + self._timeout
             while True:
                 try:
                     record = self._pool.get(True, min(1.0, max(0.0, deadline - time.monotonic())))
                     break
                 except sqla_queue.Empty:
+                    if self.give_up is not None and self.give_up() and time.monotonic() - began > HELD_TOO_LONG_S:
+                        # A live server gives a session back within milliseconds; one held
+                        # this long is stuck on a call that may never return (a frozen server).
+                        self.unreachable = True
                     if self.hopeless():
                         raise sqlalchemy.exc.TimeoutError(GAVE_UP) from None
                     if time.monotonic() >= deadline:

@@ -10,6 +10,7 @@ import glob
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -33,6 +34,7 @@ class Cluster:
         self.root = Path(tempfile.mkdtemp(prefix="hpsearch-test-pg-"))
         self.data = self.root / "data"
         self.host = host
+        self._frozen: list[int] = []
         self.address = host.address if host is not None else "127.0.0.1"
         self.as_user: list[str] = host.prefix() if host is not None else []
         if os.geteuid() == 0:
@@ -67,7 +69,31 @@ class Cluster:
     def stop(self, mode: str = "fast") -> None:
         self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")
 
+    def freeze(self) -> None:
+        """Stop the server's processes (SIGSTOP), as in a frozen VM: its kernel still accepts
+        connections and acknowledges what clients send, but nothing ever answers."""
+        self._frozen = self._processes()
+        for pid in self._frozen:
+            os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        for pid in self._frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self._frozen = []
+
+    def _processes(self) -> list[int]:
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        children = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == postmaster:
+                        children.append(int(entry.name))
+        return [postmaster, *children]
+
     def destroy(self) -> None:
+        self.thaw()
         with contextlib.suppress(subprocess.CalledProcessError):
             self.stop("immediate")
         shutil.rmtree(self.root, ignore_errors=True)

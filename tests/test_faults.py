@@ -270,18 +270,24 @@ def test_sigterm_during_a_database_outage_exits_soon_and_the_retry_resumes_where
         cluster.destroy()
 
 
-@pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 to make a network namespace")
-def test_sigterm_during_a_network_partition_saves_at_once_and_exits_soon(
-    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+@pytest.mark.parametrize("silence", ["partition", "frozen-server"])
+def test_sigterm_while_the_database_is_silent_saves_at_once_and_exits_soon(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], silence: str
 ) -> None:
     from tests.pgcluster import Cluster
 
-    # The database on another "host" whose network path goes silent: calls hang instead of
-    # failing. The worker blocks in a report, is stopped there, and must neither wait for
-    # the dead path (it took 164 s) nor exit before its resumable state is on disk.
+    # The database goes silent: calls hang instead of failing. "partition": it runs on
+    # another "host" whose network path is cut (no reset, packets go unanswered); a hung
+    # call ends when the connection is declared dead. "frozen-server": its processes are
+    # stopped, as in a frozen VM; its kernel still acknowledges, so a call never ends. The
+    # worker blocks in a report and is stopped there: it must neither wait for the call
+    # (164 s for the partition, for ever for the frozen server) nor exit before its
+    # resumable state is on disk.
+    if silence == "partition" and not netns.available():
+        pytest.skip("needs root and iproute2 to make a network namespace")
     spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=1)
     spec.write_text(spec.read_text().replace("resume_every_minutes = 0", "resume_every_minutes = 60"))
-    host = netns.Host()
+    host = netns.Host() if silence == "partition" else None
     cluster = Cluster(host=host)
     try:
         cluster.start()
@@ -289,7 +295,10 @@ def test_sigterm_during_a_network_partition_saves_at_once_and_exits_soon(
         proc = _start(tmp_path, spec, url, HPSEARCH_HEARTBEAT_S="1")
         try:
             _wait_for_report(_sa_url(url), min_step=10)
-            host.cut()
+            if host is not None:
+                host.cut()
+            else:
+                cluster.freeze()
             time.sleep(3)  # the worker reaches its next report and hangs there
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
@@ -301,7 +310,10 @@ def test_sigterm_during_a_network_partition_saves_at_once_and_exits_soon(
         assert "Traceback" not in err, err[-3000:]
         assert "a stop came while the search did not answer; resumable state saved" in err, err[-3000:]
         assert "stopped without reaching the storage" in err, err[-3000:]
-        host.heal()
+        if host is not None:
+            host.heal()
+        else:
+            cluster.thaw()
         again = _start(tmp_path, spec, url, HPSEARCH_HEARTBEAT_S="1")
         _, err = again.communicate(timeout=600)
         assert again.returncode == 0, err[-3000:]
@@ -310,7 +322,8 @@ def test_sigterm_during_a_network_partition_saves_at_once_and_exits_soon(
         assert retry.user_attrs["resumed_from_step"] > 10, retry.user_attrs
     finally:
         cluster.destroy()
-        host.destroy()
+        if host is not None:
+            host.destroy()
 
 
 def test_a_worker_that_starts_during_an_outage_waits_for_the_storage_or_a_stop() -> None:

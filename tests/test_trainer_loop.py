@@ -251,3 +251,20 @@ def test_a_failed_report_saves_the_state_and_a_good_one_does_not() -> None:
     fine = StateSavingReporter(NullReporter(), lambda: saved.append(2))
     fine.report(0.25, 20)
     assert saved == [1] and fine.should_prune() is False
+
+
+def test_a_call_that_never_returns_is_abandoned_at_the_stops_deadline() -> None:
+    import threading
+    import time
+
+    from hpsearch.trainer.report import CallAbandoned, StateSavingReporter
+
+    inner, saved, stop, deadline = _HangingReporter(), [], threading.Event(), threading.Event()
+    reporter = StateSavingReporter(inner, lambda: saved.append(1) or "state.pt", stop.is_set, deadline.is_set)
+    stop.set()  # a frozen server: the call never returns (here: not within the test)
+    threading.Timer(1.0, deadline.set).start()
+    began = time.monotonic()
+    with pytest.raises(CallAbandoned):
+        reporter.report(0.5, 10)
+    assert saved == [1] and time.monotonic() - began < 3
+    inner.release.set()

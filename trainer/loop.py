@@ -43,6 +43,8 @@ class Run:
     out_dir: Path
     resume_from: Path | None = None
     should_stop: Callable[[], bool] = lambda: False
+    stop_waiting: Callable[[], bool] = lambda: False
+    """After a stop, when a reporter call that hangs is given up (see StateSavingReporter)."""
     meta: dict[str, Any] = field(default_factory=dict)
     started: float | None = None
     """time.monotonic() when the trial began (before the model copy); default: fit's entry."""
@@ -91,7 +93,7 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
             saved = (step, _save_resume(run, optimizer, scheduler, scaler, step, best_value, best_step, micro))
         return saved[1]
 
-    reporter = StateSavingReporter(reporter, save_state, run.should_stop)
+    reporter = StateSavingReporter(reporter, save_state, run.should_stop, run.stop_waiting)
     per_step = cfg.batch_size // micro  # micro-batches of one optimizer step, over every rank
     better = (lambda a, b: a < b) if run.metric == "loss" else (lambda a, b: a > b)
     speed = Throughput(device, flops_per_token=flops_per_token(run.model))

@@ -50,19 +50,24 @@ class StateSavingReporter:
     retry resumes from the state saved here, not from the last periodic one, up to
     ``resume_every_minutes`` of training earlier.
 
-    A call can also hang (a network path that went silent) until the connection is declared
-    dead. It runs on a helper thread, so that a stop arriving meanwhile is seen at once
-    (signal handlers run only in the main thread, and only between Python operations): the
-    state is saved right away, and the call is then waited for as before. A shutting-down
-    instance may not outlive that wait.
+    A call can also hang: on a network path that went silent until the connection is declared
+    dead, on a frozen server for ever (its kernel still acknowledges). It runs on a helper
+    thread, so that a stop arriving meanwhile is seen at once (signal handlers run only in
+    the main thread, and only between Python operations): the state is saved right away, and
+    the call is waited for until ``stop_waiting`` says so, then abandoned (``CallAbandoned``).
     """
 
     POLL_S = 0.2
 
     def __init__(
-        self, inner: Reporter, save_state: Callable[[], object], should_stop: Callable[[], bool] = lambda: False
+        self,
+        inner: Reporter,
+        save_state: Callable[[], object],
+        should_stop: Callable[[], bool] = lambda: False,
+        stop_waiting: Callable[[], bool] = lambda: False,
     ) -> None:
-        self.inner, self.save_state, self.should_stop = inner, save_state, should_stop
+        self.inner, self.save_state = inner, save_state
+        self.should_stop, self.stop_waiting = should_stop, stop_waiting
 
     def report(self, value: float, step: int) -> None:
         self._call(self.inner.report, value, step)
@@ -79,6 +84,8 @@ class StateSavingReporter:
         while not call.done.wait(self.POLL_S):
             if not saved and self.should_stop():
                 saved = self._save("a stop came while the search did not answer")
+            if saved and self.stop_waiting():
+                raise CallAbandoned(f"the search did not answer {fn.__name__} before the stop's deadline")
         if call.error is None:
             return call.result
         if not saved:
@@ -91,6 +98,10 @@ class StateSavingReporter:
         except Exception as err:  # the storage's error, if any, is the one to report
             log.warning("%s; could not save the resumable state: %s", why, err)
         return True
+
+
+class CallAbandoned(Exception):
+    """A reporter call still hanging when a stopping run could wait no longer."""
 
 
 class _Call:
