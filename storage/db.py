@@ -179,10 +179,11 @@ LIBPQ_DEFAULTS: dict[str, Any] = {
     "keepalives_interval": 5,
     "keepalives_count": 3,
 }
-# Data sent and not acknowledged for this long closes the connection (libpq 12+; the libpq
-# in psycopg2-binary is newer). A slow query is not affected: its request was acknowledged.
-if psycopg2.__libpq_version__ >= 120000:
-    LIBPQ_DEFAULTS["tcp_user_timeout"] = 20_000
+DEAD_PEER_MS = 20_000
+"""Data sent and not acknowledged for this long closes the connection (TCP_USER_TIMEOUT). A
+slow query is not affected: its request was acknowledged."""
+if psycopg2.__libpq_version__ >= 120000:  # the libpq in psycopg2-binary is newer
+    LIBPQ_DEFAULTS["tcp_user_timeout"] = DEAD_PEER_MS
 
 
 def create_engine(url: str, *, pool_size: int = 1) -> Engine:
@@ -194,7 +195,7 @@ SERVER_WATCH: dict[str, int] = {"tcp_keepalives_idle": 15, "tcp_keepalives_inter
 """The server's side of the same rule, set per session. A worker whose instance vanished
 inside a transaction (an uncommitted budget slot, a locked trial row) blocks every worker
 that touches those rows until the server drops its session: by default after two hours of
-silence, with these in about 30 s."""
+silence, with these (and DEAD_PEER_MS) in about 20 s."""
 
 
 @sqlalchemy.event.listens_for(ThreadSharedPool, "connect")
@@ -202,7 +203,7 @@ def _server_drops_silent_clients(dbapi: Any, _record: Any) -> None:
     """Set SERVER_WATCH on each new PostgreSQL session (ThreadSharedPool pools only them)."""
     settings = dict(SERVER_WATCH)
     if dbapi.server_version >= 120000:
-        settings["tcp_user_timeout"] = 20_000  # unacknowledged replies, as on our side
+        settings["tcp_user_timeout"] = DEAD_PEER_MS  # unacknowledged replies, as on our side
     sql = "SELECT " + ", ".join(f"set_config('{k}', '{v}', false)" for k, v in settings.items())
     cursor = dbapi.cursor()
     try:
