@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
@@ -231,22 +232,42 @@ def test_database_restart_under_a_running_worker_loses_nothing(
         cluster.destroy()
 
 
+@pytest.mark.parametrize("outage", ["server-down", "partition", "frozen-server"])
 def test_sigterm_during_a_database_outage_exits_soon_and_the_retry_resumes_where_it_stopped(
-    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], outage: str
 ) -> None:
     from tests.pgcluster import Cluster
 
+    # The worker is stopped while its storage calls cannot get through. "server-down": the
+    # server is stopped, so calls fail at once and are retried (for minutes, before a stop
+    # cut the retries short). The database can also go silent, so that calls hang instead:
+    # "partition", it runs on another "host" whose network path is cut (no reset, packets go
+    # unanswered) and a hung call ends only when the connection is declared dead (it held
+    # the stop 164 s); "frozen-server", its processes are stopped as in a frozen VM, and its
+    # kernel still acknowledges, so a call never ends (the stop waited for ever). The worker
+    # must neither wait for the database nor exit before its resumable state is on disk.
+    if outage == "partition" and not netns.available():
+        pytest.skip("needs root and iproute2 to make a network namespace")
     # No periodic resumable state: the only one is what the worker saves when it stops.
     spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=1)
     spec.write_text(spec.read_text().replace("resume_every_minutes = 0", "resume_every_minutes = 60"))
-    cluster = Cluster()
+    host = netns.Host() if outage == "partition" else None
+    cluster = Cluster(host=host)
+    begin: Callable[[], None]
+    end: Callable[[], None]
+    if host is not None:
+        begin, end = host.cut, host.heal
+    elif outage == "frozen-server":
+        begin, end = cluster.freeze, cluster.thaw
+    else:
+        begin, end = (lambda: cluster.stop("fast")), cluster.start
     try:
         cluster.start()
         url = cluster.url
         proc = _start(tmp_path, spec, url, HPSEARCH_HEARTBEAT_S="1")
         try:
             _wait_for_report(_sa_url(url), min_step=10)
-            cluster.stop("fast")
+            begin()
             time.sleep(3)  # the worker trains on, or waits for the database at its next report
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)  # the instance shuts down while the database is away
@@ -254,71 +275,17 @@ def test_sigterm_during_a_database_outage_exits_soon_and_the_retry_resumes_where
             took = time.monotonic() - t0
         finally:
             proc.kill()
-        # Not the minutes storage calls otherwise wait through an outage.
         assert took < 60, f"exited {took:.0f} s after SIGTERM"
         assert "Traceback" not in err, err[-3000:]
         assert list((tmp_path / "runs" / "f").glob("trial-0/resume/state.pt")), err[-3000:]
-        cluster.start()
+        assert "stopped without reaching the storage" in err, err[-3000:]
+        end()
         again = _start(tmp_path, spec, url, HPSEARCH_HEARTBEAT_S="1")
         _, err = again.communicate(timeout=600)
         assert again.returncode == 0, err[-3000:]
         _assert_recovered(url, 1, "worker_lost", tmp_path / "runs")
         [retry] = [t for t in optuna.load_study(study_name="f", storage=_sa_url(url)).get_trials() if t.number == 1]
         # It resumed from the state saved at the stop, past the last validation point reported.
-        assert retry.user_attrs["resumed_from_step"] > 10, retry.user_attrs
-    finally:
-        cluster.destroy()
-
-
-@pytest.mark.parametrize("silence", ["partition", "frozen-server"])
-def test_sigterm_while_the_database_is_silent_saves_at_once_and_exits_soon(
-    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], silence: str
-) -> None:
-    from tests.pgcluster import Cluster
-
-    # The database goes silent: calls hang instead of failing. "partition": it runs on
-    # another "host" whose network path is cut (no reset, packets go unanswered); a hung
-    # call ends when the connection is declared dead. "frozen-server": its processes are
-    # stopped, as in a frozen VM; its kernel still acknowledges, so a call never ends. The
-    # worker blocks in a report and is stopped there: it must neither wait for the call
-    # (164 s for the partition, for ever for the frozen server) nor exit before its
-    # resumable state is on disk.
-    if silence == "partition" and not netns.available():
-        pytest.skip("needs root and iproute2 to make a network namespace")
-    spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=1)
-    spec.write_text(spec.read_text().replace("resume_every_minutes = 0", "resume_every_minutes = 60"))
-    host = netns.Host() if silence == "partition" else None
-    cluster = Cluster(host=host)
-    try:
-        cluster.start()
-        url = cluster.url
-        proc = _start(tmp_path, spec, url, HPSEARCH_HEARTBEAT_S="1")
-        try:
-            _wait_for_report(_sa_url(url), min_step=10)
-            if host is not None:
-                host.cut()
-            else:
-                cluster.freeze()
-            time.sleep(3)  # the worker reaches its next report and hangs there
-            t0 = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            _, err = proc.communicate(timeout=600)
-            took = time.monotonic() - t0
-        finally:
-            proc.kill()
-        assert took < 60, f"exited {took:.0f} s after SIGTERM"
-        assert "Traceback" not in err, err[-3000:]
-        assert "a stop came while the search did not answer; resumable state saved" in err, err[-3000:]
-        assert "stopped without reaching the storage" in err, err[-3000:]
-        if host is not None:
-            host.heal()
-        else:
-            cluster.thaw()
-        again = _start(tmp_path, spec, url, HPSEARCH_HEARTBEAT_S="1")
-        _, err = again.communicate(timeout=600)
-        assert again.returncode == 0, err[-3000:]
-        _assert_recovered(url, 1, "worker_lost", tmp_path / "runs")
-        [retry] = [t for t in optuna.load_study(study_name="f", storage=_sa_url(url)).get_trials() if t.number == 1]
         assert retry.user_attrs["resumed_from_step"] > 10, retry.user_attrs
     finally:
         cluster.destroy()
