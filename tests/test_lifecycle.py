@@ -254,6 +254,9 @@ class _StopAfter:
         self.n -= 1
         return self.n < 0
 
+    def storage_patience_over(self) -> bool:
+        return False  # the storage (SQLite) always answers here
+
 
 def test_a_broken_resumable_state_trains_the_retry_from_the_start(
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str, caplog: pytest.LogCaptureFixture
