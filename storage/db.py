@@ -191,7 +191,9 @@ def create_engine(url: str, *, pool_size: int = 1) -> Engine:
     return sqlalchemy.create_engine(normalized, **engine_kwargs(normalized, pool_size=pool_size))
 
 
-SERVER_WATCH: dict[str, int] = {"tcp_keepalives_idle": 15, "tcp_keepalives_interval": 5, "tcp_keepalives_count": 3}
+SERVER_WATCH: dict[str, int] = {
+    f"tcp_{key}": LIBPQ_DEFAULTS[key] for key in ("keepalives_idle", "keepalives_interval", "keepalives_count")
+}
 """The server's side of the same rule, set per session. A worker whose instance vanished
 inside a transaction (an uncommitted budget slot, a locked trial row) blocks every worker
 that touches those rows until the server drops its session: by default after two hours of

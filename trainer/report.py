@@ -83,7 +83,8 @@ class StateSavingReporter:
         saved = False
         while not call.done.wait(self.POLL_S):
             if not saved and self.should_stop():
-                saved = self._save("a stop came while the search did not answer")
+                self._save("a stop came while the search did not answer")
+                saved = True
             if saved and self.stop_waiting():
                 raise CallAbandoned(f"the search did not answer {fn.__name__} before the stop's deadline")
         if call.error is None:
@@ -92,12 +93,11 @@ class StateSavingReporter:
             self._save(f"the search could not be told ({type(call.error).__name__})")
         raise call.error
 
-    def _save(self, why: str) -> bool:
+    def _save(self, why: str) -> None:
         try:
             log.warning("%s; resumable state saved: %s", why, self.save_state())
         except Exception as err:  # the storage's error, if any, is the one to report
             log.warning("%s; could not save the resumable state: %s", why, err)
-        return True
 
 
 class CallAbandoned(Exception):
