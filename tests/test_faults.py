@@ -214,7 +214,9 @@ def test_database_restart_under_a_running_worker_loses_nothing(
         try:
             _wait_for_report(_sa_url(url), min_step=5)
             cluster.stop("fast")  # every connection of the worker is cut
+            down = time.time()
             time.sleep(15)  # the worker trains on while the server is away
+            up = time.time()
             cluster.start()
             _, err = proc.communicate(timeout=900)
         finally:
@@ -228,8 +230,25 @@ def test_database_restart_under_a_running_worker_loses_nothing(
         for t in trials:
             # 10 steps per epoch, validation every 5: nothing lost.
             assert sorted(t.intermediate_values) == list(range(5, 10 * SLOW_EPOCHS + 1, 5))
+        # Training did not wait for the database: validation points came and went while it was
+        # down (a loop that waited at its report would log one at most).
+        during = [t for t in _validation_times(tmp_path / "runs" / "f") if down + 1 < t < up]
+        assert len(during) >= 2, (down, up, _validation_times(tmp_path / "runs" / "f"))
     finally:
         cluster.destroy()
+
+
+def _validation_times(study_dir: Path) -> list[float]:
+    """When each validation point of the study's trials was logged (their train.log files)."""
+    import datetime
+
+    times = []
+    for log_file in study_dir.glob("trial-*/train.log"):
+        for line in log_file.read_text().splitlines():
+            if " step " in line and " train_loss " in line:
+                stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+                times.append(stamp.timestamp())
+    return sorted(times)
 
 
 @pytest.mark.parametrize("outage", ["server-down", "partition", "frozen-server"])

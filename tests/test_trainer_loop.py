@@ -204,39 +204,57 @@ def test_resumable_state_is_written_at_most_every_resume_every_minutes(
 
 
 class _HangingReporter:
-    """A search whose storage went silent: report() blocks until the test lets it fail."""
+    """A search whose storage went silent: report() blocks until the test lets it through
+    (or fail, with ``fail``); the rest answers at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail: bool = True, prune: bool = False) -> None:
         import threading
 
         self.release = threading.Event()
+        self.fail, self.prune = fail, prune
+        self.values: dict[int, float] = {}
+        self.waited_out = False
 
     def report(self, value: float, step: int) -> None:
-        self.release.wait(30)
-        raise ConnectionError("the database stopped answering")
+        self.waited_out = self.waited_out or not self.release.wait(30)
+        if self.fail:
+            raise ConnectionError("the database stopped answering")
+        self.values[step] = value
 
     def should_prune(self) -> bool:
-        return False
+        return self.prune
 
     def set_attrs(self, attrs: dict[str, object]) -> None:
         pass
 
 
-def test_a_stop_during_a_hung_report_saves_the_state_at_once() -> None:
-    import threading
-    import time
-
+def test_training_goes_on_while_the_search_does_not_answer(
+    tiny_model: Path, demo_files: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hpsearch.trainer import precision
     from hpsearch.trainer.report import StateSavingReporter
+    from tests.tiny import tiny_run
 
-    inner, saved, stop = _HangingReporter(), [], threading.Event()
-    reporter = StateSavingReporter(inner, lambda: saved.append(time.monotonic()) or "state.pt", stop.is_set)
-    threading.Timer(0.5, stop.set).start()  # the stop arrives while report() hangs
-    threading.Timer(3.0, inner.release.set).start()
-    began = time.monotonic()
-    with pytest.raises(ConnectionError):
-        reporter.report(0.5, 10)
-    # Saved once, soon after the stop, not when the call finally failed.
-    assert len(saved) == 1 and saved[0] - began < 1.5, [t - began for t in saved]
+    monkeypatch.setattr(StateSavingReporter, "ANSWER_S", 0.5)
+    inner = _HangingReporter(fail=False)
+    steps = {"n": 0}
+    step_once = precision.optimizer_step
+
+    def counting_step(*args: object) -> None:
+        step_once(*args)  # type: ignore[arg-type]
+        steps["n"] += 1
+        if steps["n"] == 20:  # the run's last step: only now may the first report (step 5) get through
+            inner.release.set()
+
+    monkeypatch.setattr(precision, "optimizer_step", counting_step)
+    tok = load_tokenizer(str(tiny_model))
+    prepared = (tok, prepare(DataConfig(train=str(demo_files[0]), validation=str(demo_files[1])), tok, 32, None))
+    cfg = TrainConfig(learning_rate=2e-3, batch_size=32, micro_batch_size=16, epochs=2, eval_every=5, precision="fp32")
+    result = loop.fit(tiny_run(tiny_model, prepared, cfg, tmp_path / "r"), inner)
+    assert not inner.waited_out, "the loop stopped at the hung report instead of training on"
+    assert result.status == "complete" and steps["n"] == 20
+    # fit() returned only once every report had arrived, in order.
+    assert list(inner.values) == [5, 10, 15, 20]
 
 
 def test_a_failed_report_saves_the_state_and_a_good_one_does_not() -> None:
@@ -245,26 +263,67 @@ def test_a_failed_report_saves_the_state_and_a_good_one_does_not() -> None:
     saved: list[int] = []
     failing = _HangingReporter()
     failing.release.set()
+    reporter = StateSavingReporter(failing, lambda: saved.append(1))
+    reporter.report(0.5, 10)  # on its way: the failure is raised at the run's next call
     with pytest.raises(ConnectionError):
-        StateSavingReporter(failing, lambda: saved.append(1)).report(0.5, 10)
+        reporter.flush()
+    with pytest.raises(ConnectionError):
+        reporter.report(0.4, 15)  # nothing goes out after a failure
     assert saved == [1]
     fine = StateSavingReporter(NullReporter(), lambda: saved.append(2))
     fine.report(0.25, 20)
-    assert saved == [1] and fine.should_prune() is False
+    assert fine.should_prune() is False
+    fine.flush()
+    assert saved == [1]
 
 
-def test_a_call_that_never_returns_is_abandoned_at_the_stops_deadline() -> None:
+def test_pruning_is_asked_while_the_search_keeps_up_and_not_when_it_falls_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import time
+
+    from hpsearch.trainer.report import StateSavingReporter
+
+    monkeypatch.setattr(StateSavingReporter, "ANSWER_S", 0.5)
+    healthy = _HangingReporter(fail=False, prune=True)
+    healthy.release.set()
+    reporter = StateSavingReporter(healthy, lambda: "state.pt")
+    reporter.report(0.5, 5)
+    assert reporter.should_prune() is True  # the pruner's answer, after the report arrived
+
+    stuck = _HangingReporter(fail=False, prune=True)
+    reporter = StateSavingReporter(stuck, lambda: "state.pt")
+    reporter.report(0.5, 5)
+    began = time.monotonic()
+    assert reporter.should_prune() is False  # no answer in ANSWER_S: train on
+    waited = time.monotonic() - began
+    began = time.monotonic()
+    reporter.report(0.4, 10)
+    assert reporter.should_prune() is False
+    assert 0.4 < waited < 2 and time.monotonic() - began < 0.1, "a search known to be behind is not waited for"
+    stuck.release.set()
+    reporter.flush()
+    assert list(stuck.values) == [5, 10]
+
+
+def test_a_stop_while_the_search_hangs_saves_at_once_and_abandons_the_call_at_the_deadline() -> None:
     import threading
     import time
 
     from hpsearch.trainer.report import CallAbandoned, StateSavingReporter
 
     inner, saved, stop, deadline = _HangingReporter(), [], threading.Event(), threading.Event()
-    reporter = StateSavingReporter(inner, lambda: saved.append(1) or "state.pt", stop.is_set, deadline.is_set)
-    stop.set()  # a frozen server: the call never returns (here: not within the test)
-    threading.Timer(1.0, deadline.set).start()
+    reporter = StateSavingReporter(
+        inner, lambda: saved.append(time.monotonic()) or "state.pt", stop.is_set, deadline.is_set
+    )
     began = time.monotonic()
+    reporter.report(0.5, 10)  # a frozen server: the call never returns (here: not within the test)
+    assert time.monotonic() - began < 0.5, "the run does not wait for a report"
+    threading.Timer(0.5, stop.set).start()
+    threading.Timer(2.0, deadline.set).start()
     with pytest.raises(CallAbandoned):
-        reporter.report(0.5, 10)
-    assert saved == [1] and time.monotonic() - began < 3
+        reporter.flush()
+    # Saved once, soon after the stop, not when the call was given up.
+    assert len(saved) == 1 and saved[0] - began < 1.5, [t - began for t in saved]
+    assert time.monotonic() - began < 4
     inner.release.set()

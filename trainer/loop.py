@@ -44,7 +44,7 @@ class Run:
     resume_from: Path | None = None
     should_stop: Callable[[], bool] = lambda: False
     stop_waiting: Callable[[], bool] = lambda: False
-    """After a stop, when a reporter call that hangs is given up (see StateSavingReporter)."""
+    """After a stop, when a reporter call still on its way is given up (see StateSavingReporter)."""
     meta: dict[str, Any] = field(default_factory=dict)
     started: float | None = None
     """time.monotonic() when the trial began (before the model copy); default: fit's entry."""
@@ -232,6 +232,9 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
         result.attrs["first_step_seconds"] = round(first_step, 3)
     if world.is_main:
         reporter.set_attrs(result.attrs)
+        # Reports went out in the background (see courier.py); the search must have them all
+        # before the worker tells it how the run ended.
+        reporter.flush()
     return result
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol
+
+from hpsearch.trainer.courier import Courier
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class Reporter(Protocol):
@@ -43,21 +44,29 @@ class NullReporter:
 
 
 class StateSavingReporter:
-    """A reporter that saves the run's resumable state when the search cannot be reached.
+    """The reporter a run talks to: training does not wait for the search, and the run's
+    resumable state is saved when the search cannot be reached.
 
-    A call fails when the search's storage stayed away longer than its retries (or a shutdown
-    cut them short): the state is saved, then the error raised. The run ends there and its
-    retry resumes from the state saved here, not from the last periodic one, up to
-    ``resume_every_minutes`` of training earlier.
+    Reports and attributes go through a ``Courier``, so a database that restarts or a network
+    path that goes silent holds up the search's record, not the GPU. ``should_prune`` waits for
+    its answer only while the search keeps up (``ANSWER_S``); a run the search cannot judge
+    trains on and is asked again at its next validation point, when what it missed has arrived.
+    ``flush`` waits until every call has arrived: the run's end must be on record before its
+    trial is told.
 
-    A call can also hang: on a network path that went silent until the connection is declared
-    dead, on a frozen server for ever (its kernel still acknowledges). It runs on a helper
-    thread, so that a stop arriving meanwhile is seen at once (signal handlers run only in
-    the main thread, and only between Python operations): the state is saved right away, and
-    the call is waited for until ``stop_waiting`` says so, then abandoned (``CallAbandoned``).
+    A call fails when the storage stayed away longer than its retries (or a shutdown cut them
+    short): the run's next call saves the state and raises the error. The run ends there and
+    its retry resumes from the state saved here, not from the last periodic one, up to
+    ``resume_every_minutes`` of training earlier. A call can also hang: on a silent network
+    path until the connection is declared dead, on a frozen server for ever (its kernel still
+    acknowledges). A stop that comes while ``flush`` waits saves the state at once, and the
+    call is waited for until ``stop_waiting`` says so, then abandoned (``CallAbandoned``).
     """
 
     POLL_S = 0.2
+    ANSWER_S = 10.0
+    """How long a pruning question is waited for, and how far behind the search may fall
+    before the run stops asking it: far above a healthy storage's milliseconds."""
 
     def __init__(
         self,
@@ -68,30 +77,50 @@ class StateSavingReporter:
     ) -> None:
         self.inner, self.save_state = inner, save_state
         self.should_stop, self.stop_waiting = should_stop, stop_waiting
+        self.courier = Courier()
+        self._saved_for_failure = False
 
     def report(self, value: float, step: int) -> None:
-        self._call(self.inner.report, value, step)
-
-    def should_prune(self) -> bool:
-        return self._call(self.inner.should_prune)
+        self._raise_failure()
+        self.courier.send(self.inner.report, value, step)
 
     def set_attrs(self, attrs: dict[str, Any]) -> None:
-        self._call(self.inner.set_attrs, attrs)
+        self._raise_failure()
+        self.courier.send(self.inner.set_attrs, dict(attrs))
 
-    def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        call = _Call(fn, args)
+    def should_prune(self) -> bool:
+        self._raise_failure()
+        behind = self.courier.oldest()
+        if behind is not None and time.monotonic() - behind.sent > self.ANSWER_S:
+            return False  # the search is slow or away: train on, and ask at the next point
+        question = self.courier.send(self.inner.should_prune)
+        give_up = time.monotonic() + self.ANSWER_S
+        while not question.done.wait(self.POLL_S):
+            if self.should_stop() or time.monotonic() > give_up:
+                return False  # a late answer is dropped; the loop sees a stop at its next step
+        self._raise_failure()
+        return bool(question.result)
+
+    def flush(self) -> None:
+        """Wait until every call has reached the search; raise the first one's error."""
+        last = self.courier.newest()
         saved = False
-        while not call.done.wait(self.POLL_S):
+        while last is not None and not last.done.wait(self.POLL_S):
             if not saved and self.should_stop():
                 self._save("a stop came while the search did not answer")
-                saved = True
+                saved = self._saved_for_failure = True
             if saved and self.stop_waiting():
-                raise CallAbandoned(f"the search did not answer {fn.__name__} before the stop's deadline")
-        if call.error is None:
-            return call.result
-        if not saved:
-            self._save(f"the search could not be told ({type(call.error).__name__})")
-        raise call.error
+                raise CallAbandoned(f"the search did not answer {last.fn.__name__} before the stop's deadline")
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        error = self.courier.error
+        if error is None:
+            return
+        if not self._saved_for_failure:
+            self._save(f"the search could not be told ({type(error).__name__})")
+            self._saved_for_failure = True
+        raise error
 
     def _save(self, why: str) -> None:
         try:
@@ -102,25 +131,6 @@ class StateSavingReporter:
 
 class CallAbandoned(Exception):
     """A reporter call still hanging when a stopping run could wait no longer."""
-
-
-class _Call:
-    """``fn(*args)`` on a daemon thread; ``done`` is set once it has returned or raised."""
-
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self._fn, self._args = fn, args
-        threading.Thread(target=self._run, name="hpsearch-report", daemon=True).start()
-
-    def _run(self) -> None:
-        try:
-            self.result = self._fn(*self._args)
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self.done.set()
 
 
 RESUME_CHECKPOINT_ATTR = "resume_checkpoint"

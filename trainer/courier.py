@@ -1,0 +1,83 @@
+"""Delivers a run's reporter calls on a background thread, in order, so training need not wait.
+
+A report reaches the search's storage in milliseconds, but when the database restarts or the
+network path goes silent the call retries for minutes, and a GPU that waits for it trains
+nothing. The trainer hands its calls to a courier instead and goes on; the courier sends them
+one at a time, in the order given, and stops at the first that fails: later reports would
+otherwise reach the search out of step with the run that is retried after the failure.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+
+class Parcel:
+    """One call, ``fn(*args)``; ``done`` is set once it has returned or raised (or was dropped)."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.fn, self.args = fn, args
+        self.sent = time.monotonic()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+
+class Courier:
+    IDLE_S = 5.0
+    """The thread ends after this long with nothing to send, and the next call starts another:
+    a run that ends on an exception leaves no thread behind for long."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Parcel] = queue.SimpleQueue()
+        self._pending: deque[Parcel] = deque()  # sent, not yet done: oldest first
+        self._lock = threading.Lock()  # over _pending and _thread
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        """The first call that failed; nothing is sent after it."""
+
+    def send(self, fn: Callable[..., Any], *args: Any) -> Parcel:
+        parcel = Parcel(fn, args)
+        with self._lock:
+            self._pending.append(parcel)
+            self._queue.put(parcel)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._deliver, name="hpsearch-report", daemon=True)
+                self._thread.start()
+        return parcel
+
+    def oldest(self) -> Parcel | None:
+        """The call the search has kept waiting longest, if any is still on its way."""
+        with self._lock:
+            return self._pending[0] if self._pending else None
+
+    def newest(self) -> Parcel | None:
+        """The last call sent, if it is still on its way: once it is done, every call is."""
+        with self._lock:
+            return self._pending[-1] if self._pending else None
+
+    def _deliver(self) -> None:
+        while True:
+            try:
+                parcel = self._queue.get(timeout=self.IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():  # send() puts under the lock: nothing can slip in now
+                        self._thread = None
+                        return
+                continue
+            if self.error is None:
+                try:
+                    parcel.result = parcel.fn(*parcel.args)
+                except BaseException as exc:
+                    parcel.error = self.error = exc
+            else:
+                parcel.error = self.error
+            with self._lock:
+                self._pending.popleft()
+            parcel.done.set()
