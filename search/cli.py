@@ -321,7 +321,10 @@ def cmd_reap(args: argparse.Namespace) -> int:
     storage = open_storage(urls.resolve(args.storage), create=False)
     try:
         spec = studies.stored_spec(storage, args.study)
-        done = reap.reap(storage, args.study, max_retries=spec.search.max_retries, grace_s=args.grace, orphans=True)
+        retries = spec.search.max_retries
+        # This host's own dead workers first: their rows are ended, not left "lost".
+        done = reap.reap_gone_here(storage, args.study, max_retries=retries)
+        done += reap.reap(storage, args.study, max_retries=retries, grace_s=args.grace, orphans=True)
     finally:
         storage.close()
     for r in done:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -63,18 +64,9 @@ def reap(
     reaped = []
     for s in stale_rows:
         # Of several reapers (every worker runs one), exactly one wins each trial.
-        if not registry.release_stale(storage.db, s):
-            continue
-        log.warning(
-            "trial %d: worker %s on %s has not beaten for %.0fs; failing it for a retry",
-            s.trial_number,
-            s.worker,
-            s.host,
-            s.heartbeat_age_s,
-        )
-        retried = _fail_for_retry(storage, study, s.trial_number, max_retries, device_seconds=s.device_seconds)
-        if retried is not None:
-            reaped.append(Reaped(s.trial_number, s.worker, s.host, s.heartbeat_age_s, retried))
+        if registry.release_stale(storage.db, s):
+            why = f"worker {s.worker} on {s.host} has not beaten for {s.heartbeat_age_s:.0f}s"
+            reaped += _retry_stale(storage, study, s, max_retries, why)
     if not orphans:
         return reaped
     grace = grace_s if grace_s is not None else registry.MISSED_BEATS * registry.heartbeat_interval()
@@ -97,6 +89,41 @@ def reap(
             log.warning("trial %d: its worker vanished as the trial began; failing it for a retry", number)
             reaped.append(Reaped(number, "unknown", "unknown", grace, retried))
     return reaped
+
+
+def reap_gone_here(storage: Storage, study_name: str, *, max_retries: int) -> list[Reaped]:
+    """Fail and retry the trials of this host's workers whose process is gone, and end their rows.
+
+    A worker starting on a host that an earlier start left without a word (killed with its
+    instance, or stopped while the database was away) resumes that start's trials first, at
+    once, instead of a reaper's grace later (see ``registry.end_gone``).
+    """
+    gone = registry.end_gone(storage.db, study_name, host=registry.this_host(), gone=_process_gone)
+    if not gone:
+        return []
+    study = optuna.load_study(study_name=study_name, storage=storage.optuna)
+    reaped = []
+    for s in gone:
+        reaped += _retry_stale(storage, study, s, max_retries, f"worker {s.worker} of this host is gone")
+    return reaped
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # exists, under another user
+    return False
+
+
+def _retry_stale(
+    storage: Storage, study: optuna.Study, s: registry.StaleTrial, max_retries: int, why: str
+) -> list[Reaped]:
+    log.warning("trial %d: %s; failing it for a retry", s.trial_number, why)
+    retried = _fail_for_retry(storage, study, s.trial_number, max_retries, device_seconds=s.device_seconds)
+    return [] if retried is None else [Reaped(s.trial_number, s.worker, s.host, s.heartbeat_age_s, retried)]
 
 
 def _unbound(storage: Storage, study_name: str, running: list[optuna.trial.FrozenTrial], grace: float) -> list[int]:

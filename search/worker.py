@@ -197,6 +197,9 @@ class Worker:
         # heartbeat to go stale: it would hold its slot (and, counted as running, use up
         # gpu_hours) for ever. Failed and retried here, before the budget is judged.
         reap.reap(self.storage, self.args.study, max_retries=self.spec.search.max_retries, orphans=True, stale=False)
+        # Trials that an earlier start on this host left running (killed with its instance, or
+        # stopped while the database was away) are retried now, before a new one is asked for.
+        reap.reap_gone_here(self.storage, self.args.study, max_retries=self.spec.search.max_retries)
         self._tidy(retain=True)  # checkpoints may have fallen out of the top k while this host was away
         while not self.stop():
             stop_reason = studies.budget_left(self.study, self.spec, self.storage.db.now())

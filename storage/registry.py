@@ -16,6 +16,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any
@@ -230,21 +231,71 @@ def stale_trials(
             )
         ).scalars()
         return [
-            StaleTrial(
-                r.id,
-                r.name,
-                r.host,
-                int(r.current_trial),
-                r.heartbeat_at,
-                now - r.heartbeat_at,
-                max(0.0, r.heartbeat_at - (r.trial_started_at or r.heartbeat_at)) * (1 + r.device.count("+")),
-            )
+            _stale(r, now)
             for r in rows
             if r.current_trial is not None
             and now - r.heartbeat_at > (grace_s if grace_s is not None else missed_beats * r.heartbeat_s)
         ]
 
     return db.run(read, what="find stale trials")
+
+
+def _stale(r: WorkerRecord, now: float) -> StaleTrial:
+    assert r.current_trial is not None
+    return StaleTrial(
+        r.id,
+        r.name,
+        r.host,
+        int(r.current_trial),
+        r.heartbeat_at,
+        now - r.heartbeat_at,
+        max(0.0, r.heartbeat_at - (r.trial_started_at or r.heartbeat_at)) * (1 + r.device.count("+")),
+    )
+
+
+def end_gone(db: Database, study: str, *, host: str, gone: Callable[[int], bool]) -> list[StaleTrial]:
+    """End the lost rows of ``host``'s workers whose process is ``gone``; the trials they held.
+
+    A start before this one on the same host was killed with its instance, or stopped while the
+    database was away, and could not end its workers' rows. They would show as lost for ever,
+    and their trials would wait for a reaper's whole grace of healthy connection: after an
+    outage every heartbeat is old, so a reaper cannot tell a dead worker from a silent one. The
+    host can. Only stale rows still: a worker elsewhere that shares this host's name (see
+    ``this_host``) is not in this host's process table, and a live one beats.
+    """
+
+    def end(s: Session) -> list[StaleTrial]:
+        now = float(s.execute(select(db.clock())).scalar_one())
+        rows = s.execute(
+            select(WorkerRecord).where(
+                WorkerRecord.study_name == study, WorkerRecord.host == host, WorkerRecord.ended_at.is_(None)
+            )
+        ).scalars()
+        held = []
+        for r in list(rows):
+            if now - r.heartbeat_at <= MISSED_BEATS * r.heartbeat_s or not gone(r.pid):
+                continue
+            trial = _stale(r, now) if r.current_trial is not None else None
+            # Only while the row shows the heartbeat judged stale: of two workers ending it, one wins.
+            ended = s.execute(  # type: ignore[attr-defined]  # an UPDATE's result has a rowcount
+                update(WorkerRecord)
+                .where(
+                    WorkerRecord.id == r.id,
+                    WorkerRecord.heartbeat_at == r.heartbeat_at,
+                    WorkerRecord.ended_at.is_(None),
+                )
+                .values(
+                    device_seconds=_device_seconds_at(WorkerRecord.heartbeat_at),
+                    current_trial=None,
+                    trial_started_at=None,
+                    ended_at=WorkerRecord.heartbeat_at,
+                )
+            ).rowcount
+            if ended == 1 and trial is not None:
+                held.append(trial)
+        return held
+
+    return db.run(end, what="end the rows of this host's workers that are gone")
 
 
 def release_stale(db: Database, stale: StaleTrial) -> bool:

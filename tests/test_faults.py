@@ -299,10 +299,16 @@ def test_sigterm_during_a_database_outage_exits_soon_and_the_retry_resumes_where
         assert list((tmp_path / "runs" / "f").glob("trial-0/resume/state.pt")), err[-3000:]
         assert "stopped without reaching the storage" in err, err[-3000:]
         end()
-        again = _start(tmp_path, spec, url, HPSEARCH_HEARTBEAT_S="1")
+        # The default heartbeat (30 s) this time: a reaper would wait 90 s of healthy connection
+        # before it judged the old worker lost. The new start knows its own host's dead
+        # processes: it retries their trial at once and ends their rows.
+        again = _start(tmp_path, spec, url)
         _, err = again.communicate(timeout=600)
         assert again.returncode == 0, err[-3000:]
+        assert "waiting for trial(s)" not in err and "of this host is gone" in err, err[-3000:]
         _assert_recovered(url, 1, "worker_lost", tmp_path / "runs")
+        status = _cli(tmp_path, "status", "--study", "f", "--storage", url)
+        assert "0 live, 0 lost, 2 finished" in status.stdout, status.stdout + status.stderr
         [retry] = [t for t in optuna.load_study(study_name="f", storage=_sa_url(url)).get_trials() if t.number == 1]
         # It resumed from the state saved at the stop, past the last validation point reported.
         assert retry.user_attrs["resumed_from_step"] > 10, retry.user_attrs

@@ -7,6 +7,7 @@ each rule is checked on its own, on SQLite and the real PostgreSQL.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -88,5 +89,54 @@ def test_reaper_thread_waits_out_its_own_outage_before_reaping(storage_url: str,
                 assert time.monotonic() < deadline, "the reaper never reaped the stale trial"
                 time.sleep(0.1)
         assert study.get_trials(deepcopy=False)[number].user_attrs["fail_reason"] == "worker_lost"
+    finally:
+        storage.close()
+
+
+def test_a_start_retries_the_trials_of_this_hosts_gone_workers_and_ends_their_rows(
+    storage_url: str, spec_file: Path
+) -> None:
+    import subprocess
+
+    # A pid that no process has any more: an earlier start's worker.
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    dead = exited.pid
+    storage = open_storage(storage_url, create=True)
+    try:
+        study = studies.create_or_resume(storage, "r", load_file(spec_file))
+        here = registry.this_host()
+
+        def worker(name: str, host: str, pid: int, heartbeat_s: float, trial: bool) -> int | None:
+            row = registry.register(storage.db, "r", name, "cpu:0", host=host, pid=pid, heartbeat_s=heartbeat_s)
+            if not trial:
+                return None
+            number = _running_trial(storage, study, name)
+            registry.trial_started(storage.db, row, number)
+            return number
+
+        gone = worker("gone", here, dead, 0.3, trial=True)
+        worker("gone-idle", here, dead, 0.3, trial=False)
+        alive = worker("alive", here, os.getpid(), 0.3, trial=True)  # stale, but its process runs
+        elsewhere = worker("elsewhere", "another-host", dead, 0.3, trial=True)  # not this host's to judge
+        fresh = worker("fresh", here, dead, 30, trial=True)  # beat a moment ago: a namesake host's, maybe
+        time.sleep(1.5)  # 3 beats of 0.3 s
+
+        done = reap.reap_gone_here(storage, "r", max_retries=2)
+        assert [(r.trial_number, r.retried) for r in done] == [(gone, True)]
+        assert reap.reap_gone_here(storage, "r", max_retries=2) == [], "once"
+
+        states = {w.name: (w.state, w.current_trial) for w in registry.list_workers(storage.db, "r")}
+        assert states == {
+            "gone": ("finished", None),
+            "gone-idle": ("finished", None),
+            "alive": ("lost", alive),
+            "elsewhere": ("lost", elsewhere),
+            "fresh": ("live", fresh),
+        }
+        trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+        assert trials[gone].state == TrialState.FAIL and trials[gone].user_attrs["fail_reason"] == "worker_lost"
+        assert [t.user_attrs["retry_of"] for t in trials.values() if t.state == TrialState.WAITING] == [gone]
+        assert all(trials[n].state == TrialState.RUNNING for n in (alive, elsewhere, fresh))
     finally:
         storage.close()
