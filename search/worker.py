@@ -57,7 +57,7 @@ class TrialReporter:
         self.trial = trial
         self.last_ok = time.monotonic()
         """When a call last reached the storage: the device time of an attempt that storage
-        failed ends here, not after the minutes of retrying through the outage."""
+        failed is counted up to here, not through the minutes of retrying."""
 
     def report(self, value: float, step: int) -> None:
         self.trial.report(value, step)
@@ -432,7 +432,8 @@ class Worker:
         The retry waits until the storage answers again (each call retries patiently); if it
         does not, ``StorageLost`` ends the worker and the trial is reaped later.
         """
-        # Only time that reached the storage counts: the outage is no device's work.
+        # Counted up to the storage's last answer: training may have gone on through the outage
+        # (see trainer/courier.py), but so may a run that ended and waited for its record.
         spent = (reporter.last_ok - started) * self.world.size
         try:
             before = float(trial.user_attrs.get(studies.DEVICE_SECONDS, 0.0))

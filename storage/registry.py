@@ -179,16 +179,7 @@ def end_dead(db: Database, study: str, *, host: str, pid: int) -> int | None:
         WorkerRecord.pid == pid,
         WorkerRecord.ended_at.is_(None),
     )
-    stmt = (
-        update(WorkerRecord)
-        .where(*where)
-        .values(
-            device_seconds=_device_seconds_at(WorkerRecord.heartbeat_at),
-            current_trial=None,
-            trial_started_at=None,
-            ended_at=WorkerRecord.heartbeat_at,
-        )
-    )
+    stmt = update(WorkerRecord).where(*where).values(**_at_last_beat(), ended_at=WorkerRecord.heartbeat_at)
 
     def record(s: Session) -> int | None:
         held = s.execute(select(WorkerRecord.current_trial).where(*where)).scalars().first()
@@ -284,12 +275,7 @@ def end_gone(db: Database, study: str, *, host: str, gone: Callable[[int], bool]
                     WorkerRecord.heartbeat_at == r.heartbeat_at,
                     WorkerRecord.ended_at.is_(None),
                 )
-                .values(
-                    device_seconds=_device_seconds_at(WorkerRecord.heartbeat_at),
-                    current_trial=None,
-                    trial_started_at=None,
-                    ended_at=WorkerRecord.heartbeat_at,
-                )
+                .values(**_at_last_beat(), ended_at=WorkerRecord.heartbeat_at)
             ).rowcount
             if ended == 1 and trial is not None:
                 held.append(trial)
@@ -312,14 +298,19 @@ def release_stale(db: Database, stale: StaleTrial) -> bool:
             WorkerRecord.heartbeat_at == stale.heartbeat_at,
             WorkerRecord.ended_at.is_(None),
         )
-        .values(
-            # As far as anyone knows, the device stopped working on it at the last heartbeat.
-            device_seconds=_device_seconds_at(WorkerRecord.heartbeat_at),
-            current_trial=None,
-            trial_started_at=None,
-        )
+        .values(**_at_last_beat())
     )
     return bool(db.run(lambda s: s.execute(stmt).rowcount, what="release a stale trial") == 1)
+
+
+def _at_last_beat() -> dict[str, Any]:
+    """A row's trial taken off it: as far as anyone knows, its device stopped working on the
+    trial at the last heartbeat, and that much device time is the worker's."""
+    return {
+        "device_seconds": _device_seconds_at(WorkerRecord.heartbeat_at),
+        "current_trial": None,
+        "trial_started_at": None,
+    }
 
 
 def _update(db: Database, worker_id: int, what: str, **values: Any) -> None:
