@@ -110,7 +110,8 @@ class StateSavingReporter:
                 self._save("a stop came while the search did not answer")
                 saved = self._saved_for_failure = True
             if saved and self.stop_waiting():
-                raise CallAbandoned(f"the search did not answer {last.fn.__name__} before the stop's deadline")
+                hung = self.courier.oldest() or last
+                raise CallAbandoned(f"the search did not answer {hung.fn.__name__} before the stop's deadline")
         self._raise_failure()
 
     def _raise_failure(self) -> None:
