@@ -327,3 +327,22 @@ def test_a_stop_while_the_search_hangs_saves_at_once_and_abandons_the_call_at_th
     assert len(saved) == 1 and saved[0] - began < 1.5, [t - began for t in saved]
     assert time.monotonic() - began < 4
     inner.release.set()
+
+
+def test_an_immediate_reporter_is_called_at_once_on_the_runs_own_thread() -> None:
+    import threading
+
+    from hpsearch.trainer.report import NullReporter, StateSavingReporter
+
+    class Where(NullReporter):
+        """Like benchmarks/checkpoint_choice.py's scorer: it must see the model as it is at the call."""
+
+        thread: threading.Thread | None = None
+
+        def report(self, value: float, step: int) -> None:
+            super().report(value, step)
+            self.thread = threading.current_thread()
+
+    inner = Where()
+    StateSavingReporter(inner, lambda: "state.pt").report(0.5, 5)
+    assert inner.thread is threading.current_thread() and inner.values == {5: 0.5}

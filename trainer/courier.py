@@ -33,7 +33,10 @@ class Courier:
     """The thread ends after this long with nothing to send, and the next call starts another:
     a run that ends on an exception leaves no thread behind for long."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, inline: bool = False) -> None:
+        self.inline = inline
+        """Make each call at once, on the caller's thread: for a reporter that never waits (in
+        memory) or that must see the model as it is at the call (a benchmark scoring it)."""
         self._queue: queue.SimpleQueue[Parcel] = queue.SimpleQueue()
         self._pending: deque[Parcel] = deque()  # sent, not yet done: oldest first
         self._lock = threading.Lock()  # over _pending and _thread
@@ -43,6 +46,10 @@ class Courier:
 
     def send(self, fn: Callable[..., Any], *args: Any) -> Parcel:
         parcel = Parcel(fn, args)
+        if self.inline:
+            self._make(parcel)
+            parcel.done.set()
+            return parcel
         with self._lock:
             self._pending.append(parcel)
             self._queue.put(parcel)
@@ -71,13 +78,16 @@ class Courier:
                         self._thread = None
                         return
                 continue
-            if self.error is None:
-                try:
-                    parcel.result = parcel.fn(*parcel.args)
-                except BaseException as exc:
-                    parcel.error = self.error = exc
-            else:
-                parcel.error = self.error
+            self._make(parcel)
             with self._lock:
                 self._pending.popleft()
             parcel.done.set()
+
+    def _make(self, parcel: Parcel) -> None:
+        if self.error is not None:
+            parcel.error = self.error
+            return
+        try:
+            parcel.result = parcel.fn(*parcel.args)
+        except BaseException as exc:
+            parcel.error = self.error = exc

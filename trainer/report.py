@@ -29,6 +29,9 @@ class Reporter(Protocol):
 class NullReporter:
     """Runs a fine-tune outside any search: records values, never prunes."""
 
+    immediate = True
+    """Called directly, not through a courier thread: its calls never wait (see StateSavingReporter)."""
+
     def __init__(self) -> None:
         self.values: dict[int, float] = {}
         self.attrs: dict[str, Any] = {}
@@ -52,7 +55,8 @@ class StateSavingReporter:
     its answer only while the search keeps up (``ANSWER_S``); a run the search cannot judge
     trains on and is asked again at its next validation point, when what it missed has arrived.
     ``flush`` waits until every call has arrived: the run's end must be on record before its
-    trial is told.
+    trial is told. A reporter whose ``immediate`` attribute is true is called directly instead
+    (``NullReporter``: nothing to wait for, and a subclass may look at the model as it is).
 
     A call fails when the storage stayed away longer than its retries (or a shutdown cut them
     short): the run's next call saves the state and raises the error. The run ends there and
@@ -77,7 +81,7 @@ class StateSavingReporter:
     ) -> None:
         self.inner, self.save_state = inner, save_state
         self.should_stop, self.stop_waiting = should_stop, stop_waiting
-        self.courier = Courier()
+        self.courier = Courier(inline=getattr(inner, "immediate", False))
         self._saved_for_failure = False
 
     def report(self, value: float, step: int) -> None:
