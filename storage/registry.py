@@ -225,10 +225,15 @@ def stale_trials(
             _stale(r, now)
             for r in rows
             if r.current_trial is not None
-            and now - r.heartbeat_at > (grace_s if grace_s is not None else missed_beats * r.heartbeat_s)
+            and _silent(r, now, grace_s if grace_s is not None else missed_beats * r.heartbeat_s)
         ]
 
     return db.run(read, what="find stale trials")
+
+
+def _silent(r: WorkerRecord, now: float, grace_s: float) -> bool:
+    """No heartbeat from the row's worker for longer than ``grace_s`` (by the database clock)."""
+    return now - r.heartbeat_at > grace_s
 
 
 def _stale(r: WorkerRecord, now: float) -> StaleTrial:
@@ -264,7 +269,7 @@ def end_gone(db: Database, study: str, *, host: str, gone: Callable[[int], bool]
         ).scalars()
         held = []
         for r in list(rows):
-            if now - r.heartbeat_at <= MISSED_BEATS * r.heartbeat_s or not gone(r.pid):
+            if not _silent(r, now, MISSED_BEATS * r.heartbeat_s) or not gone(r.pid):
                 continue
             trial = _stale(r, now) if r.current_trial is not None else None
             # Only while the row shows the heartbeat judged stale: of two workers ending it, one wins.
@@ -364,7 +369,7 @@ def _view(r: WorkerRecord, now: float) -> WorkerView:
     age = max(0.0, now - r.heartbeat_at)
     if r.ended_at is not None:
         state = "finished"
-    elif age > MISSED_BEATS * r.heartbeat_s:
+    elif _silent(r, now, MISSED_BEATS * r.heartbeat_s):
         state = "lost"
     else:
         state = "live"

@@ -82,7 +82,7 @@ class StateSavingReporter:
         self.inner, self.save_state = inner, save_state
         self.should_stop, self.stop_waiting = should_stop, stop_waiting
         self.courier = Courier(inline=getattr(inner, "immediate", False))
-        self._saved_for_failure = False
+        self._state_saved = False  # by this reporter: once per run, for a failure or a stop
 
     def report(self, value: float, step: int) -> None:
         self._raise_failure()
@@ -108,12 +108,10 @@ class StateSavingReporter:
     def flush(self) -> None:
         """Wait until every call has reached the search; raise the first one's error."""
         last = self.courier.newest()
-        saved = False
         while last is not None and not last.done.wait(self.POLL_S):
-            if not saved and self.should_stop():
+            if not self._state_saved and self.should_stop():
                 self._save("a stop came while the search did not answer")
-                saved = self._saved_for_failure = True
-            if saved and self.stop_waiting():
+            if self._state_saved and self.stop_waiting():
                 hung = self.courier.oldest() or last
                 raise CallAbandoned(f"the search did not answer {hung.fn.__name__} before the stop's deadline")
         self._raise_failure()
@@ -122,12 +120,12 @@ class StateSavingReporter:
         error = self.courier.error
         if error is None:
             return
-        if not self._saved_for_failure:
+        if not self._state_saved:
             self._save(f"the search could not be told ({type(error).__name__})")
-            self._saved_for_failure = True
         raise error
 
     def _save(self, why: str) -> None:
+        self._state_saved = True
         try:
             log.warning("%s; resumable state saved: %s", why, self.save_state())
         except Exception as err:  # the storage's error, if any, is the one to report
