@@ -1,14 +1,16 @@
 """Which validation point's model a trial should keep, judged on glue_dev.
 
-hpsearch keeps, per trial, the model of its best validation point (the first, among equal
-ones). With a few hundred validation sentences that point is partly picked on noise, and the
+hpsearch keeps, per trial, the model of its best validation point (among equal ones, the one
+with the lowest validation loss). With a few hundred validation sentences that point is partly picked on noise, and the
 last point, trained through the whole decaying schedule, could generalise better. This script
 trains fixed configurations with hpsearch's own trainer on search_vs_hf's subsets (same seeds,
 same sizes), scores the model at every validation point on glue_dev.tsv, and compares the
 glue_dev accuracy each rule would have kept:
 
-- best: the first point with the best validation accuracy (what the trainer keeps);
-- best, latest of equals: the same, but a tie goes to the later point;
+- best: the point with the best validation accuracy, a tie going to the lower validation loss
+  (what the trainer keeps: read from its result, not recomputed here);
+- best, earliest of equals: the same, but a tie goes to the earlier point (the trainer's rule
+  before 2026-12-02);
 - final: the last point, as HF's Trainer keeps.
 
 Run by hand (about 2 minutes per configuration on 2 cores):
@@ -36,7 +38,7 @@ from hpsearch.trainer.report import NullReporter
 
 # Learning rate, warm-up ratio, weight decay: the region both searches of search_vs_hf end in.
 CONFIGS = [(8.5e-5, 0.1, 0.05), (2e-4, 0.1, 0.05), (4e-4, 0.1, 0.05)]
-RULES = ("best", "best, latest of equals", "final")
+RULES = ("best", "best, earliest of equals", "final")
 CPU = torch.device("cpu")
 
 
@@ -55,13 +57,13 @@ class PointScorer(NullReporter):
         self.glue[step] = sum(correct) / len(correct)
 
 
-def kept_step(values: dict[int, float], rule: str) -> int:
+def kept_step(values: dict[int, float], rule: str, trainer_best: int) -> int:
     steps = sorted(values)
-    top = max(values.values())
     if rule == "best":
+        return trainer_best
+    if rule == "best, earliest of equals":
+        top = max(values.values())
         return next(s for s in steps if values[s] == top)
-    if rule == "best, latest of equals":
-        return max(s for s in steps if values[s] == top)
     return steps[-1]
 
 
@@ -109,9 +111,10 @@ def main() -> None:
             scorer = PointScorer(model, tok, glue_rows, args.max_length)
             out = work_dir / f"config-{i}"
             run_ = Run(model=model, tokenizer=tok, data=data, cfg=cfg, metric="accuracy", device=CPU, out_dir=out)
-            fit(run_, scorer)
-            steps = {rule: kept_step(scorer.values, rule) for rule in RULES}
-            ties += steps["best"] != steps["best, latest of equals"]
+            result = fit(run_, scorer)
+            assert result.best_step is not None
+            steps = {rule: kept_step(scorer.values, rule, result.best_step) for rule in RULES}
+            ties += steps["best"] != steps["best, earliest of equals"]
             for rule, step in steps.items():
                 kept[rule].append(scorer.glue[step])
             print(
@@ -122,7 +125,7 @@ def main() -> None:
             curve = " ".join(f"{s}:{scorer.values[s]:.3f}/{scorer.glue[s]:.3f}" for s in sorted(scorer.values))
             print(f"      validation/glue_dev by step: {curve}", flush=True)
     n = len(kept["best"])
-    print(f"\nmean glue_dev over {n} runs (a tie at the best point in {ties}):")
+    print(f"\nmean glue_dev over {n} runs (a tie at the best point broken by the loss in {ties}):")
     for rule in RULES:
         print(f"  {rule:>22}: {sum(kept[rule]) / n:.4f}")
 

@@ -9,15 +9,21 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.search.spec import StudySpec
-from hpsearch.storage import registry
+from hpsearch.storage import checkpoints as retention, registry
 
 
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
+    """The complete trial ranked first the way checkpoint retention ranks them: by value, then,
+    at an equal value, by the validation loss of its best point. Optuna's own ``study.best_trial``
+    (and the dashboard's) breaks such ties by trial number alone."""
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
     if not complete:
         return None
-    key = (lambda t: t.value) if study.direction == optuna.study.StudyDirection.MINIMIZE else (lambda t: -t.value)
-    return min(complete, key=key)
+    minimize = study.direction == optuna.study.StudyDirection.MINIMIZE
+    return min(
+        complete,
+        key=lambda t: retention.rank(t.value, retention.recorded_loss(t.user_attrs), t.number, minimize=minimize),
+    )
 
 
 def trial_dict(trial: FrozenTrial) -> dict[str, Any]:

@@ -468,7 +468,9 @@ class Worker:
         """Keep only the best checkpoints of the study's top trials (see storage/checkpoints.py)."""
         search, attr = self.spec.search, retention.BEST_CHECKPOINT_ATTR
         candidates = [
-            retention.Candidate(t._trial_id, t.number, float(t.value), Path(t.user_attrs[attr]))
+            retention.Candidate(
+                t._trial_id, t.number, float(t.value), Path(t.user_attrs[attr]), retention.recorded_loss(t.user_attrs)
+            )
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             # Deleted ones stay in the ranking (their path no longer exists): a trial deleted for
             # the disk cap keeps its place, so a worse one is not kept instead.

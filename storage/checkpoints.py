@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import column, table, update
 
@@ -27,9 +29,24 @@ from hpsearch.storage.db import Database
 log = logging.getLogger(__name__)
 DELETED_PREFIX = "deleted"
 BEST_CHECKPOINT_ATTR = "best_checkpoint"
+LOSS_ATTR = "best_val_loss"  # the validation loss at the trial's best point, as the trainer records it
 # Optuna's own table of trial user attributes: a finished trial's attributes cannot be changed
 # through Optuna's API (it refuses to update finished trials), so the one we own is rewritten here.
 _USER_ATTRS = table("trial_user_attributes", column("trial_id"), column("key"), column("value_json"))
+
+
+def rank(value: float, loss: float | None, number: int, *, minimize: bool) -> tuple[float, float, int]:
+    """Sort key of a finished trial, best first: its objective, then, at an equal objective, the
+    validation loss of its best point (the trainer picks a trial's best point by the same rule,
+    see trainer/evaluate.py Point), then the earlier trial. ``hpsearch best`` picks by this key
+    too, so the best trial is always one whose checkpoint is kept."""
+    return (value if minimize else -value, math.inf if loss is None else loss, number)
+
+
+def recorded_loss(user_attrs: dict[str, Any]) -> float | None:
+    """The best point's validation loss from a trial's attributes (None for a trial without one)."""
+    loss = user_attrs.get(LOSS_ATTR)
+    return float(loss) if isinstance(loss, int | float) else None
 
 
 @dataclass(frozen=True)
@@ -40,6 +57,8 @@ class Candidate:
     number: int
     value: float
     path: Path
+    loss: float | None = None
+    """The validation loss at its best point: breaks ties of an accuracy or F1 objective."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +100,7 @@ def plan(
 ) -> list[Deletion]:
     """Which checkpoints to delete: all but the top ``keep_top_k``, then the worst kept ones
     while the kept set is over ``max_disk_bytes`` (0 = no cap). The best is never deleted."""
-    ranked = sorted(candidates, key=lambda c: (c.value if minimize else -c.value, c.number))
+    ranked = sorted(candidates, key=lambda c: rank(c.value, c.loss, c.number, minimize=minimize))
     kept, deletions = (
         ranked[:keep_top_k],
         [Deletion(c, f"not in the study's top {keep_top_k}") for c in ranked[keep_top_k:]],

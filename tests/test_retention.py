@@ -96,3 +96,39 @@ def test_search_keeps_only_top_k_checkpoints_and_exports_the_best(
     again = hpsearch("best", "--study", "keep", "--storage", storage_url, "--export", str(export), cwd=tmp_path)
     assert again.returncode == 2
     assert "exists and is not an empty folder" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_plan_breaks_a_tie_by_the_lower_loss() -> None:
+    trials = [
+        Candidate(100, 0, 0.8, Path("/runs/0"), loss=0.41),
+        Candidate(101, 1, 0.8, Path("/runs/1"), loss=0.38),
+        Candidate(102, 2, 0.7, Path("/runs/2"), loss=0.30),
+        Candidate(103, 3, 0.8, Path("/runs/3")),  # no loss on record: last among its equals
+    ]
+    assert [d.candidate.number for d in plan(trials, keep_top_k=1, minimize=False)] == [0, 3, 2]
+
+
+def test_equally_accurate_trials_rank_by_their_loss_for_retention_and_best(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str
+) -> None:
+    """The tiny model learns nothing in these few steps: every trial predicts the majority label,
+    so their accuracies tie while their losses differ. The study keeps, and `best` names, the
+    trial with the lowest loss among them, not the first."""
+    spec = tmp_path / "spec.toml"
+    text = spec_text(tiny_model, *demo_files, n_trials=3, search="keep_top_k = 1")
+    spec.write_text(text.replace('pruner = "median"', 'pruner = "none"').replace('"loss"', '"accuracy"'))
+    runs = tmp_path / "runs"
+    args = ("--study", "tie", "--storage", sqlite_url)
+    result = hpsearch(
+        "start", *args, "--config", str(spec), "--devices", "cpu:1", "--output-dir", str(runs), cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    complete = optuna.load_study(study_name="tie", storage=sqlite_url).get_trials(states=(TrialState.COMPLETE,))
+    top = max(t.value for t in complete if t.value is not None)
+    tied = [t for t in complete if t.value == top]
+    winner = min(tied, key=lambda t: t.user_attrs["best_val_loss"])
+    assert len(tied) > 1 and winner.number != min(t.number for t in tied), "the test needs a tie the first does not win"
+    assert [p.parent.name for p in runs.glob("tie/trial-*/best")] == [f"trial-{winner.number}"]
+    best = json.loads(hpsearch("best", *args, "--json", cwd=tmp_path).stdout)
+    assert best["number"] == winner.number and best["best_checkpoint"] == winner.user_attrs["best_checkpoint"]

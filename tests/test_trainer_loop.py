@@ -167,6 +167,25 @@ def test_resume_keeps_the_best_model_it_was_given(
     assert json.loads(meta_file.read_text())["val_loss"] == 0.0, "no later point replaced it"
 
 
+def test_an_accuracy_tie_between_points_goes_to_the_lower_loss(
+    no_dropout_model: Path, prepared, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """The best point is the most accurate one and, among equally accurate ones, the one with the
+    lowest validation loss, not merely the first: its model, step and loss are what is kept."""
+    cfg = TrainConfig(learning_rate=1e-2, batch_size=32, micro_batch_size=32, epochs=4, eval_every=2, precision="fp32")
+    _, result, rep = train_tiny(no_dropout_model, prepared, cfg, tmp_path / "acc", metric="accuracy")
+    # The same run, deterministic on CPU, reporting its loss at the same points.
+    _, _, losses = train_tiny(no_dropout_model, prepared, cfg, tmp_path / "loss")
+    assert sorted(losses.values) == sorted(rep.values), "both runs validated at the same steps"
+    top = max(rep.values.values())
+    tied = [step for step, acc in sorted(rep.values.items()) if acc == top]
+    lowest = min(tied, key=lambda step: losses.values[step])
+    assert len(tied) > 1 and lowest != tied[0], f"the run must end in a tie the first point does not win: {tied}"
+    assert (result.best_step, result.best_value) == (lowest, top)
+    assert rep.attrs["best_step"] == lowest and rep.attrs["best_val_loss"] == losses.values[lowest]
+    assert json.loads((tmp_path / "acc" / "best" / "hpsearch.json").read_text())["step"] == lowest
+
+
 def test_nan_loss_prunes_with_reason(tiny_model: Path, prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     cfg = TrainConfig(
         learning_rate=1e6,

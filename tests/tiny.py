@@ -77,13 +77,19 @@ def write_lm_split(path: Path, n: int, seed: int, *, pairs: bool = False) -> Pat
 
 
 def tiny_run(model_dir: Path, prepared: tuple[Any, Prepared], cfg: TrainConfig, out: Path, **run: Any) -> Run:
-    """The trainer's Run for a fresh model from ``model_dir`` on CPU, minimising the loss;
-    ``run`` sets further fields (resume_from, should_stop, ...)."""
+    """The trainer's Run for a fresh model from ``model_dir`` on CPU, minimising the loss
+    unless ``run`` says otherwise; ``run`` sets further fields (metric, resume_from, should_stop, ...)."""
     tok, data = prepared
     assert data.labels is not None
     model = PretrainedCache().fresh(str(model_dir), data.labels.num_labels, data.labels.id2label(), cfg.seed)
     return Run(
-        model=model, tokenizer=tok, data=data, cfg=cfg, metric="loss", device=torch.device("cpu"), out_dir=out, **run
+        model=model,
+        tokenizer=tok,
+        data=data,
+        cfg=cfg,
+        device=torch.device("cpu"),
+        out_dir=out,
+        **{"metric": "loss", **run},
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +32,27 @@ class Metrics:
         """The metrics this task has, by name: loss, accuracy, f1 or loss, perplexity."""
         named = {"loss": self.loss, "accuracy": self.accuracy, "f1": self.f1, "perplexity": self.perplexity}
         return {k: v for k, v in named.items() if v is not None}
+
+
+class Point(NamedTuple):
+    """A validation point: the objective's value, the loss and the optimizer step."""
+
+    value: float
+    loss: float
+    step: int
+
+    def beats(self, other: Point | None, metric: str) -> bool:
+        """Whether this point ranks above ``other``: a better objective or, at an equal one, a lower loss.
+
+        Accuracy and F1 count right answers on a few hundred examples, so two points (or two
+        trials) often tie, while the loss still says how sure the right answers were; at ties
+        the lower-loss model scored higher on held-out data more often than not (benchmarks/README.md,
+        "ties"). storage/checkpoints.py ranks finished trials the same way."""
+        if other is None:
+            return True
+        if self.value != other.value:
+            return self.value < other.value if metric == "loss" else self.value > other.value
+        return self.loss < other.loss
 
 
 def macro_f1(confusion: torch.Tensor) -> float:

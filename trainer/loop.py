@@ -20,7 +20,7 @@ from hpsearch.trainer.curves import Curves
 from hpsearch.trainer.data import collate, even_shards, micro_batches
 from hpsearch.trainer.dataset import Prepared
 from hpsearch.trainer.distributed import World, parameter_digest
-from hpsearch.trainer.evaluate import Metrics, evaluate
+from hpsearch.trainer.evaluate import Metrics, Point, evaluate
 from hpsearch.trainer.judge import Judge
 from hpsearch.trainer.model import enable_gradient_checkpointing
 from hpsearch.trainer.optim import build_optimizer, build_scheduler, plan_steps, warmup_steps
@@ -82,20 +82,19 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     optimizer = build_optimizer(run.model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg, total_steps)
     scaler = prec.grad_scaler(precision, device)
-    step, best_value, best_step, micro = _restore(run, optimizer, scheduler, scaler, reporter, micro)
+    step, best, micro = _restore(run, optimizer, scheduler, scaler, reporter, micro)
     saved: tuple[int, Path] | None = None  # the step of the resumable state last written, and where
 
     def save_state() -> Path:
-        """The resumable state of the step reached (step, best_value, ... as they are now),
+        """The resumable state of the step reached (step, best point, ... as they are now),
         written once per step: a stop and a failing call at the same step need one copy."""
         nonlocal saved
         if saved is None or saved[0] != step:
-            saved = (step, _save_resume(run, optimizer, scheduler, scaler, step, best_value, best_step, micro))
+            saved = (step, _save_resume(run, optimizer, scheduler, scaler, step, best, micro))
         return saved[1]
 
     reporter = StateSavingReporter(reporter, save_state, run.should_stop, run.stop_waiting)
     per_step = cfg.batch_size // micro  # micro-batches of one optimizer step, over every rank
-    better = (lambda a, b: a < b) if run.metric == "loss" else (lambda a, b: a > b)
     speed = Throughput(device, flops_per_token=flops_per_token(run.model))
     curves = Curves(run.out_dir, device, enabled=world.is_main)  # TensorBoard files under the trial's folder
     first_step: float | None = None
@@ -188,12 +187,12 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                 result = TrainResult(status="failed", fail_reason="oom")
                 break
             curves.validation(step, metrics)
-            value = metrics.objective(run.metric)
+            point = Point(metrics.objective(run.metric), metrics.loss, step)
             shown = " ".join(f"val_{k} {v:.4f}" for k, v in metrics.values().items())
             log.info("step %d/%d train_loss %.4f %s", step, total_steps, train_loss, shown)
             # Order of a validation point: evaluate, save if best, report, then ask to prune.
-            if best_value is None or better(value, best_value):
-                best_value, best_step = value, step
+            if point.beats(best, run.metric):
+                best = point
                 if world.is_main:
                     path = ckpt.save_best(run.model, run.tokenizer, run.out_dir, _meta(run, metrics, step))
                     reporter.set_attrs({"best_checkpoint": str(path.resolve()), "best_step": step, **_best(metrics)})
@@ -205,7 +204,7 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                     # Recorded so that a retry on another worker can find it (see search/reap.py).
                     reporter.set_attrs({RESUME_CHECKPOINT_ATTR: str(state.resolve())})
                     last_resume = time.monotonic()
-                reporter.report(value, step)
+                reporter.report(point.value, step)
             judge.see(step, metrics)  # only rank 0 has the options; it decides for all
             # One broadcast for both reasons; the pruner is not asked about a run stopped at chance.
             ask = judge.may_prune(step, metrics)
@@ -218,8 +217,9 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                 break
 
     speed.pause()
-    result.best_value, result.best_step, result.steps = best_value, best_step, step
-    if best_step is not None:
+    result.steps = step
+    if best is not None:
+        result.best_value, result.best_step = best.value, best.step
         result.best_checkpoint = str((run.out_dir / ckpt.BEST).resolve())
     result.attrs = {
         **_ranks_attrs(world, speed, run.model),
@@ -240,17 +240,17 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
 
 def _restore(
     run: Run, optimizer: Any, scheduler: Any, scaler: Any, reporter: Reporter, micro: int
-) -> tuple[int, Any, Any, int]:
-    """Load a resumable checkpoint, if the run has one: (step, best value, best step, micro-batch)."""
+) -> tuple[int, Point | None, int]:
+    """Load a resumable checkpoint, if the run has one: (step, best point, micro-batch)."""
     if run.resume_from is None:
-        return 0, None, None, micro
+        return 0, None, micro
     try:
         state = ckpt.load_resume(run.resume_from)
     except Exception as exc:  # torch.load's errors: truncated zip, bad pickle, missing file
         # A checkpoint cut short (a full disk, a copy interrupted) must not cost the trial:
         # it trains again from the start.
         log.warning("cannot read the resumable state %s (%s); training from the start", run.resume_from, exc)
-        return 0, None, None, micro
+        return 0, None, micro
     run.model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -261,13 +261,13 @@ def _restore(
     if isinstance(saved_micro, int):
         micro = min(micro, saved_micro)
     log.info("resumed from %s at optimizer step %d", run.resume_from, state["step"])
-    best_value, best_step, best_attrs = _restored_best(run, state["best_step"])
+    best, best_attrs = _restored_best(run, state["best_step"])
     if run.world.is_main:
         reporter.set_attrs({"resumed_from_step": state["step"], **best_attrs})
-    return state["step"], best_value, best_step, micro
+    return state["step"], best, micro
 
 
-def _restored_best(run: Run, saved_step: int | None) -> tuple[float | None, int | None, dict[str, Any]]:
+def _restored_best(run: Run, saved_step: int | None) -> tuple[Point | None, dict[str, Any]]:
     """The best point a resumed run starts from, and its trial attributes: the one whose model
     is in the run's folder (moved there from the interrupted attempt's), read from the model's
     own meta, not from the resumable state. The state may be older than the last best model
@@ -279,13 +279,14 @@ def _restored_best(run: Run, saved_step: int | None) -> tuple[float | None, int 
     if meta is None or not isinstance(value, int | float) or not isinstance(step, int):
         if saved_step is not None:
             log.warning("the best model of step %d is not in %s: the best point starts over", saved_step, run.out_dir)
-        return None, None, {}
+        return None, {}
+    loss = meta.get("val_loss")
     attrs = {
         "best_checkpoint": str((run.out_dir / ckpt.BEST).resolve()),
         "best_step": step,
         **{f"best_{k}": v for k, v in meta.items() if k.startswith("val_")},  # as _best() names them
     }
-    return float(value), step, attrs
+    return Point(float(value), float(loss) if isinstance(loss, int | float) else math.inf, step), attrs
 
 
 def _ranks_attrs(world: World, speed: Throughput, model: torch.nn.Module) -> dict[str, Any]:
@@ -404,8 +405,7 @@ def _save_resume(
     scheduler: Any,
     scaler: Any,
     step: int,
-    best_value: float | None,
-    best_step: int | None,
+    best: Point | None,
     micro: int,
 ) -> Path:
     return ckpt.save_resume(
@@ -416,8 +416,8 @@ def _save_resume(
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(),
             "step": step,
-            "best_value": best_value,
-            "best_step": best_step,
+            "best_value": best.value if best else None,
+            "best_step": best.step if best else None,
             "config": vars(run.cfg),
             "micro_batch_size": micro,
         },
