@@ -7,8 +7,10 @@ import errno
 import functools
 import logging
 import os
+import random
 import sqlite3
 import tempfile
+import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from typing import Any
 
 import optuna
 import sqlalchemy
-from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError, SQLAlchemyError
 
 from hpsearch.storage import urls
 from hpsearch.storage.db import (
@@ -35,6 +37,8 @@ from hpsearch.storage.tables import Base
 
 log = logging.getLogger(__name__)
 SCHEMA_LOCK_KEY = int.from_bytes(b"hpsearch", "big")  # an advisory lock's bigint key, project-wide
+CREATION_ATTEMPTS = 4
+"""How often a process opens a new storage whose schema another one was creating at the same moment."""
 
 
 @dataclass
@@ -96,7 +100,7 @@ def open_storage(url: str, *, create: bool, read_only: bool = False, retry: Retr
             kwargs = {"creator": reader}
     try:
         with _schema_lock(normalized, kwargs, create and path is None):
-            storage = _open(url, normalized, kwargs, create, display, retry or DEFAULT_RETRY)
+            storage = _open_once_created(url, normalized, kwargs, create, display, retry or DEFAULT_RETRY)
         storage.reader = kwargs.get("creator")
     except (OperationalError, optuna.exceptions.StorageInternalError) as exc:
         # The first connection failed: a fixable one-line message (bad host, password, ...).
@@ -141,12 +145,46 @@ def _open(url: str, normalized: str, kwargs: dict[str, Any], create: bool, displ
     return storage
 
 
+def _open_once_created(
+    url: str, normalized: str, kwargs: dict[str, Any], create: bool, display: str, retry: RetryPolicy
+) -> Storage:
+    """``_open``, again when another process was creating the same new schema at that moment.
+
+    Optuna creates each table, and then its version rows, after checking that they are not
+    there yet: a process that comes between another's check and its insert fails on the
+    other's table ("already exists") or row (a unique key). Our lock prevents that only among
+    hpsearch processes on PostgreSQL; on SQLite, and against plain Optuna (optuna-dashboard or a
+    user's script opening the new file), nothing does. A reader is not spared: Optuna writes its
+    version rows on opening a storage that lacks them. The other process has made the schema by
+    then, or nearly: a later attempt finds it and goes on. Bounded, since any other error of
+    the same words is the database's to report.
+    """
+    attempt = 1
+    while True:
+        try:
+            return _open(url, normalized, kwargs, create, display, retry)
+        except (SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
+            if attempt == CREATION_ATTEMPTS or not _lost_creation_race(exc):
+                raise
+        log.debug("storage %s: another process created its schema at the same time; opening it again", display)
+        time.sleep(random.uniform(0.05, 0.25) * attempt)  # jittered, so that the racers do not meet again
+        attempt += 1
+
+
+def _lost_creation_race(exc: BaseException) -> bool:
+    cause = exc.__cause__ if isinstance(exc, optuna.exceptions.StorageInternalError) else exc
+    text = str(getattr(cause, "orig", None) or cause)
+    return isinstance(cause, (IntegrityError, OperationalError, ProgrammingError)) and any(
+        words in text for words in ("already exists", "UNIQUE constraint failed", "duplicate key")
+    )
+
+
 @contextlib.contextmanager
 def _schema_lock(normalized: str, kwargs: dict[str, Any], needed: bool) -> Iterator[None]:
     """Serialise schema creation on PostgreSQL: two `hpsearch start`s on a fresh database would
     both create Optuna's tables, and one fails on the other's half-made types (a duplicate key
     in pg_type). A session-level advisory lock, on a connection of its own that closes (and so
-    releases it) whatever happens; SQLite's file lock serialises its DDL already."""
+    releases it) whatever happens. SQLite has no such lock: ``_open_once_created`` opens again there."""
     if not needed:
         yield
         return

@@ -15,6 +15,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from hpsearch.storage.errors import StudyNotFoundError
+from hpsearch.storage.open import open_storage
 from tests import netns
 from tests.conftest import lm_spec_text, spec_text
 
@@ -80,13 +82,26 @@ def _start(tmp_path: Path, spec: Path, url: str, devices: str = "cpu:1", **env: 
     )
 
 
+def _trials_so_far(url: str) -> list[optuna.trial.FrozenTrial]:
+    """The study's trials, read as `hpsearch status` reads them. Not plain Optuna: this poll runs
+    while `start` creates the schema, and Optuna writes its version rows on opening a storage
+    that lacks them, so a plain reader could lose that race (a UNIQUE constraint failure)."""
+    try:
+        storage = open_storage(url, create=False, read_only=True)
+    except StudyNotFoundError:
+        return []  # `start` has not made the schema yet
+    try:
+        return optuna.load_study(study_name="f", storage=storage.optuna).get_trials(deepcopy=False)
+    except KeyError:
+        return []  # nor the study
+    finally:
+        storage.close()
+
+
 def _wait_for_report(url: str, min_step: int, timeout: float = 900) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            trials = optuna.load_study(study_name="f", storage=url).get_trials(deepcopy=False)
-        except KeyError:
-            trials = []
+        trials = _trials_so_far(url)
         if any(
             t.state == TrialState.RUNNING and t.intermediate_values and max(t.intermediate_values) >= min_step
             for t in trials
