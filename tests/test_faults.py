@@ -349,11 +349,15 @@ def test_a_worker_that_starts_during_an_outage_waits_for_the_storage_or_a_stop()
         # the worker waits for it, as every later storage call would (it used to crash, and
         # three crashes in a row gave its device up).
         cluster.stop("fast")
-        threading.Timer(3.0, cluster.start).start()
+        restart = threading.Timer(3.0, cluster.start)
+        restart.start()
         began = time.monotonic()
         storage = open_patiently(cluster.url, PATIENT_RETRY, StopFlag())
         assert storage is not None and time.monotonic() - began > 2
         storage.close()
+        # The worker may connect before `pg_ctl -w start` has seen the server up; stopped under
+        # it, pg_ctl would fail in the timer's thread.
+        restart.join()
         # A stop while it waits: it holds no trial yet, so it just goes.
         cluster.stop("fast")
         stop = StopFlag()
