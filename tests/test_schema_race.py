@@ -41,10 +41,10 @@ def _race(url: str, n: int, with_plain_optuna: bool) -> list[tuple[bool, str]]:
         p.start()
     for p in procs:
         p.join(120)
-    assert all(p.exitcode == 0 for p in procs)
     found = []
     while not errors.empty():
         found.append(errors.get())
+    assert all(p.exitcode == 0 for p in procs), found
     return found
 
 
