@@ -25,6 +25,7 @@ from hpsearch.search.devices import Device, only_gpu, threads_per_worker
 from hpsearch.storage import registry
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import open_storage
+from hpsearch.storage.trialdir import TrialDir
 
 log = logging.getLogger(__name__)
 CRASH_LIMIT = 3
@@ -182,8 +183,6 @@ class Supervisor:
             )
 
     def _hand_back_dead(self, child: Child, reason: str) -> None:
-        from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE
-
         storage = open_storage(self.storage_url, create=False)
         try:
             # Ended here, not left to turn "lost": other workers would wait for it to be reaped.
@@ -199,7 +198,7 @@ class Supervisor:
             spec = studies.stored_spec(storage, self.study)
             study = optuna.load_study(study_name=self.study, storage=storage.optuna)
             frozen = storage.optuna.get_trial(trial_id)
-            resume = self.output_dir / self.study / f"trial-{frozen.number}" / RESUME / RESUME_FILE
+            resume = TrialDir(self.output_dir / self.study, frozen.number).state
             # The attempt used its devices from its start (this host's clock wrote it) until now.
             started = frozen.datetime_start or datetime.datetime.now()
             spent = (datetime.datetime.now() - started).total_seconds() * len(child.device.child_ids())

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpsearch.search.spec import SpecError
-from hpsearch.storage import registry, rundir
+from hpsearch.storage import registry, rundir, trialdir
 from hpsearch.storage.checkpoints import is_deleted
 from hpsearch.trainer.errors import ModelError
 from hpsearch.trainer.model import check_weights
@@ -48,12 +48,28 @@ def export_best(best: dict[str, Any] | None, study: str, target: Path, uid: str 
             f"checkpoint {source} of trial {best['number']} no longer exists on this host (removed by hand?); "
             "nothing to export"
         )
-    owner = rundir.owner(source.parent.parent)  # OUTPUT/STUDY/trial-N/best
-    if owner is not None and uid is not None and owner.get("uid") != uid:
+    folder = trialdir.named_by(source.resolve().parent.parent, source, trialdir.BEST)
+    if folder is None or folder.number != best["number"]:
+        # The path is a row's word; hpsearch reads only trial-N/best of a study folder it made.
+        raise ExportError(
+            f"trial {best['number']}'s recorded checkpoint {source} is not trial-{best['number']}/best of an "
+            "hpsearch study folder; refusing to read it (someone changed the trial's best_checkpoint)"
+        )
+    owner = rundir.owner(folder.root)
+    if owner is None or (uid is not None and owner.get("uid") != uid):
+        if owner is None:
+            raise ExportError(
+                f"checkpoint {source} is not in a folder an hpsearch study made (no {rundir.MARKER} in "
+                f"{folder.root}); refusing to read it"
+            )
         raise ExportError(
             f"checkpoint {source} was overwritten by another study named {study!r} (from {owner.get('storage')}); "
             f"it is not trial {best['number']}'s model, and that model is lost"
         )
+    links = [p for p in source.rglob("*") if p.is_symlink()]
+    if links:
+        # hpsearch writes none: one there was put by someone else, and copying would follow it.
+        raise ExportError(f"checkpoint {source} holds a symbolic link ({links[0]}); refusing to export it")
     missing = [name for name in REQUIRED if not (source / name).exists()]
     if missing:
         raise ExportError(f"checkpoint {source} is incomplete (no {', '.join(missing)})")
@@ -71,7 +87,14 @@ def export_best(best: dict[str, Any] | None, study: str, target: Path, uid: str 
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(source, tmp)
+        # Held against retention: a better trial finishing now must not delete what is copied.
+        with folder.reading():
+            if not source.is_dir():
+                raise ExportError(
+                    f"trial {best['number']}'s checkpoint was deleted by retention as the export began (a better "
+                    "trial finished); run `hpsearch best --export` again for the new best"
+                )
+            shutil.copytree(source, tmp)
         record = {
             "study": study,
             "trial": best["number"],

@@ -17,7 +17,6 @@ waiting to resume from it or has just started to (it moves the folder's contents
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import optuna
@@ -26,14 +25,13 @@ from optuna.trial import FrozenTrial, TrialState
 from hpsearch.search import retry
 from hpsearch.storage import checkpoints as retention
 from hpsearch.storage.db import Database
+from hpsearch.storage.trialdir import BEST, RESUME, TrialDir
 
 log = logging.getLogger(__name__)
 
 
 def sweep(db: Database, study: optuna.Study, root: Path, *, max_retries: int) -> list[Path]:
     """Delete the leftovers under ``root`` (this host's ``OUTPUT/STUDY``); returns what went."""
-    from hpsearch.trainer.checkpoint import BEST, RESUME  # torch: only in the worker, which has it
-
     if not root.is_dir():
         return []
     partial = (f".{BEST}.", f".{RESUME}.")  # checkpoint.py's temp and old folders: .best.tmp-*, .resume.old-*
@@ -44,22 +42,24 @@ def sweep(db: Database, study: optuna.Study, root: Path, *, max_retries: int) ->
         if isinstance(of, int):
             retries.setdefault(of, []).append(t)
     gone: list[Path] = []
-    for folder in root.glob("trial-*"):
-        number = folder.name.removeprefix("trial-")
-        trial = trials.get(int(number)) if number.isdigit() else None
-        if trial is None or not trial.state.is_finished() or not folder.is_dir():
+    for entry in root.iterdir():
+        folder = TrialDir.named(root, entry.name)
+        trial = trials.get(folder.number) if folder else None
+        if folder is None or trial is None or not trial.state.is_finished():
             continue
-        doomed = [p for p in folder.iterdir() if p.name.startswith(partial)]
+        if not folder.is_real():
+            log.warning("skipping %s: not a folder of %s (a link or a file put in its place)", entry, root)
+            continue
+        doomed = [p for p in folder.path.iterdir() if p.name.startswith(partial)]
         if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
-            doomed.append(folder / RESUME)  # only a retry resumes, and a finished trial has none
+            doomed.append(folder.resume)  # only a retry resumes, and a finished trial has none
         if trial.state == TrialState.PRUNED:
-            doomed.append(folder / BEST)  # never in the top k
+            doomed.append(folder.best)  # never in the top k
         if trial.state == TrialState.FAIL and _released(trial, retries.get(trial.number, []), max_retries):
-            doomed += [folder / BEST, folder / RESUME]
+            doomed += [folder.best, folder.resume]
         for path in dict.fromkeys(doomed):
-            if not path.exists():
+            if not folder.remove(path):
                 continue
-            shutil.rmtree(path, ignore_errors=True)
             gone.append(path)
             log.info("removed %s (trial %d is %s)", path, trial.number, trial.state.name.lower())
             if path.name == BEST and trial.user_attrs.get(retention.BEST_CHECKPOINT_ATTR):

@@ -7,7 +7,6 @@ Retries are explicit and counted: a trial is retried at most ``max_retries`` tim
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import optuna
@@ -17,6 +16,7 @@ from optuna.trial import TrialState
 from hpsearch.search.study import DEVICE_SECONDS
 from hpsearch.storage import budget, checkpoints as retention
 from hpsearch.storage.open import Storage
+from hpsearch.storage.trialdir import BEST, RESUME, TrialDir
 from hpsearch.trainer.report import RESUME_CHECKPOINT_ATTR
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,8 @@ def hand_back(
     """Mark the trial failed and, retries permitting, queue it again; True if queued.
 
     ``local=False`` when the resumable state may live on another host (the reaper): its path
-    is recorded unchecked, and the retrying worker resumes from it if it can reach it.
+    is recorded as it is, and the retrying worker resumes from it if it can reach it and it is
+    the failed trial's own state in its study folder (``take_over`` checks).
 
     ``device_seconds``: the attempt's device time, for whoever hands back an attempt that
     could not record its own (a crashed or lost worker); it counts against ``gpu_hours``.
@@ -115,7 +116,7 @@ def pop_retry(study: optuna.Study) -> optuna.Trial | None:
     return None
 
 
-def take_over(storage: Storage, study_name: str, trial: optuna.Trial, out_dir: Path) -> Path | None:
+def take_over(storage: Storage, study_name: str, trial: optuna.Trial, here: TrialDir) -> Path | None:
     """Move the failed attempt's best model and resumable state into this retry's folder.
 
     Moved, not read in place: this attempt then owns them, so the usual clean-up (resume/
@@ -123,25 +124,46 @@ def take_over(storage: Storage, study_name: str, trial: optuna.Trial, out_dir: P
     attempt before it writes its own state hands back this same state (the supervisor looks
     in the trial's folder, the reaper at ``resume_checkpoint``, recorded at the trial's start).
     Returns the state to resume from, or None to train from the start.
-    """
-    from hpsearch.trainer.checkpoint import BEST, RESUME  # torch: only in the worker, which has it
 
-    source = trial.user_attrs.get(RESUME_FROM)
-    if not source or not Path(source).exists():
+    The failed attempt's folder is ``trial-M`` of this host's study folder, M the trial this
+    one retries (a failed one): the recorded ``resume_from`` only says that there is a state to
+    resume, and a path it names anywhere else is refused (see storage/trialdir.py).
+    """
+    source, of = trial.user_attrs.get(RESUME_FROM), trial.user_attrs.get(RETRY_OF)
+    if not source or not isinstance(of, int) or isinstance(of, bool):
         return None
-    state = Path(source)
-    old_dir = state.parent.parent
-    if old_dir.resolve() == out_dir.resolve():
-        return state
+    old = TrialDir(here.root, of)
+    if Path(source).resolve() != old.state.resolve():
+        log.warning(
+            "trial %d: refusing resume_from %s: not the resumable state of trial %d in %s; training from the start",
+            trial.number,
+            source,
+            of,
+            here.root,
+        )
+        return None
+    if not old.state.is_file() or not old.holds(old.state) or not _failed(storage, study_name, of):
+        return None
+    if old == here:
+        return here.state
     # fit() takes the best point from the moved model's own meta (see _restored_best).
-    if (old_dir / BEST).exists() and not (out_dir / BEST).exists():
-        shutil.move(old_dir / BEST, out_dir / BEST)
-        _mark_moved(storage, study_name, trial, old_dir / BEST)
-    shutil.rmtree(out_dir / RESUME, ignore_errors=True)
-    shutil.move(state.parent, out_dir / RESUME)
+    if not here.best.exists() and old.move(BEST, here):
+        _mark_moved(storage, study_name, trial, old.best)
+    if not old.move(RESUME, here):
+        return None
     # fit() loads the state and records resumed_from_step; reading it here too would load
     # the weights and optimizer moments twice.
-    return out_dir / RESUME / state.name
+    return here.state
+
+
+def _failed(storage: Storage, study_name: str, number: int) -> bool:
+    """Whether trial ``number`` is a failed attempt: only those hand their folder to a retry."""
+    study_id = storage.optuna.get_study_id_from_name(study_name)
+    try:
+        trial_id = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, number)
+    except KeyError:
+        return False
+    return storage.optuna.get_trial(trial_id).state == TrialState.FAIL
 
 
 def _mark_moved(storage: Storage, study_name: str, trial: optuna.Trial, was: Path) -> None:

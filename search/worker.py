@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import time
 import traceback
@@ -28,6 +27,7 @@ from hpsearch.storage import budget, checkpoints as retention, registry
 from hpsearch.storage.db import PATIENT_RETRY
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage
+from hpsearch.storage.trialdir import TrialDir, TrialDirError
 
 log = logging.getLogger(__name__)
 
@@ -305,17 +305,22 @@ class Worker:
         return self.storage.optuna.get_trial(trial._trial_id).state.is_finished()
 
     def run_trial(self, trial: optuna.Trial) -> None:
-        from hpsearch.trainer.checkpoint import BEST, RESUME, RESUME_FILE, CheckpointError
+        from hpsearch.trainer.checkpoint import CheckpointError
         from hpsearch.trainer.loop import Run, fit
 
         params = studies.suggest(trial, self.spec)
         cfg = replace(self.spec.train, **params)
-        out_dir = self.root / f"trial-{trial.number}"
-        out_dir.mkdir(parents=True, exist_ok=True)
+        folder = TrialDir(self.root, trial.number)
+        try:
+            out_dir = folder.make()
+        except TrialDirError as exc:
+            log.error("trial %d cannot start: %s", trial.number, exc)
+            self._fail(trial, f"trial_dir_refused ({exc})"[:500])
+            return
         reporter = TrialReporter(trial)
         # Where the resumable state goes, on record before the first one is written: a stop
         # during a database outage saves one that no later call could name (see reap.py).
-        state = out_dir / RESUME / RESUME_FILE
+        state = folder.state
         reporter.set_attrs(
             {
                 "device": self._device_name(),
@@ -324,7 +329,7 @@ class Worker:
                 retry.RESUME_CHECKPOINT: str(state.resolve()),
             }
         )
-        resume = retry.take_over(self.storage, self.args.study, trial, out_dir)
+        resume = retry.take_over(self.storage, self.args.study, trial, folder)
         handler = _trial_log(out_dir)
         log.info("trial %d starts: %s", trial.number, params)
         started = time.monotonic()  # first_step_seconds and device time count from here
@@ -380,12 +385,12 @@ class Worker:
         ended = "failed" if failure is not None else result.status  # an error is not retried
         if ended in ("pruned", "failed"):
             # Never in the top k: only complete trials compete for a kept checkpoint.
-            retention.delete_own(out_dir / BEST)
+            folder.remove(folder.best)
             if trial.user_attrs.get(retention.BEST_CHECKPOINT_ATTR):
                 trial.set_user_attr(retention.BEST_CHECKPOINT_ATTR, f"{retention.DELETED_PREFIX} (trial {ended})")
         if ended != "interrupted":
             # The resumable state is only for a retry of an interrupted attempt.
-            shutil.rmtree(out_dir / RESUME, ignore_errors=True)
+            folder.remove(folder.resume)
         if failure is not None:
             self._fail(trial, failure)
             if self.world.size > 1:
@@ -468,9 +473,7 @@ class Worker:
         """Keep only the best checkpoints of the study's top trials (see storage/checkpoints.py)."""
         search, attr = self.spec.search, retention.BEST_CHECKPOINT_ATTR
         candidates = [
-            retention.Candidate(
-                t._trial_id, t.number, float(t.value), Path(t.user_attrs[attr]), retention.recorded_loss(t.user_attrs)
-            )
+            retention.candidate(t._trial_id, t.number, float(t.value), self.root, t.user_attrs)
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             # Deleted ones stay in the ranking (their path no longer exists): a trial deleted for
             # the disk cap keeps its place, so a worse one is not kept instead.

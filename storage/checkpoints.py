@@ -6,8 +6,11 @@ study's finished trials; the checkpoints of trials that fell out of the top ``ke
 (or that push the kept set over ``max_disk_gb``) are deleted, and :func:`mark_deleted` rewrites
 their ``best_checkpoint`` attribute so that nobody goes looking for them.
 
-Every host holds only its own trials' checkpoints, so each worker deletes only paths that
-exist on its host; the ranking is study-wide, so a trial is deleted on whichever host it ran.
+Every host holds only its own trials' checkpoints, so each worker deletes only the ones in its
+own study folder; the ranking is study-wide, so a trial is deleted on whichever host it ran.
+The path a trial's attribute records is never what gets deleted: anyone who reaches the
+database can write it. Trial N's checkpoint is ``trial-N/best`` of this host's study folder
+(see trialdir.py), and only that is deleted.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import json
 import logging
 import math
 import os
-import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,7 @@ from typing import Any
 from sqlalchemy import column, table, update
 
 from hpsearch.storage.db import Database
+from hpsearch.storage.trialdir import TrialDir
 
 log = logging.getLogger(__name__)
 DELETED_PREFIX = "deleted"
@@ -115,13 +118,21 @@ def plan(
     return deletions
 
 
+def candidate(trial_id: int, number: int, value: float, root: Path, user_attrs: dict[str, Any]) -> Candidate:
+    """A complete trial as retention ranks it: its checkpoint, wherever the trial ran, is looked
+    for at ``trial-N/best`` of this host's study folder ``root``, not at the path it recorded."""
+    return Candidate(trial_id, number, value, TrialDir(root, number).best, recorded_loss(user_attrs))
+
+
 def retain(
     db: Database, candidates: list[Candidate], *, keep_top_k: int, minimize: bool, max_disk_gb: float = 0.0
 ) -> list[Deletion]:
     """Delete the checkpoints :func:`plan` picks that exist here and mark their trials.
 
-    ``candidates`` are every finished trial of the study (other hosts' too): the ranking is
-    study-wide, but only checkpoints on this host's disk are deleted here."""
+    ``candidates`` are every finished trial of the study (other hosts' too), made by
+    :func:`candidate`: the ranking is study-wide, but only checkpoints in this host's study
+    folder are deleted here. One an export is copying (``hpsearch best --export``) waits for
+    the next pass."""
     local = [c for c in candidates if c.path.exists()]
     deletions = plan(
         candidates,
@@ -135,7 +146,15 @@ def retain(
     for d in deletions:
         if d.candidate.path not in local_paths:
             continue
-        shutil.rmtree(d.candidate.path, ignore_errors=True)
+        folder = TrialDir(d.candidate.path.parent.parent, d.candidate.number)
+        if folder.best != d.candidate.path:  # not made by candidate(): no path of a row is deleted
+            continue
+        with folder.deleting() as free:
+            if not free:
+                log.info("trial %d's checkpoint is being exported; deleted at a later pass", d.candidate.number)
+                continue
+            if not folder.remove(folder.best):
+                continue
         mark_deleted(db, d.candidate.trial_id, d.note)
         log.info("deleted the checkpoint of trial %d (%s)", d.candidate.number, d.reason)
         done.append(d)
@@ -151,8 +170,3 @@ def mark_deleted(db: Database, trial_id: int, note: str) -> None:
         ),
         what="mark a deleted checkpoint",
     )
-
-
-def delete_own(path: Path) -> None:
-    """Delete a checkpoint folder of the running trial (pruned or failed: never in the top k)."""
-    shutil.rmtree(path, ignore_errors=True)

@@ -21,7 +21,7 @@ import optuna
 import sqlalchemy
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError, SQLAlchemyError
 
-from hpsearch.storage import urls
+from hpsearch.storage import mounts, urls
 from hpsearch.storage.db import (
     DEFAULT_RETRY,
     Database,
@@ -315,6 +315,18 @@ def _read_only_connector(path: Path) -> Callable[[], sqlite3.Connection]:
 
 
 def _use_wal(path: Path, display: str) -> None:
+    kind = mounts.filesystem(path.parent)
+    if mounts.is_network(kind):
+        # Said, not refused: one host's workers on such a file mostly work in rollback-journal
+        # mode, and the user may have no other disk; what breaks is WAL and several hosts.
+        log.warning(
+            "storage %s is on a network file system (%s): SQLite's locks do not hold there and its WAL "
+            "would corrupt the file; keeping the rollback journal. Put the file on a local disk, and use "
+            "PostgreSQL for workers on several hosts (README: Adding GPUs from another instance)",
+            display,
+            kind,
+        )
+        return
     conn = sqlite3.connect(path, timeout=120)
     try:
         if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":

@@ -79,7 +79,17 @@ def sqlite_path(url: str) -> Path | None:
 
 
 def mask(url: str) -> str:
-    """The URL with its password replaced by ***, safe to print or log."""
+    """The URL with its passwords replaced by ***, safe to print or log: the one in the user
+    info, and libpq's ``?password=`` and ``?sslpassword=`` options."""
+    return _SECRET_OPTION.sub(r"\1***", _mask_user_info(url))
+
+
+# libpq takes every connection keyword as a URL option; these two carry secrets (passfile and
+# sslkey name files, which are fine to show). Matched wherever an option may start.
+_SECRET_OPTION = re.compile(r"([?&;](?:ssl)?password=)[^&;#]*", re.IGNORECASE)
+
+
+def _mask_user_info(url: str) -> str:
     scheme, rest = _split_scheme(url)
     if "@" not in rest or scheme.startswith("sqlite"):
         return url  # no user info, so no password (an "@" in a SQLite path is part of the path)

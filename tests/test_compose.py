@@ -80,11 +80,13 @@ def test_worker_command_is_a_real_hpsearch_worker_call(compose: dict[str, Any]) 
     assert (url.drivername, url.username, url.password, url.host, url.port, url.database) == (
         "postgresql+psycopg2",
         "hp",
-        "s3cret",
+        None,  # never in argv, where `ps` shows it to every user of the host
         "postgres",
         5432,
         "hpsearch",
     )
+    assert interpolate(compose["services"]["worker"]["environment"], env)["PGPASSWORD"] == "s3cret"
+    assert "s3cret" not in " ".join(command)
     # On another instance the same service joins the database over a tunnel.
     remote = interpolate(
         compose["services"]["worker"]["command"],

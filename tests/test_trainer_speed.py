@@ -142,7 +142,7 @@ def test_token_cache_is_tokenised_once_under_concurrent_first_use(
     # One process tokenised (train + validation = 2 calls); the other waited and read its file.
     assert sorted(o["calls"] for o in outs) == [0, 2]
     assert outs[0]["digest"] == outs[1]["digest"]
-    assert len(list(cache.glob("tokens-*.pkl"))) == 1
+    assert len(list(cache.glob("tokens-*.json"))) == 1
     assert not list(cache.glob(".tokens-*")), "a temporary file was left behind"
 
 
@@ -177,7 +177,7 @@ def test_token_cache_is_reused_and_keyed_by_contents_and_max_length(
         f.write(json.dumps({"text": "good good", "label": "positive"}) + "\n")
     changed = prepare(cfg, Counting(), 32, cache)  # same path, new contents: not stale
     assert calls == 6 and len(changed.train) == len(first.train) + 1
-    assert len(list(cache.glob("tokens-*.pkl"))) == 3
+    assert len(list(cache.glob("tokens-*.json"))) == 3
 
 
 # -- no wasted padding --------------------------------------------------------------------

@@ -61,7 +61,10 @@ def save_resume(out_dir: Path, state: dict[str, Any]) -> Path:
 
 
 def load_resume(path: Path) -> dict[str, Any]:
-    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+    """The state :func:`save_resume` wrote. ``weights_only``: tensors, numbers, strings and
+    containers only, never an arbitrary object, since a shared runs folder or a path another
+    machine recorded may hold a file that someone else wrote (a pickle can run any code)."""
+    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
     return state
 
 

@@ -7,7 +7,6 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,8 +28,9 @@ from hpsearch.trainer.data import (
 
 log = logging.getLogger(__name__)
 # Raised whenever reading or encoding yields other examples from the same file (4: CSV quoted
-# fields keep their line breaks), so no host reuses tokens the current code would not produce.
-CACHE_VERSION = 4
+# fields keep their line breaks; 5: JSON, not pickle), so no host reuses tokens the current code
+# would not produce.
+CACHE_VERSION = 5
 
 
 @dataclass
@@ -79,7 +79,7 @@ def prepare(
     if cache_dir is None:
         return _tokenise(cfg, tokenizer, max_length, task, splits)
     key = _cache_key(cfg, tokenizer, max_length, task)
-    path = cache_dir / f"tokens-{key}.pkl"
+    path = cache_dir / f"tokens-{key}.json"
     cached = _load(path)
     if cached is not None:
         return cached
@@ -111,16 +111,67 @@ def _tokenise(cfg: DataConfig, tokenizer: Any, max_length: int, task: str, split
 
 
 def _load(path: Path) -> Prepared | None:
+    """The cached tokens, or None (none yet, or unreadable: then tokenised again).
+
+    JSON, never pickle: the cache folder may sit on a shared disk, and unpickling a file that
+    someone else wrote runs whatever code they put in it."""
     if not path.exists():
         return None
     try:
         with path.open("rb") as f:
-            cached: Prepared = pickle.load(f)
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError):
+            cached = _from_json(json.load(f))
+    except (OSError, ValueError, TypeError, KeyError):
         log.warning("token cache %s is unreadable; tokenising again", path)
         return None
     log.info("token cache hit: %s", path)
     return cached
+
+
+def _to_json(p: Prepared) -> dict[str, Any]:
+    def split(e: Encoded) -> dict[str, Any]:
+        return {"input_ids": e.input_ids, "labels": e.labels, "prompt_lengths": e.prompt_lengths, "task": e.task}
+
+    labels = None if p.labels is None else {"names": list(p.labels.names), "numeric": p.labels.numeric}
+    return {
+        "version": CACHE_VERSION,
+        "task": p.task,
+        "pad_id": p.pad_id,
+        "labels": labels,
+        "train": split(p.train),
+        "validation": split(p.validation),
+    }
+
+
+def _from_json(d: dict[str, Any]) -> Prepared:
+    """Rebuild what :func:`_to_json` wrote, checking every field's type (a ValueError otherwise)."""
+    if d.get("version") != CACHE_VERSION:
+        raise ValueError("another cache version")
+
+    def ints(value: Any) -> list[int]:
+        if not isinstance(value, list) or not all(type(v) is int for v in value):
+            raise ValueError("not a list of integers")
+        return value
+
+    def split(e: dict[str, Any]) -> Encoded:
+        ids = e["input_ids"]
+        if not isinstance(ids, list):
+            raise ValueError("input_ids is not a list")
+        return Encoded(
+            input_ids=[ints(x) for x in ids],
+            labels=ints(e["labels"]),
+            prompt_lengths=ints(e["prompt_lengths"]),
+            task=str(e["task"]),
+        )
+
+    raw = d["labels"]
+    labels = None if raw is None else LabelMap(tuple(str(n) for n in raw["names"]), numeric=bool(raw["numeric"]))
+    return Prepared(
+        train=split(d["train"]),
+        validation=split(d["validation"]),
+        labels=labels,
+        pad_id=int(d["pad_id"]),
+        task=str(d["task"]),
+    )
 
 
 @contextlib.contextmanager
@@ -199,14 +250,14 @@ def _tokenizer_identity(tokenizer: Any) -> str:
     return json.dumps(state, sort_keys=True)
 
 
-def _write_atomic(path: Path, value: Any) -> None:
+def _write_atomic(path: Path, value: Prepared) -> None:
     # Concurrent first use: every writer renames a complete private file into place, so a
     # reader sees either nothing or a whole cache, never a torn one.
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     try:
-        with tmp.open("wb") as f:
-            pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
+        with tmp.open("w") as f:
+            json.dump(_to_json(value), f, separators=(",", ":"))
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,9 @@ import torch
 import torch.distributed as dist
 
 HOST = "127.0.0.1"  # the ranks of a trial share one host
+# The collectives' own sockets too: gloo and NCCL would otherwise listen on the address the
+# host name resolves to, reachable from the rest of the network, unauthenticated.
+LOOPBACK_IFNAME = "lo"
 
 
 @dataclass
@@ -78,8 +83,20 @@ class World:
 
 
 def main_store(size: int) -> dist.TCPStore:
-    """Rank 0's rendezvous store on a free port (``store.port``), created before the others start."""
-    return dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False)
+    """Rank 0's rendezvous store on a free loopback port (``store.port``), created before the
+    others start.
+
+    The socket is bound here and handed over: given only a host name, TCPStore's server listens
+    on every interface, and anyone who reaches the port could join or stall the trial's group.
+    """
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((HOST, 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    # detach(): the store owns the descriptor from now on (a garbage-collected socket object
+    # would close it under the store).
+    return dist.TCPStore(HOST, port, size, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach())
 
 
 def join(rank: int, size: int, port: int, device: torch.device, store: dist.TCPStore | None = None) -> World:
@@ -87,6 +104,8 @@ def join(rank: int, size: int, port: int, device: torch.device, store: dist.TCPS
     if store is None:
         store = dist.TCPStore(HOST, port, size, is_master=False)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_IFNAME)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size)

@@ -1,0 +1,177 @@
+"""A trial's folder, ``OUTPUT/STUDY/trial-N``, and the one rule for every path that reaches us.
+
+A study's rows are written by anyone who can reach its database (workers, the dashboard, a
+database user) and a runs folder on a shared disk by anyone who can write there. So a path
+read from either is input, not an instruction: hpsearch deletes, moves or loads only what
+really lies inside a trial folder of the study folder it made (the one its marker names, see
+rundir.py). "Really" means after resolving symbolic links: a ``trial-7`` or a ``best`` that is
+a link to ``/home`` is refused and logged, never followed.
+
+Where a trial's files are is known without asking anybody: trial N's best model is
+``trial-N/best``, its resumable state ``trial-N/resume/state.pt``. A recorded path is at most
+a hint, checked against that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PREFIX = "trial-"
+BEST = "best"
+RESUME = "resume"
+RESUME_FILE = "state.pt"
+_LOCK = ".hpsearch.lock"
+"""Held shared by an export while it copies ``best/``, exclusively by retention to delete it."""
+
+
+class TrialDirError(OSError):
+    """A trial's folder is not one hpsearch may write through (a link, or a file in its place)."""
+
+
+@dataclass(frozen=True)
+class TrialDir:
+    root: Path
+    """The study's folder on this host, ``OUTPUT/STUDY``."""
+    number: int
+
+    @property
+    def path(self) -> Path:
+        return self.root / f"{PREFIX}{self.number}"
+
+    @property
+    def best(self) -> Path:
+        return self.path / BEST
+
+    @property
+    def resume(self) -> Path:
+        return self.path / RESUME
+
+    @property
+    def state(self) -> Path:
+        return self.resume / RESUME_FILE
+
+    @classmethod
+    def named(cls, root: Path, folder_name: str) -> TrialDir | None:
+        """The trial folder a directory entry of ``root`` names (``trial-12``), or None."""
+        number = folder_name.removeprefix(PREFIX)
+        if not folder_name.startswith(PREFIX) or not number.isdigit():
+            return None
+        return cls(root, int(number))
+
+    def make(self) -> Path:
+        """Create the folder (or find it) for this trial to write in; refuse one that is a link."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):  # a file or a dangling link in its place: refused below
+            self.path.mkdir(exist_ok=True)
+        if not self.is_real():
+            raise TrialDirError(
+                errno.EPERM,
+                f"{self.path} is not a folder of {self.root} (a link or a file put in its place); "
+                "hpsearch never writes through one: remove it",
+            )
+        return self.path
+
+    def is_real(self) -> bool:
+        """Whether the folder is a plain directory of ``root`` (not a link to elsewhere)."""
+        try:
+            return not self.path.is_symlink() and self.path.is_dir() and self.path.resolve() == self._real()
+        except OSError:
+            return False
+
+    def holds(self, path: Path) -> bool:
+        """Whether ``path`` lies inside this trial's folder once every link is resolved, and is
+        no link itself. Refusals are logged: someone put that path there."""
+        try:
+            inside = self.is_real() and not path.is_symlink() and path.resolve().is_relative_to(self._real())
+        except OSError:
+            inside = False
+        if not inside and (path.exists() or path.is_symlink()):
+            log.warning(
+                "refusing %s: it does not lie inside %s (a study row or a shared folder named it); left untouched",
+                path,
+                self.path,
+            )
+        return inside
+
+    def remove(self, path: Path) -> bool:
+        """Delete ``path`` (a folder or file of this trial) if :meth:`holds` it; True if it went."""
+        if not (path.exists() or path.is_symlink()) or not self.holds(path):
+            return False
+        if path.is_dir():
+            # rmtree unlinks the links it meets inside rather than following them.
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        return not path.exists()
+
+    def move(self, name: str, to: TrialDir) -> bool:
+        """Move this trial's ``best`` or ``resume`` into ``to`` (whose own is replaced)."""
+        source, target = self.path / name, to.path / name
+        if not source.exists() or not self.holds(source):
+            return False
+        to.make()
+        to.remove(target)
+        shutil.move(source, target)
+        return True
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Hold the trial's best model against retention while it is copied (an export)."""
+        with self._locked(fcntl.LOCK_SH) as held:
+            if not held:
+                raise TrialDirError(errno.EBUSY, f"cannot lock {self.path}")
+            yield
+
+    @contextlib.contextmanager
+    def deleting(self) -> Iterator[bool]:
+        """Whether the best model may be deleted now: False while an export is reading it."""
+        with self._locked(fcntl.LOCK_EX | fcntl.LOCK_NB) as held:
+            yield held
+
+    @contextlib.contextmanager
+    def _locked(self, how: int) -> Iterator[bool]:
+        if not self.is_real():
+            yield False
+            return
+        try:
+            # O_NOFOLLOW: a lock file replaced by a link is not opened (nor created) through it.
+            fd = os.open(self.path / _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            yield False
+            return
+        try:
+            try:
+                fcntl.flock(fd, how)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _real(self) -> Path:
+        return self.root.resolve() / self.path.name
+
+
+def named_by(root: Path, path: Path, name: str) -> TrialDir | None:
+    """The trial folder under ``root`` whose ``name`` (``best``, ``resume``) ``path`` is, or None.
+
+    For a path read from a row: it must be ``root/trial-N/<name>`` after resolving links."""
+    try:
+        real = path.resolve()
+    except OSError:
+        return None
+    folder = TrialDir.named(root, real.parent.name) if real.name == name else None
+    if folder is None or real.parent.parent != root.resolve() or not folder.holds(path):
+        return None
+    return folder
