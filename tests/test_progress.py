@@ -11,7 +11,6 @@ import sys
 import termios
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -134,7 +133,6 @@ def test_plain_lines_when_piped_with_trial_logs_and_curves(tmp_path: Path, spec_
         # Linear decay of the learning rate: it only goes down.
         lrs = [v for _, v in scalars["train/learning_rate"]]
         assert lrs == sorted(lrs, reverse=True) and lrs[0] > 0
-        assert_tensorboard_agrees(trial_dir / "tensorboard", scalars)
 
 
 def test_training_runs_without_tensorboard_installed(tmp_path: Path) -> None:
@@ -190,87 +188,13 @@ def test_time_left_spreads_remaining_work_over_running_trials() -> None:
     assert Snapshot(n_trials=5, metric="loss").time_left_s() is None
 
 
-# -- an event-file reader independent of the writer ----------------------------------------
-
-
-def _crc32c_bitwise(data: bytes) -> int:
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc ^= byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0x82F63B78 * (crc & 1))
-    return crc ^ 0xFFFFFFFF
-
-
-def _unmask(value: int) -> int:
-    rot = (value - 0xA282EAD8) & 0xFFFFFFFF
-    return ((rot >> 17) | (rot << 15)) & 0xFFFFFFFF
-
-
-def _fields(buf: bytes) -> list[tuple[int, Any]]:
-    out: list[tuple[int, Any]] = []
-    i = 0
-    while i < len(buf):
-        value: Any
-        key, i = _read_varint(buf, i)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, i = _read_varint(buf, i)
-        elif wire == 1:
-            value, i = struct.unpack_from("<d", buf, i)[0], i + 8
-        elif wire == 5:
-            value, i = struct.unpack_from("<f", buf, i)[0], i + 4
-        elif wire == 2:
-            n, i = _read_varint(buf, i)
-            value, i = buf[i : i + n], i + n
-        else:
-            raise AssertionError(f"unexpected wire type {wire}")
-        out.append((number, value))
-    return out
-
-
-def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = buf[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return value, i
+# -- the event files, read by TensorBoard itself -------------------------------------------
 
 
 def read_scalars(path: Path) -> dict[str, list[tuple[int, float]]]:
-    assert _crc32c_bitwise(b"123456789") == 0xE3069283  # the reference check value of CRC-32C
-    data, i = path.read_bytes(), 0
-    scalars: dict[str, list[tuple[int, float]]] = {}
-    versions = []
-    while i < len(data):
-        header = data[i : i + 8]
-        (length,) = struct.unpack("<Q", header)
-        assert _unmask(struct.unpack_from("<I", data, i + 8)[0]) == _crc32c_bitwise(header)
-        record = data[i + 12 : i + 12 + length]
-        assert _unmask(struct.unpack_from("<I", data, i + 12 + length)[0]) == _crc32c_bitwise(record)
-        i += 16 + length
-        event = _fields(record)
-        step = next((v for n, v in event if n == 2), 0)
-        versions += [v for n, v in event if n == 3]
-        for summary in (v for n, v in event if n == 5):
-            for _, value in _fields(summary):
-                f = dict(_fields(value))
-                scalars.setdefault(f[1].decode(), []).append((step, round(f[2], 5)))
-    assert versions == [b"brain.Event:2"]
-    return scalars
+    """Every scalar curve of one event file, as TensorBoard reads it (step, value to 5 places)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-
-def assert_tensorboard_agrees(logdir: Path, scalars: dict[str, list[tuple[int, float]]]) -> None:
-    """Where TensorBoard itself is installed, it must read the same curves."""
-    try:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    except ImportError:
-        return
-    acc = EventAccumulator(str(logdir))
+    acc = EventAccumulator(str(path))
     acc.Reload()
-    assert set(acc.Tags()["scalars"]) == set(scalars)
-    for tag, points in scalars.items():
-        assert [(e.step, round(e.value, 5)) for e in acc.Scalars(tag)] == points
+    return {tag: [(e.step, round(e.value, 5)) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}

@@ -217,6 +217,7 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
                 break
 
     speed.pause()
+    curves.close()
     result.steps = step
     if best is not None:
         result.best_value, result.best_step = best.value, best.step
