@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="copy the best model and tokenizer to DIR (loadable with from_pretrained)",
     )
+    best.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --export, for an adapter trial: export the base with the adapter merged in "
+        "(loadable with plain from_pretrained, no peft)",
+    )
     storage_arg(best)
     best.set_defaults(func=cmd_best)
 
@@ -338,11 +344,13 @@ def cmd_reap(args: argparse.Namespace) -> int:
 def cmd_best(args: argparse.Namespace) -> int:
     from hpsearch.storage import urls
 
+    if args.merge and args.export is None:
+        raise UsageError("--merge: goes with --export DIR (the folder the merged model is written to)")
     status = _status(args.study, urls.resolve(args.storage), best_only=True)
     if args.export is not None:
         from hpsearch.search.export import export_best
 
-        export_best(status["best"], args.study, args.export.resolve(), status["uid"])
+        export_best(status["best"], args.study, args.export.resolve(), status["uid"], merge=args.merge)
     print(_format(status, as_json=args.json, best_only=True))
     if args.export is not None and not args.json:
         print(f"exported to {args.export.resolve()}")
@@ -443,6 +451,9 @@ def _check_inputs(spec: Any, output_dir: Path, device_list: list[Any]) -> None:
     check_reachable(spec.model.name)
     tokenizer = load_tokenizer(spec.model.name)
     check_model(spec.model.name, spec.model.max_length)
+    from hpsearch.trainer.adapters import check_quantization
+
+    check_quantization(spec.model, [d.kind for d in device_list])
     check_precision(spec.train.precision, device_list)
     searched = spec.space.get("precision")
     for choice in searched.choices or [] if searched is not None else []:

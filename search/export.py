@@ -2,7 +2,9 @@
 
 The best checkpoint is already a ``save_pretrained`` folder (model, tokenizer, config with the
 label names, and hpsearch.json saying which trial and step it came from), so exporting is a
-checked copy plus a record of the trial's value and parameters.
+checked copy plus a record of the trial's value and parameters. An adapter trial's checkpoint is
+an adapter folder (what peft's ``AutoPeftModel*.from_pretrained`` loads, on the base it names);
+``merge`` exports the base with the adapter merged in instead, a plain ``from_pretrained`` folder.
 """
 
 from __future__ import annotations
@@ -21,13 +23,17 @@ from hpsearch.trainer.model import check_weights
 
 log = logging.getLogger(__name__)
 REQUIRED = ("config.json",)
+ADAPTER_REQUIRED = ("adapter_config.json",)
+"""An adapter checkpoint has no config.json: its base's is in the base's folder."""
 
 
 class ExportError(SpecError):
     """The best model cannot be exported; the message says why and what to do."""
 
 
-def export_best(best: dict[str, Any] | None, study: str, target: Path, uid: str | None = None) -> Path:
+def export_best(
+    best: dict[str, Any] | None, study: str, target: Path, uid: str | None = None, *, merge: bool = False
+) -> Path:
     """Copy the best trial's checkpoint (as ``summary.trial_dict`` describes it) to ``target``.
 
     ``uid`` is the study's id: a checkpoint in a folder marked as another study's (a study of
@@ -70,7 +76,13 @@ def export_best(best: dict[str, Any] | None, study: str, target: Path, uid: str 
     if links:
         # hpsearch writes none: one there was put by someone else, and copying would follow it.
         raise ExportError(f"checkpoint {source} holds a symbolic link ({links[0]}); refusing to export it")
-    missing = [name for name in REQUIRED if not (source / name).exists()]
+    is_adapter = (source / ADAPTER_REQUIRED[0]).exists()
+    missing = [name for name in (ADAPTER_REQUIRED if is_adapter else REQUIRED) if not (source / name).exists()]
+    if merge and not is_adapter:
+        raise ExportError(
+            f"--merge: trial {best['number']}'s checkpoint {source} is a full model, not an adapter; "
+            "there is nothing to merge: export it without --merge"
+        )
     if missing:
         raise ExportError(f"checkpoint {source} is incomplete (no {', '.join(missing)})")
     try:
@@ -94,7 +106,10 @@ def export_best(best: dict[str, Any] | None, study: str, target: Path, uid: str 
                     f"trial {best['number']}'s checkpoint was deleted by retention as the export began (a better "
                     "trial finished); run `hpsearch best --export` again for the new best"
                 )
-            shutil.copytree(source, tmp)
+            if merge:
+                _merge(source, tmp)
+            else:
+                shutil.copytree(source, tmp)
         record = {
             "study": study,
             "trial": best["number"],
@@ -114,3 +129,21 @@ def export_best(best: dict[str, Any] | None, study: str, target: Path, uid: str 
         ) from None
     log.info("exported trial %d of %s to %s", best["number"], study, target)
     return target
+
+
+def _merge(source: Path, tmp: Path) -> None:
+    """The adapter of ``source`` merged into its base, written to ``tmp`` with the tokenizer and meta."""
+    from hpsearch.trainer import adapters
+    from hpsearch.trainer.checkpoint import META
+    from hpsearch.trainer.model import load_tokenizer
+
+    meta = json.loads((source / META).read_text()) if (source / META).exists() else {}
+    labels = meta.get("id2label") if isinstance(meta, dict) else None
+    id2label = {int(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else None
+    try:
+        adapters.merge(source, tmp, load_tokenizer(str(source)), id2label)
+    except (OSError, ValueError) as exc:
+        # The base the adapter names was moved or deleted since the study ran.
+        raise ExportError(f"--merge: cannot load {source} on its base ({str(exc).splitlines()[0]})") from None
+    if (source / META).exists():
+        shutil.copy2(source / META, tmp / META)

@@ -21,7 +21,16 @@ else:  # the same parser, as a backport
     import tomli as tomllib
 
 
-from hpsearch.trainer.config import ConfigError, DataConfig, ModelConfig, TrainConfig, describe, fits, from_dict
+from hpsearch.trainer.config import (
+    AdapterConfig,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    TrainConfig,
+    describe,
+    fits,
+    from_dict,
+)
 
 SPEC_ATTR = "hpsearch_spec"
 MAX_CHECKED_VALUES = 10_000
@@ -35,6 +44,19 @@ BUILTIN_SCHEME = "builtin://"
 """A model built from hpsearch's own code on first use (``builtin://tiny-gpt2``), under the output folder."""
 BUILTIN_MODELS = ("tiny-gpt2",)
 UNSEARCHABLE = {"devices_per_trial": "the workers' device groups are fixed when they start; set it in [train]"}
+LORA_LEARNING_RATE = 5e-4
+"""train.learning_rate when [adapter] method = "lora" and none is given: 10x the full fine-tune's
+default (5e-5), as the best LoRA learning rate is about 10x the best full fine-tune's
+(Schulman et al., "LoRA Without Regret", Thinking Machines 2025; Biderman et al. 2024)."""
+ADAPTER_PREFIX = "adapter."
+"""A searched [adapter] key is named "adapter.KEY" in [search.space] and in a trial's parameters."""
+
+
+def split_params(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A trial's parameters as ([train] values, [adapter] values), the prefix taken off the latter."""
+    train = {k: v for k, v in params.items() if not k.startswith(ADAPTER_PREFIX)}
+    adapter = {k[len(ADAPTER_PREFIX) :]: v for k, v in params.items() if k.startswith(ADAPTER_PREFIX)}
+    return train, adapter
 
 
 class SpecError(ConfigError):
@@ -256,16 +278,18 @@ class StudySpec:
     space: dict[str, Param] = field(default_factory=dict)
     enqueue: list[dict[str, Any]] = field(default_factory=list)
     """``[[search.enqueue]]``: known-good parameter sets tried first, in order."""
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    """``[adapter]``: train a LoRA adapter on the frozen base instead of every weight."""
 
     # -- construction -------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, base_dir: Path | None = None) -> StudySpec:
-        allowed = {"model", "data", "train", "search"}
+        allowed = {"model", "data", "train", "search", "adapter"}
         if not isinstance(raw, dict):
             raise SpecError("spec: must be a table with [model], [data], [train] and [search]")
         for key, value in raw.items():
             if key not in allowed:
-                raise SpecError(f"{key}: unknown table; a spec has [model], [data], [train] and [search]")
+                raise SpecError(f"{key}: unknown table; a spec has [model], [data], [train], [adapter] and [search]")
             if not isinstance(value, dict):
                 raise SpecError(
                     f"{key}: must be a table, written [{key}] on a line of its own with its keys below it; "
@@ -279,6 +303,7 @@ class StudySpec:
             data = from_dict(DataConfig, raw.get("data", {}), "data")
             train = from_dict(TrainConfig, raw.get("train", {}), "train")
             search = from_dict(SearchConfig, search_raw, "search")
+            adapter = from_dict(AdapterConfig, raw.get("adapter", {}), "adapter")
         except ConfigError as exc:
             raise SpecError(str(exc)) from None
         if not isinstance(space_raw, dict):
@@ -292,7 +317,9 @@ class StudySpec:
             # Empty values stay empty (not the spec's folder), so validate() says they are missing.
             data = replace(data, train=_resolve(data.train, base_dir), validation=_resolve(data.validation, base_dir))
             model = replace(model, name=_resolve_model(model.name, base_dir))
-        spec = cls(model, data, train, search, space, enqueue)
+        if adapter.enabled and "learning_rate" not in raw.get("train", {}):
+            train = replace(train, learning_rate=LORA_LEARNING_RATE)
+        spec = cls(model, data, train, search, space, enqueue, adapter)
         spec.validate()
         return spec
 
@@ -301,8 +328,10 @@ class StudySpec:
             self.model.validate()
             self.data.validate()
             self.train.validate()
+            self.adapter.validate()
         except ConfigError as exc:
             raise SpecError(str(exc)) from None
+        self._validate_adapter()
         self.search.validate()
         self._validate_sampler()
         if self.model.task == "causal-lm" and self.search.metric != "loss":
@@ -319,6 +348,9 @@ class StudySpec:
         hints = typing.get_type_hints(TrainConfig)
         checked: dict[str, list[Any]] = {}
         for name, param in self.space.items():
+            if name.startswith(ADAPTER_PREFIX):
+                checked[name] = self._check_adapter_param(param)
+                continue
             if name in UNSEARCHABLE:
                 raise SpecError(f"search.space.{name}: cannot be searched: {UNSEARCHABLE[name]}")
             if name not in train_keys:
@@ -344,16 +376,54 @@ class StudySpec:
         # An enqueued trial runs with exactly these values over [train]: it must be a valid trial.
         for i, entry in enumerate(self.enqueue):
             try:
-                replace(self.train, **entry).validate()
+                train_values, adapter_values = split_params(entry)
+                replace(self.train, **train_values).validate()
+                replace(self.adapter, **adapter_values).validate()
             except ConfigError as exc:
                 values = ", ".join(f"{k} = {v!r}" for k, v in entry.items())
                 raise SpecError(f"search.enqueue[{i}]: {values} gives an invalid trial: {exc}") from None
 
     def _check_trial(self, values: dict[str, Any], where: str) -> None:
         try:
-            from_dict(TrainConfig, {**asdict(self.train), **values}, "train").validate()
+            train_values, adapter_values = split_params(values)
+            from_dict(TrainConfig, {**asdict(self.train), **train_values}, "train").validate()
+            from_dict(AdapterConfig, {**asdict(self.adapter), **adapter_values}, "adapter").validate()
         except ConfigError as exc:
             raise SpecError(f"{where} gives an invalid trial: {exc}") from None
+
+    def _validate_adapter(self) -> None:
+        """What [adapter] needs of the rest of the spec."""
+        method_searched = f"{ADAPTER_PREFIX}method" in self.space
+        if self.model.quantization != "none" and (self.adapter.method != "lora" or method_searched):
+            raise SpecError(
+                f'model.quantization: {self.model.quantization!r} needs [adapter] method = "lora" (QLoRA: a '
+                'quantized base cannot be fine-tuned in full); set it, or quantization = "none"'
+            )
+        if (self.adapter.enabled or method_searched) and self.train.devices_per_trial > 1:
+            raise SpecError(
+                f"train.devices_per_trial: {self.train.devices_per_trial} is not supported with [adapter] yet; "
+                "set it to 1 (an adapter trial fits one device far more often than a full fine-tune)"
+            )
+        searched = [n for n in self.space if n.startswith(ADAPTER_PREFIX)]
+        if searched and not (self.adapter.enabled or method_searched):
+            raise SpecError(
+                f'search.space.{searched[0]}: searched, but [adapter] method is "none" (full fine-tune); '
+                'set method = "lora" in [adapter]'
+            )
+
+    def _check_adapter_param(self, param: Param) -> list[Any]:
+        """An "adapter.KEY" parameter: a known key, of its type, each checked value a valid adapter."""
+        key = param.name[len(ADAPTER_PREFIX) :]
+        keys = {f.name for f in fields(AdapterConfig)}
+        if key not in keys:
+            known = ", ".join(ADAPTER_PREFIX + k for k in sorted(keys))
+            raise SpecError(f"search.space.{param.name}: not an [adapter] key; searchable adapter keys: {known}")
+        hint = typing.get_type_hints(AdapterConfig)[key]
+        _check_type_fits(param, hint, table="adapter")
+        values = param.checked_values()
+        for value in values:
+            self._check_trial({param.name: value}, f"search.space.{param.name}: value {value!r}")
+        return values
 
     def _validate_sampler(self) -> None:
         sampler = self.search.sampler
@@ -384,7 +454,11 @@ class StudySpec:
         search["space"] = {name: p.to_dict() for name, p in self.space.items()}
         if self.enqueue:
             search["enqueue"] = [dict(e) for e in self.enqueue]
-        return {"model": asdict(self.model), "data": asdict(self.data), "train": asdict(self.train), "search": search}
+        d = {"model": asdict(self.model), "data": asdict(self.data), "train": asdict(self.train), "search": search}
+        if asdict(self.adapter) != asdict(AdapterConfig()):
+            # Only when set: a full fine-tune's stored spec reads as it did before [adapter] existed.
+            d["adapter"] = asdict(self.adapter)
+        return d
 
     def identity(self) -> dict[str, Any]:
         """The spec without its budget: two runs of one study must agree on this."""
@@ -421,14 +495,15 @@ def _toml(value: Any) -> str:
     return repr(value)
 
 
-def _check_type_fits(param: Param, hint: Any) -> None:
+def _check_type_fits(param: Param, hint: Any, table: str = "train") -> None:
     """The parameter's values must be of the [train] field's type as they are: the worker puts
     the sampled value into TrainConfig unconverted (a float batch_size would reach the trainer)."""
     where, kind = f"search.space.{param.name}", describe(hint)
+    field_name = param.name.removeprefix(ADAPTER_PREFIX)
     if param.type == "categorical":
         for choice in param.choices or []:
             if not fits(choice, hint):
-                raise SpecError(f"{where}: choice {choice!r} does not fit train.{param.name}, which takes {kind}")
+                raise SpecError(f"{where}: choice {choice!r} does not fit {table}.{field_name}, which takes {kind}")
         return
     if fits(1.5 if param.type == "float" else 1, hint):
         return
@@ -436,7 +511,7 @@ def _check_type_fits(param: Param, hint: Any) -> None:
         fix = 'use type = "int" (low, high, optional step) or type = "categorical" with integer choices'
     else:
         fix = 'use type = "categorical" with choices'
-    raise SpecError(f'{where}: type = "{param.type}" does not fit train.{param.name}, which takes {kind}; {fix}')
+    raise SpecError(f'{where}: type = "{param.type}" does not fit {table}.{field_name}, which takes {kind}; {fix}')
 
 
 def _parse_enqueue(raw: Any, space: dict[str, Param]) -> list[dict[str, Any]]:

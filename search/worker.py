@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 from hpsearch.search import leftovers, lifeline, ranks, reap, retry, study as studies
 from hpsearch.search.devices import torch_device
 from hpsearch.search.reap import Reaper
-from hpsearch.search.spec import StudySpec, resolved
+from hpsearch.search.spec import StudySpec, resolved, split_params
 from hpsearch.storage import budget, checkpoints as retention, registry
 from hpsearch.storage.db import PATIENT_RETRY
 from hpsearch.storage.errors import StorageError
@@ -176,7 +176,10 @@ class Worker:
         )
         self.device = torch_device(args.device)
         self.tokenizer = load_tokenizer(self.spec.model.name)
-        self.models = PretrainedCache()
+        from hpsearch.trainer.adapters import quantization_config
+
+        # One base per worker; with [adapter], every trial's adapter goes onto that same one.
+        self.models = PretrainedCache(quantization_config(self.spec.model))
         self.root = Path(args.output_dir) / args.study
         self._data: Any = None
 
@@ -309,7 +312,9 @@ class Worker:
         from hpsearch.trainer.loop import Run, fit
 
         params = studies.suggest(trial, self.spec)
-        cfg = replace(self.spec.train, **params)
+        train_params, adapter_params = split_params(params)  # "adapter.r" -> [adapter] r
+        cfg = replace(self.spec.train, **train_params)
+        adapter = replace(self.spec.adapter, **adapter_params)
         folder = TrialDir(self.root, trial.number)
         try:
             out_dir = folder.make()
@@ -333,6 +338,7 @@ class Worker:
         handler = _trial_log(out_dir)
         log.info("trial %d starts: %s", trial.number, params)
         started = time.monotonic()  # first_step_seconds and device time count from here
+        model: Any = None
         try:
             if self.peers is not None:
                 # First, so the peers prepare their copy while this rank prepares its own.
@@ -343,7 +349,7 @@ class Worker:
                 )
                 self.peers.run(job)
             data = self.data()
-            model = self.models.trial_model(self.spec.model.name, data.labels, cfg.seed)
+            model = self.models.trial_model(self.spec.model.name, data.labels, cfg.seed, adapter)
             run = Run(
                 model=model,
                 tokenizer=self.tokenizer,
@@ -376,6 +382,9 @@ class Worker:
         else:
             failure = None
         finally:
+            if model is not None:
+                # The shared base gets its adapter taken off, ready for the next trial's.
+                self.models.release(model)
             logging.getLogger().removeHandler(handler)
             handler.close()
         # Device time of this attempt (x its devices), added to earlier attempts' (the gpu_hours

@@ -16,6 +16,8 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 TASKS = ("classification", "causal-lm")
+QUANTIZATIONS = ("none", "4bit", "8bit")
+ADAPTER_METHODS = ("none", "lora")
 
 
 class ConfigError(ValueError):
@@ -32,8 +34,13 @@ class ModelConfig:
     task: Literal["classification", "causal-lm"] = "classification"
     """classification: text -> label, objective loss/accuracy/f1. causal-lm: next-token
     prediction on text (or on the response of a prompt/response pair), objective loss."""
+    quantization: Literal["none", "4bit", "8bit"] = "none"
+    """QLoRA: load the frozen base in 4-bit NF4 (bf16 compute) or 8-bit through bitsandbytes,
+    CUDA only, with [adapter] method = "lora"; "none" loads it as saved."""
 
     def validate(self, where: str = "model") -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"{where}.quantization: {self.quantization!r} must be one of {', '.join(QUANTIZATIONS)}")
         if not self.name:
             raise ConfigError(f"{where}.name: missing; set it to a local model folder or a hub id")
         if self.task not in TASKS:
@@ -151,6 +158,44 @@ class TrainConfig:
         rule(0 <= self.seed < 2**32, "seed", "must be between 0 and 4294967295 (2**32 - 1)")
 
 
+@dataclass
+class AdapterConfig:
+    method: Literal["none", "lora"] = "none"
+    """none: full fine-tune (every weight trained). lora: the base is frozen and a low-rank
+    adapter (plus a classifier's head, trained in full) is trained beside it (peft)."""
+    r: int = 16
+    """Rank of each LoRA update (its A and B matrices are r wide)."""
+    alpha: float = 32.0
+    """LoRA scaling numerator: the update is multiplied by alpha / r (2 with the defaults)."""
+    dropout: float = 0.05
+    """Dropout on the adapter's input (not on the frozen base's path)."""
+    target_modules: str | list[str] = "all-linear"
+    """Which linear layers get an adapter: "all-linear" (every linear layer but the output
+    head; QLoRA's recommendation), or a list of module names such as ["query", "value"]."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    def validate(self, where: str = "adapter") -> None:
+        def rule(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"{where}.{name}: {getattr(self, name)!r} {msg}")
+
+        rule(self.method in ADAPTER_METHODS, "method", f"must be one of {', '.join(ADAPTER_METHODS)}")
+        rule(isinstance(self.r, int) and not isinstance(self.r, bool), "r", "must be an integer")
+        rule(self.r >= 1, "r", "must be >= 1")
+        rule(self.r <= 4096, "r", "must be <= 4096")
+        rule(math.isfinite(self.alpha) and self.alpha > 0, "alpha", "must be a finite number > 0")
+        rule(math.isfinite(self.dropout) and 0 <= self.dropout < 1, "dropout", "must be in [0, 1)")
+        targets = self.target_modules
+        if isinstance(targets, str):
+            rule(bool(targets.strip()), "target_modules", 'must be "all-linear" or a list of module names')
+        else:
+            ok = isinstance(targets, list) and bool(targets) and all(isinstance(t, str) and t for t in targets)
+            rule(ok, "target_modules", 'must be "all-linear" or a non-empty list of module names')
+
+
 C = TypeVar("C")
 
 
@@ -254,4 +299,14 @@ def field_doc(cls: type, name: str) -> str:
     return ""
 
 
-__all__ = ["ConfigError", "DataConfig", "ModelConfig", "TrainConfig", "describe", "field", "fits", "from_dict"]
+__all__ = [
+    "AdapterConfig",
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "TrainConfig",
+    "describe",
+    "field",
+    "fits",
+    "from_dict",
+]

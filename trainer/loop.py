@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hpsearch.trainer import attention, checkpoint as ckpt, precision as prec, tasks
+from hpsearch.trainer import adapters, attention, checkpoint as ckpt, precision as prec, tasks
 from hpsearch.trainer.chance import Chance
 from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.curves import Curves
@@ -228,6 +228,8 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
         "micro_batch_size": micro,
         "accumulation_steps": per_step // world.size,
         "compiled": cfg.compile,
+        # An adapter trains a fraction of a percent of the model: the figure says how much.
+        "trainable_parameters": adapters.trainable_parameters(run.model),
     }
     if first_step is not None:
         result.attrs["first_step_seconds"] = round(first_step, 3)
@@ -252,7 +254,10 @@ def _restore(
         # it trains again from the start.
         log.warning("cannot read the resumable state %s (%s); training from the start", run.resume_from, exc)
         return 0, None, micro
-    run.model.load_state_dict(state["model"])
+    if adapters.is_adapter(run.model):
+        adapters.load_trainable(run.model, state["model"])
+    else:
+        run.model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     scaler.load_state_dict(state["scaler"])
@@ -322,12 +327,16 @@ def compile_model(model: torch.nn.Module) -> torch.nn.Module:
 def flops_per_token(model: torch.nn.Module) -> float:
     """Training FLOPs per real token, 6 x parameters (forward 2, backward 4; Kaplan et al.).
 
+    A frozen parameter (an adapter's base) costs 4: forward 2, and 2 in the backward pass for
+    the gradient of its input, which the layers below need; it has no weight gradient.
     Embedding tables are left out: a lookup multiplies nothing, and counting its rows would
     inflate the figure (by ~28% for BERT-base). Attention's own matmuls are left out too.
     """
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    n = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
-    return 6.0 * n
+    counted = [p for p in model.parameters() if id(p) not in embeddings]
+    trained = sum(p.numel() for p in counted if p.requires_grad)
+    frozen = sum(p.numel() for p in counted if not p.requires_grad)
+    return 6.0 * trained + 4.0 * frozen
 
 
 def _accumulate(
@@ -412,7 +421,8 @@ def _save_resume(
     return ckpt.save_resume(
         run.out_dir,
         {
-            "model": run.model.state_dict(),  # the plain module: no DDP / compile prefixes
+            # The plain module: no DDP / compile prefixes. Of an adapter, only what it trains.
+            "model": adapters.trainable_state(run.model) if adapters.is_adapter(run.model) else run.model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(),
@@ -427,7 +437,11 @@ def _save_resume(
 
 def _meta(run: Run, metrics: Metrics, step: int) -> dict[str, Any]:
     values = {f"val_{k}": v for k, v in metrics.values().items()}
-    return {**run.meta, "step": step, **values, "train": vars(run.cfg)}
+    meta = {**run.meta, "step": step, **values, "train": vars(run.cfg)}
+    if run.data.labels is not None:
+        # An adapter folder has no config.json to hold them: a merged export names its labels from here.
+        meta["id2label"] = {str(k): v for k, v in run.data.labels.id2label().items()}
+    return meta
 
 
 def _best(metrics: Metrics) -> dict[str, float]:

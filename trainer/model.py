@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from hpsearch.trainer.config import ConfigError
+from hpsearch.trainer.config import AdapterConfig, ConfigError
 from hpsearch.trainer.errors import ModelError
 
 log = logging.getLogger(__name__)
@@ -142,51 +142,83 @@ def _explain(name: str, exc: BaseException | None) -> str:
 class PretrainedCache:
     """Keeps each pre-trained model in host memory so later trials skip the disk read.
 
-    A trial gets a deep copy of the pristine model; a classifier's new head is freshly,
-    deterministically initialised, which is what ``from_pretrained`` would produce. A causal
-    LM has no new head: its copy is exactly the pre-trained model.
+    A full fine-tune gets a deep copy of the pristine model; a classifier's new head is
+    freshly, deterministically initialised, which is what ``from_pretrained`` would produce. A
+    causal LM has no new head: its copy is exactly the pre-trained model.
+
+    An adapter trial gets no copy: a freshly seeded adapter goes onto the one frozen base, and
+    :meth:`release` takes it off after the trial, so memory holds one base however many
+    trials run (what makes a 7B model on one GPU possible at all).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, quantization: Any = None) -> None:
         self._models: dict[tuple[str, int], torch.nn.Module] = {}
+        self.quantization = quantization
+        """A transformers BitsAndBytesConfig for the base (QLoRA), or None."""
 
-    def _copy(self, name: str, num_labels: int) -> torch.nn.Module:
-        """A deep copy of the pristine model, read from disk on first use only."""
+    def _base(self, name: str, num_labels: int) -> torch.nn.Module:
+        """The pristine model, read from disk on first use only."""
         key = (name, num_labels)
         if key not in self._models:
-            self._models[key] = load_model(name, num_labels)
-        return copy.deepcopy(self._models[key])
+            self._models[key] = load_model(name, num_labels, self.quantization)
+        return self._models[key]
+
+    def _copy(self, name: str, num_labels: int) -> torch.nn.Module:
+        """A deep copy of the pristine model."""
+        return copy.deepcopy(self._base(name, num_labels))
 
     def fresh(self, name: str, num_labels: int, id2label: dict[int, str], seed: int) -> torch.nn.Module:
         model = self._copy(name, num_labels)
-        config: Any = model.config
-        config.id2label = dict(id2label)
-        config.label2id = {v: k for k, v in id2label.items()}
-        _reinit_head(model, seed)
+        _new_head(model, id2label, seed)
         return model
 
-    def trial_model(self, name: str, labels: Any, seed: int) -> torch.nn.Module:
-        """A fresh copy for one trial: a classifier for ``labels`` (a LabelMap), or a causal LM
-        when there are none."""
+    def trial_model(self, name: str, labels: Any, seed: int, adapter: AdapterConfig | None = None) -> torch.nn.Module:
+        """A fresh model for one trial: a classifier for ``labels`` (a LabelMap), or a causal LM
+        when there are none; with an enabled ``adapter``, that adapter on the shared base
+        (hand it back with :meth:`release`)."""
+        if adapter is not None and adapter.enabled:
+            from hpsearch.trainer import adapters
+
+            base = self._base(name, labels.num_labels if labels is not None else 0)
+            if labels is not None:
+                _new_head(base, labels.id2label(), seed)  # peft's trainable head is a copy of this one
+            return adapters.attach(base, adapter, "causal-lm" if labels is None else "classification", seed)
         if labels is None:
             return self.fresh_causal_lm(name)
         return self.fresh(name, labels.num_labels, labels.id2label(), seed)
+
+    def release(self, model: torch.nn.Module) -> None:
+        """After a trial: take an adapter off the shared base (a full fine-tune's copy is just dropped)."""
+        from hpsearch.trainer import adapters
+
+        if adapters.is_adapter(model):
+            adapters.detach(model)
 
     def fresh_causal_lm(self, name: str) -> torch.nn.Module:
         return self._copy(name, 0)  # 0 labels: load_model's causal LM
 
 
-def load_model(name: str, num_labels: int) -> torch.nn.Module:
-    """A sequence classifier with ``num_labels`` labels, or a causal LM when ``num_labels`` is 0."""
+def load_model(name: str, num_labels: int, quantization: Any = None) -> torch.nn.Module:
+    """A sequence classifier with ``num_labels`` labels, or a causal LM when ``num_labels`` is 0;
+    with ``quantization`` (a BitsAndBytesConfig), quantized on the current CUDA device for QLoRA."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     _quiet_transformers()
     auto: Any = AutoModelForCausalLM if num_labels == 0 else AutoModelForSequenceClassification
     # A classifier checkpoint with another label count is a fine start: its head is replaced
     # (and re-initialised per trial) anyway.
-    kwargs = {"num_labels": num_labels, "ignore_mismatched_sizes": True} if num_labels else {}
+    kwargs: dict[str, Any] = {"num_labels": num_labels, "ignore_mismatched_sizes": True} if num_labels else {}
+    if quantization is not None:
+        # bitsandbytes places the quantized weights itself; the head and norms stay bf16.
+        kwargs.update(quantization_config=quantization, device_map={"": 0}, dtype=torch.bfloat16)
     try:
-        return auto.from_pretrained(name, attn_implementation="sdpa", **kwargs)
+        model = auto.from_pretrained(name, attn_implementation="sdpa", **kwargs)
+        if quantization is not None:
+            from peft import prepare_model_for_kbit_training
+
+            # Freezes the base and upcasts its non-quantized layers for stable training.
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        return model
     except (OSError, ValueError) as exc:
         if "sdpa" in str(exc).lower():
             # Architectures without an SDPA kernel fall back to their default attention.
@@ -197,10 +229,22 @@ def load_model(name: str, num_labels: int) -> torch.nn.Module:
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each layer's activations in the backward pass (non-reentrant: works under DDP)."""
     pretrained: Any = model
+    if hasattr(pretrained, "peft_config"):
+        # The frozen embeddings' output needs no gradient, and a checkpointed layer whose input
+        # needs none would give its adapters none either: make the input require one.
+        pretrained.enable_input_require_grads()
     if hasattr(pretrained, "activation_checkpointing_enable"):  # transformers >= 5 renamed it
         pretrained.activation_checkpointing_enable({"use_reentrant": False})
     else:
         pretrained.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _new_head(model: torch.nn.Module, id2label: dict[int, str], seed: int) -> None:
+    """Name the labels and re-draw the classifier's head from ``seed``."""
+    config: Any = model.config
+    config.id2label = dict(id2label)
+    config.label2id = {v: k for k, v in id2label.items()}
+    _reinit_head(model, seed)
 
 
 def _reinit_head(model: torch.nn.Module, seed: int) -> None:

@@ -1,0 +1,255 @@
+"""LoRA adapters: trials through the CLI, one frozen base per worker, adapter checkpoints,
+their resume, retention and export (plain and merged), and bad [adapter] input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+
+from hpsearch.trainer import adapters
+from hpsearch.trainer.config import AdapterConfig, DataConfig, TrainConfig
+from hpsearch.trainer.dataset import prepare
+from hpsearch.trainer.evaluate import evaluate
+from hpsearch.trainer.loop import Run, fit
+from hpsearch.trainer.model import PretrainedCache, load_tokenizer
+from hpsearch.trainer.report import NullReporter
+from tests.conftest import hpsearch, lm_spec_text, spec_text, start_study
+
+LORA = '[adapter]\nmethod = "lora"\nr = 4\nalpha = 8\ndropout = 0.0\n'
+
+
+def with_adapter(text: str, adapter: str = LORA) -> str:
+    """A spec with an [adapter] table (placed before [search], as a user would write it)."""
+    return text.replace("[search]\n", adapter + "[search]\n", 1)
+
+
+def digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def base_digest(model: torch.nn.Module) -> str:
+    """Every weight but the classifier head's (which each trial re-draws)."""
+    body = {k: v for k, v in model.state_dict().items() if not k.startswith("classifier.")}
+    h = hashlib.sha256()
+    for name, tensor in sorted(body.items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_two_adapter_trials_leave_the_one_base_bit_identical(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
+    tok = load_tokenizer(str(tiny_model))
+    data = prepare(DataConfig(train=str(demo_files[0]), validation=str(demo_files[1])), tok, 32, None)
+    cache = PretrainedCache()
+    cfg = TrainConfig(learning_rate=5e-3, batch_size=32, micro_batch_size=16, max_steps=4, eval_every=2)
+    cfg.precision = "fp32"
+    base = cache._base(str(tiny_model), 2)
+    before = base_digest(base)
+    losses = []
+    for trial in range(2):
+        model = cache.trial_model(str(tiny_model), data.labels, seed=trial, adapter=AdapterConfig(method="lora", r=4))
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert trainable and all("lora_" in n or "classifier" in n for n in trainable), sorted(trainable)[:5]
+        assert adapters.trainable_parameters(model) < sum(p.numel() for p in model.parameters()) / 5
+        run = Run(model, tok, data, cfg, "loss", torch.device("cpu"), tmp_path / f"t{trial}")
+        result = fit(run, NullReporter())
+        assert result.status == "complete"
+        assert result.attrs["trainable_parameters"] == adapters.trainable_parameters(model)
+        losses.append(result.best_value)
+        cache.release(model)
+        assert base is cache._base(str(tiny_model), 2), "one base per process, never a copy"
+        assert not adapters.is_adapter(base) and not any("lora_" in n for n, _ in base.named_parameters())
+        assert base_digest(base) == before, f"trial {trial} changed the frozen base"
+    # Differently seeded adapters and heads: the trials are not one and the same run.
+    assert losses[0] != losses[1]
+
+
+def test_lora_classification_trial_from_the_cli_saves_an_adapter_that_peft_loads(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
+    spec = tmp_path / "spec.toml"
+    space = '"adapter.r" = { type = "categorical", choices = [4, 8] }'
+    spec.write_text(with_adapter(spec_text(tiny_model, *demo_files, n_trials=2, space=space)))
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    start_study("lora", spec, url, tmp_path)
+    trials = optuna.load_study(study_name="lora", storage=url).trials
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 2
+    for t in trials:
+        assert set(t.params) == {"adapter.r"}
+        assert 0 < t.user_attrs["trainable_parameters"] < 20_000, t.user_attrs["trainable_parameters"]
+    best = min(trials, key=lambda t: t.value or 0)
+    folder = Path(best.user_attrs["best_checkpoint"])
+    assert (folder / "adapter_model.safetensors").exists() and not (folder / "model.safetensors").exists()
+    size = sum(p.stat().st_size for p in folder.iterdir())
+    full = sum(p.stat().st_size for p in tiny_model.glob("*.safetensors"))
+    assert size < full / 2, f"an adapter folder ({size} bytes) holds far less than the model ({full})"
+    meta = json.loads((folder / "hpsearch.json").read_text())
+    assert meta["params"] == best.params
+
+    from peft import AutoPeftModelForSequenceClassification
+
+    loaded = AutoPeftModelForSequenceClassification.from_pretrained(str(folder))
+    tok = load_tokenizer(str(folder))
+    data = prepare(DataConfig(train=str(demo_files[0]), validation=str(demo_files[1])), tok, 32, None)
+    metrics = evaluate(
+        loaded,
+        data.validation,
+        pad_id=data.pad_id,
+        batch_size=32,
+        device=torch.device("cpu"),
+        precision="fp32",
+        num_labels=2,
+    )
+    assert metrics.loss == pytest.approx(meta["val_loss"], rel=1e-4)
+
+    # Export, plain (the adapter folder) and merged (a plain transformers model, same logits).
+    plain = hpsearch("best", "--study", "lora", "--storage", url, "--export", str(tmp_path / "ad"), cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    assert (tmp_path / "ad" / "adapter_config.json").exists()
+    merged = hpsearch(
+        "best", "--study", "lora", "--storage", url, "--export", str(tmp_path / "merged"), "--merge", cwd=tmp_path
+    )
+    assert merged.returncode == 0, merged.stderr
+    assert not (tmp_path / "merged" / "adapter_config.json").exists()
+    from transformers import AutoModelForSequenceClassification
+
+    plain_model = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "merged")).eval()
+    loaded.eval()
+    batch = tok(["good fine great", "bad terrible"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        want = loaded(**batch).logits
+        got = plain_model(**batch).logits
+    assert torch.allclose(want, got, atol=1e-5), (want, got)
+    assert plain_model.config.id2label == {0: "negative", 1: "positive"}
+
+
+def test_lora_causal_lm_trial_from_the_cli(tmp_path: Path, tiny_gpt2: Path, lm_files: tuple[Path, Path]) -> None:
+    spec = tmp_path / "lm.toml"
+    text = lm_spec_text(tiny_gpt2, *lm_files, search="[[search.enqueue]]\nlearning_rate = 1e-2")
+    spec.write_text(with_adapter(text, LORA + 'target_modules = ["c_attn", "c_fc"]\n'))
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    start_study("lm", spec, url, tmp_path)
+    (trial,) = optuna.load_study(study_name="lm", storage=url).trials
+    assert trial.state == optuna.trial.TrialState.COMPLETE
+    values = [trial.intermediate_values[s] for s in sorted(trial.intermediate_values)]
+    assert values[-1] < values[0], f"the validation loss must fall: {values}"
+    folder = Path(trial.user_attrs["best_checkpoint"])
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["task_type"] == "CAUSAL_LM" and sorted(config["target_modules"]) == ["c_attn", "c_fc"]
+    from peft import AutoPeftModelForCausalLM
+
+    model = AutoPeftModelForCausalLM.from_pretrained(str(folder))
+    assert any("lora_A" in n for n, _ in model.named_parameters())
+
+
+def test_lora_trial_stopped_midway_resumes_its_adapter(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
+    tok = load_tokenizer(str(tiny_model))
+    data = prepare(DataConfig(train=str(demo_files[0]), validation=str(demo_files[1])), tok, 32, None)
+    cfg = TrainConfig(learning_rate=5e-3, batch_size=32, micro_batch_size=16, max_steps=8, eval_every=2)
+    cfg.precision, cfg.resume_every_minutes = "fp32", 0.0
+    cache = PretrainedCache()
+    lora = AdapterConfig(method="lora", r=4)
+    out = tmp_path / "trial"
+    calls = {"n": 0}
+
+    def stop_after_three() -> bool:
+        calls["n"] += 1
+        return calls["n"] >= 3
+
+    model = cache.trial_model(str(tiny_model), data.labels, 0, lora)
+    run = Run(model, tok, data, cfg, "loss", torch.device("cpu"), out, should_stop=stop_after_three)
+    first = fit(run, NullReporter())
+    assert first.status == "interrupted" and first.steps == 3
+    state = torch.load(out / "resume" / "state.pt", weights_only=True)
+    assert all("lora_" in k or "classifier" in k for k in state["model"]), "only what the trial trains"
+    trained = {k: v.clone() for k, v in state["model"].items()}
+    cache.release(model)
+
+    model = cache.trial_model(str(tiny_model), data.labels, 0, lora)
+    reporter = NullReporter()
+    run = Run(model, tok, data, cfg, "loss", torch.device("cpu"), out, resume_from=out / "resume" / "state.pt")
+    second = fit(run, reporter)
+    assert second.status == "complete" and second.steps == 8
+    assert reporter.attrs["resumed_from_step"] == 3
+    after = adapters.trainable_state(model)
+    assert set(after) == set(trained)
+    assert any(not torch.equal(trained[k], v) for k, v in after.items()), "it trained on after the resume"
+    cache.release(model)
+
+
+def test_retention_deletes_adapter_checkpoints(tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> None:
+    spec = tmp_path / "spec.toml"
+    space = 'learning_rate = { type = "float", low = 1e-4, high = 1e-2, log = true }'
+    text = with_adapter(spec_text(tiny_model, *demo_files, n_trials=3, space=space, search="keep_top_k = 1"))
+    spec.write_text(text.replace("epochs = 2", "epochs = 1"))
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    start_study("keep", spec, url, tmp_path)
+    trials = optuna.load_study(study_name="keep", storage=url).trials
+    complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) >= 2
+    kept = [t for t in complete if (tmp_path / "runs" / "keep" / f"trial-{t.number}" / "best").exists()]
+    assert len(kept) == 1
+    best = min(complete, key=lambda t: t.value or 0)
+    assert kept[0].number == best.number
+    assert (tmp_path / "runs" / "keep" / f"trial-{best.number}" / "best" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    ("adapter", "space", "message"),
+    [
+        ('[adapter]\nmethod = "lora"\nr = 0\n', "", "adapter.r: 0 must be >= 1"),
+        ('[adapter]\nmethod = "lora"\ndropout = 1.5\n', "", "adapter.dropout: 1.5 must be in [0, 1)"),
+        ('[adapter]\nmethod = "lora"\ntarget_modules = []\n', "", "adapter.target_modules: []"),
+        ('[adapter]\nmethod = "dora"\n', "", "adapter.method: 'dora' must be one of"),
+        ('[adapter]\nmethod = "lora"\nrank = 8\n', "", "adapter.rank: unknown key"),
+        (
+            '[adapter]\nmethod = "lora"\n',
+            '"adapter.r" = { type = "categorical", choices = [8, 0] }',
+            "search.space.adapter.r: value 0 gives an invalid trial: adapter.r: 0 must be >= 1",
+        ),
+        (
+            '[adapter]\nmethod = "lora"\n',
+            '"adapter.rank" = { type = "categorical", choices = [8] }',
+            "search.space.adapter.rank: not an [adapter] key",
+        ),
+        (
+            "",
+            '"adapter.r" = { type = "categorical", choices = [8] }',
+            'search.space.adapter.r: searched, but [adapter] method is "none"',
+        ),
+        ('[adapter]\nmethod = "lora"\n', "", "model.quantization: '4bit' needs CUDA GPUs"),
+        ("", "", "model.quantization: '4bit' needs [adapter] method = \"lora\""),
+    ],
+)
+def test_bad_adapter_input_exits_2_with_one_line_and_writes_nothing(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], adapter: str, space: str, message: str
+) -> None:
+    text = spec_text(tiny_model, *demo_files, space=space)
+    if "quantization" in message:
+        text = text.replace("max_length = 32", 'max_length = 32\nquantization = "4bit"')
+    spec = tmp_path / "spec.toml"
+    spec.write_text(with_adapter(text, adapter) if adapter else text)
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    result = hpsearch(
+        *("start", "--study", "bad", "--config", str(spec), "--storage", url),
+        *("--devices", "cpu:1", "--output-dir", str(tmp_path / "runs")),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert not (tmp_path / "db.sqlite").exists()
+    assert not (tmp_path / "runs" / "bad").exists()

@@ -1,0 +1,149 @@
+"""LoRA adapters (peft) on a frozen base: attach one per trial, take it off after, merge for export.
+
+Like litgpt's ``finetune/lora.py``: the base is loaded once per process and never trained; a
+trial owns only what it trains (the adapter and, for a classifier, its head) and the
+optimizer state of those. peft is imported lazily: a full fine-tune never loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpsearch.trainer.config import AdapterConfig, ConfigError, ModelConfig
+
+log = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+"""What peft's save_pretrained writes beside adapter_model.safetensors: marks an adapter folder."""
+
+
+def is_adapter(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a peft model (an adapter on a base)."""
+    return hasattr(model, "peft_config") and hasattr(model, "base_model")
+
+
+def peft_task(task: str) -> str:
+    return "CAUSAL_LM" if task == "causal-lm" else "SEQ_CLS"
+
+
+def attach(base: torch.nn.Module, cfg: AdapterConfig, task: str, seed: int) -> torch.nn.Module:
+    """A freshly seeded LoRA adapter on ``base`` (changed in place: its linear layers are
+    wrapped, its own weights frozen). For a classifier, peft's SEQ_CLS task puts the head in
+    ``modules_to_save``: a trainable copy of it, trained in full and saved with the adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=cfg.target_modules,
+        task_type=peft_task(task),
+    )
+    # LoRA's A matrices are drawn from torch's global generator (B starts at zero): the seed
+    # makes a trial's adapter the same wherever and whenever it runs.
+    torch.manual_seed(seed)
+    model = get_peft_model(base, config)
+    log.info("LoRA r=%d alpha=%g: %d trainable parameters", cfg.r, cfg.alpha, trainable_parameters(model))
+    return model
+
+
+def detach(model: torch.nn.Module) -> torch.nn.Module:
+    """Take the adapter off ``model`` and return the base as it was loaded: unmerged, and with
+    its own head back (peft's unload would leave the trained copy of a modules_to_save head)."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    pretrained: Any = model
+    inner = pretrained.base_model.model
+    originals = [(name, m.original_module) for name, m in inner.named_modules() if isinstance(m, ModulesToSaveWrapper)]
+    if getattr(inner, "_require_grads_hook", None) is not None:
+        inner.disable_input_require_grads()
+    if getattr(inner, "supports_gradient_checkpointing", False):
+        # A no-op when it was off; asking first warns on transformers 5 (a renamed property).
+        inner.gradient_checkpointing_disable()
+    base: Any = pretrained.unload()
+    for name, original in originals:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(base.get_submodule(parent_name) if parent_name else base, attr, original)
+    # Frozen by get_peft_model: a later full fine-tune (adapter.method searched) copies this base.
+    base.requires_grad_(True)
+    return base
+
+
+def trainable_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The resumable part of an adapter model: what it trains (adapter and head), not the base."""
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Put back what :func:`trainable_state` saved; every trainable tensor must be there."""
+    expected = {name for name, p in model.named_parameters() if p.requires_grad}
+    if set(state) != expected:
+        missing = sorted(expected - set(state))[:3]
+        raise ValueError(f"the resumable state is not this adapter's (missing {missing})")
+    result = model.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"the resumable state has unknown tensors {result.unexpected_keys[:3]}")
+
+
+def load_saved(folder: Path) -> torch.nn.Module:
+    """The adapter checkpoint in ``folder`` on its base, as a user loads it (AutoPeftModel*)."""
+    from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
+
+    task = json.loads((folder / ADAPTER_CONFIG).read_text()).get("task_type")
+    auto: Any = AutoPeftModelForCausalLM if task == "CAUSAL_LM" else AutoPeftModelForSequenceClassification
+    return auto.from_pretrained(str(folder))
+
+
+def merge(source: Path, target: Path, tokenizer: Any, id2label: dict[int, str] | None) -> None:
+    """The base with the adapter of ``source`` merged into its weights, saved to ``target``:
+    loadable with plain ``from_pretrained``, no peft needed."""
+    loaded: Any = load_saved(source)
+    merged: Any = loaded.merge_and_unload()
+    if id2label:
+        merged.config.id2label = dict(id2label)
+        merged.config.label2id = {v: k for k, v in id2label.items()}
+    merged.save_pretrained(target, safe_serialization=True)
+    tokenizer.save_pretrained(target)
+
+
+def quantization_config(model: ModelConfig) -> Any:
+    """QLoRA's loading of the frozen base (Dettmers et al. 2023): 4-bit NormalFloat with double
+    quantization and bf16 compute, or LLM.int8(). CUDA only; None without quantization."""
+    if model.quantization == "none":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if model.quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+
+
+def check_quantization(model: ModelConfig, device_kinds: list[str]) -> None:
+    """A quantized base needs bitsandbytes on CUDA: said once at ``start``, not by each trial."""
+    if model.quantization == "none":
+        return
+    if any(kind != "cuda" for kind in device_kinds) or not torch.cuda.is_available():
+        raise ConfigError(
+            f"model.quantization: {model.quantization!r} needs CUDA GPUs (bitsandbytes), and this run has "
+            'CPU devices or no CUDA; use --devices cuda:..., or quantization = "none"'
+        )
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            f"model.quantization: {model.quantization!r} needs bitsandbytes; pip install bitsandbytes"
+        ) from None
