@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import optuna
 import pytest
 import torch
 
-from hpsearch.trainer import adapters
-from hpsearch.trainer.config import AdapterConfig, DataConfig, TrainConfig
+from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.evaluate import evaluate
-from hpsearch.trainer.loop import Run, fit
+from hpsearch.trainer.loop import Run, fit, flops_per_token
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 from hpsearch.trainer.report import NullReporter
 from tests.conftest import hpsearch, lm_spec_text, spec_text, start_study
@@ -49,6 +49,10 @@ def base_digest(model: torch.nn.Module) -> str:
 def test_two_adapter_trials_leave_the_one_base_bit_identical(
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
 ) -> None:
+    # Imported here: on code without adapters, each test fails on its own, not at collection.
+    from hpsearch.trainer import adapters
+    from hpsearch.trainer.config import AdapterConfig
+
     tok = load_tokenizer(str(tiny_model))
     data = prepare(DataConfig(train=str(demo_files[0]), validation=str(demo_files[1])), tok, 32, None)
     cache = PretrainedCache()
@@ -62,15 +66,26 @@ def test_two_adapter_trials_leave_the_one_base_bit_identical(
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         assert trainable and all("lora_" in n or "classifier" in n for n in trainable), sorted(trainable)[:5]
         assert adapters.trainable_parameters(model) < sum(p.numel() for p in model.parameters()) / 5
-        run = Run(model, tok, data, cfg, "loss", torch.device("cpu"), tmp_path / f"t{trial}")
+        # The second trial checkpoints activations: its adapters still get gradients.
+        trial_cfg = replace(cfg, gradient_checkpointing=trial == 1)
+        run = Run(model, tok, data, trial_cfg, "loss", torch.device("cpu"), tmp_path / f"t{trial}")
+        tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad and id(p) not in tables)
+        assert flops_per_token(model) == pytest.approx(6 * adapters.trainable_parameters(model) + 4 * frozen)
+        lora_b = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
         result = fit(run, NullReporter())
         assert result.status == "complete"
+        moved = [n for n, p in model.named_parameters() if n in lora_b and not torch.equal(p, lora_b[n])]
+        assert len(moved) == len(lora_b), f"adapters without gradient: {sorted(set(lora_b) - set(moved))[:3]}"
         assert result.attrs["trainable_parameters"] == adapters.trainable_parameters(model)
         losses.append(result.best_value)
         cache.release(model)
         assert base is cache._base(str(tiny_model), 2), "one base per process, never a copy"
         assert not adapters.is_adapter(base) and not any("lora_" in n for n, _ in base.named_parameters())
         assert base_digest(base) == before, f"trial {trial} changed the frozen base"
+        assert getattr(base, "_require_grads_hook", None) is None
+        assert not any(getattr(m, "gradient_checkpointing", False) for m in base.modules())
+        assert all(p.requires_grad for p in base.parameters()), "a full fine-tune may copy this base next"
     # Differently seeded adapters and heads: the trials are not one and the same run.
     assert losses[0] != losses[1]
 
@@ -156,6 +171,10 @@ def test_lora_causal_lm_trial_from_the_cli(tmp_path: Path, tiny_gpt2: Path, lm_f
 def test_lora_trial_stopped_midway_resumes_its_adapter(
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
 ) -> None:
+    # Imported here: on code without adapters, each test fails on its own, not at collection.
+    from hpsearch.trainer import adapters
+    from hpsearch.trainer.config import AdapterConfig
+
     tok = load_tokenizer(str(tiny_model))
     data = prepare(DataConfig(train=str(demo_files[0]), validation=str(demo_files[1])), tok, 32, None)
     cfg = TrainConfig(learning_rate=5e-3, batch_size=32, micro_batch_size=16, max_steps=8, eval_every=2)
