@@ -69,7 +69,10 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     precision = prec.resolve(cfg.precision, device)
     # Ranks draw different dropout masks; their weights are equal anyway (DDP starts from rank 0's).
     torch.manual_seed(cfg.seed + world.rank)
-    run.model.to(device).train()
+    if not getattr(run.model, "is_quantized", False):
+        # A quantized (QLoRA) base was put on its GPU by bitsandbytes as it loaded, and cannot be moved.
+        run.model.to(device)
+    run.model.train()
     attention.use_fast_attention(run.model, device, precision)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(run.model)
