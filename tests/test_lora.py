@@ -272,3 +272,57 @@ def test_bad_adapter_input_exits_2_with_one_line_and_writes_nothing(
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert not (tmp_path / "db.sqlite").exists()
     assert not (tmp_path / "runs" / "bad").exists()
+
+
+def test_a_lora_study_defaults_to_ten_times_the_learning_rate_and_a_full_one_stores_no_adapter() -> None:
+    from hpsearch.search.spec import LORA_LEARNING_RATE, StudySpec
+
+    base = {"model": {"name": "m"}, "data": {"train": "a", "validation": "b"}}
+    full = StudySpec.from_dict(base)
+    lora = StudySpec.from_dict({**base, "adapter": {"method": "lora"}})
+    assert lora.train.learning_rate == LORA_LEARNING_RATE == 10 * full.train.learning_rate
+    given = StudySpec.from_dict({**base, "adapter": {"method": "lora"}, "train": {"learning_rate": 1e-4}})
+    assert given.train.learning_rate == 1e-4
+    # A full fine-tune's stored spec reads as before [adapter] existed; a LoRA one keeps its table.
+    assert "adapter" not in full.to_dict()
+    assert StudySpec.from_dict(lora.to_dict()).adapter == lora.adapter
+
+
+def test_merge_without_export_is_a_usage_error(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    result = hpsearch("best", "--study", "x", "--storage", url, "--merge", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "--merge: goes with --export DIR" in result.stderr
+    assert not (tmp_path / "db.sqlite").exists()
+
+
+def test_merge_of_a_classifier_with_more_labels_than_its_base_config(tmp_path: Path, tiny_model: Path) -> None:
+    """The base's config says 2 labels; a 3-class adapter loads and merges all the same."""
+    from transformers import AutoModelForSequenceClassification
+
+    from hpsearch.trainer import adapters
+    from hpsearch.trainer.config import AdapterConfig
+
+    class Labels:
+        num_labels = 3
+
+        def id2label(self) -> dict[int, str]:
+            return {0: "bad", 1: "fine", 2: "good"}
+
+    cache = PretrainedCache()
+    model = cache.trial_model(str(tiny_model), Labels(), 1, AdapterConfig(method="lora", r=4))
+    with torch.no_grad():  # a trained-looking adapter: B is zero at first, which would merge to nothing
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    model.save_pretrained(tmp_path / "adapter")
+    tok = load_tokenizer(str(tiny_model))
+    adapters.merge(tmp_path / "adapter", tmp_path / "merged", tok, Labels().id2label())
+    merged = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "merged")).eval()
+    model.eval()
+    batch = tok(["good fine great", "bad terrible"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        want, got = model(**batch).logits, merged(**batch).logits
+    assert want.shape == (2, 3) and torch.allclose(want, got, atol=1e-5), (want, got)
+    assert merged.config.id2label == {0: "bad", 1: "fine", 2: "good"}
+    cache.release(model)

@@ -94,19 +94,23 @@ def load_trainable(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> No
         raise ValueError(f"the resumable state has unknown tensors {result.unexpected_keys[:3]}")
 
 
-def load_saved(folder: Path) -> torch.nn.Module:
-    """The adapter checkpoint in ``folder`` on its base, as a user loads it (AutoPeftModel*)."""
+def load_saved(folder: Path, num_labels: int | None = None) -> torch.nn.Module:
+    """The adapter checkpoint in ``folder`` on its base, as a user loads it (AutoPeftModel*).
+    ``num_labels``: a classifier's label count, where it differs from the base's config (the
+    base is loaded from its own folder, whose head has the base's count)."""
     from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
 
     task = json.loads((folder / ADAPTER_CONFIG).read_text()).get("task_type")
-    auto: Any = AutoPeftModelForCausalLM if task == "CAUSAL_LM" else AutoPeftModelForSequenceClassification
-    return auto.from_pretrained(str(folder))
+    if task == "CAUSAL_LM":
+        return AutoPeftModelForCausalLM.from_pretrained(str(folder))
+    kwargs: dict[str, Any] = {"num_labels": num_labels, "ignore_mismatched_sizes": True} if num_labels else {}
+    return AutoPeftModelForSequenceClassification.from_pretrained(str(folder), **kwargs)
 
 
 def merge(source: Path, target: Path, tokenizer: Any, id2label: dict[int, str] | None) -> None:
     """The base with the adapter of ``source`` merged into its weights, saved to ``target``:
     loadable with plain ``from_pretrained``, no peft needed."""
-    loaded: Any = load_saved(source)
+    loaded: Any = load_saved(source, len(id2label) if id2label else None)
     merged: Any = loaded.merge_and_unload()
     if id2label:
         merged.config.id2label = dict(id2label)
