@@ -451,8 +451,9 @@ def _check_inputs(spec: Any, output_dir: Path, device_list: list[Any]) -> None:
     check_reachable(spec.model.name)
     tokenizer = load_tokenizer(spec.model.name)
     check_model(spec.model.name, spec.model.max_length)
-    from hpsearch.trainer.adapters import check_quantization
+    from hpsearch.trainer.adapters import check_quantization, check_targets
 
+    check_targets(spec.model, spec.adapter)
     check_quantization(spec.model, [d.kind for d in device_list])
     check_precision(spec.train.precision, device_list)
     searched = spec.space.get("precision")

@@ -232,6 +232,12 @@ def test_retention_deletes_adapter_checkpoints(tmp_path: Path, tiny_model: Path,
         ('[adapter]\nmethod = "lora"\nr = 0\n', "", "adapter.r: 0 must be >= 1"),
         ('[adapter]\nmethod = "lora"\ndropout = 1.5\n', "", "adapter.dropout: 1.5 must be in [0, 1)"),
         ('[adapter]\nmethod = "lora"\ntarget_modules = []\n', "", "adapter.target_modules: []"),
+        ('[adapter]\nmethod = "lora"\ntarget_modules = "query"\n', "", "adapter.target_modules: 'query' must be"),
+        (
+            '[adapter]\nmethod = "lora"\ntarget_modules = ["query", "qkv"]\n',
+            "",
+            "adapter.target_modules: 'qkv' names no layer of",
+        ),
         ('[adapter]\nmethod = "dora"\n', "", "adapter.method: 'dora' must be one of"),
         ('[adapter]\nmethod = "lora"\nrank = 8\n', "", "adapter.rank: unknown key"),
         (

@@ -151,3 +151,29 @@ def check_quantization(model: ModelConfig, device_kinds: list[str]) -> None:
         raise ConfigError(
             f"model.quantization: {model.quantization!r} needs bitsandbytes; pip install bitsandbytes"
         ) from None
+
+
+def check_targets(model: ModelConfig, adapter: AdapterConfig) -> None:
+    """Every name in ``adapter.target_modules`` must name a layer of the model (peft's rule: the
+    module's name or its last dotted parts), checked on an empty (meta-device) copy built from
+    the config alone: no weights are read, whatever the model's size."""
+    if not adapter.enabled or isinstance(adapter.target_modules, str):
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    auto: Any = AutoModelForCausalLM if model.task == "causal-lm" else AutoModelForSequenceClassification
+    with torch.device("meta"):
+        empty = auto.from_config(AutoConfig.from_pretrained(model.name))
+    names = [n for n, _ in empty.named_modules() if n]
+    for target in adapter.target_modules:
+        if not any(n == target or n.endswith("." + target) for n in names):
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in empty.named_modules() if _is_linear(m)})
+            raise ConfigError(
+                f"adapter.target_modules: {target!r} names no layer of {model.name}; its linear layers are "
+                f'{", ".join(linear)} (or use "all-linear")'
+            )
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    # GPT-2's layers are transformers' Conv1D, a linear layer with its weight transposed.
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"

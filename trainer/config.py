@@ -190,7 +190,8 @@ class AdapterConfig:
         rule(math.isfinite(self.dropout) and 0 <= self.dropout < 1, "dropout", "must be in [0, 1)")
         targets = self.target_modules
         if isinstance(targets, str):
-            rule(bool(targets.strip()), "target_modules", 'must be "all-linear" or a list of module names')
+            # peft would read any other string as a regular expression: one typo adapts nothing.
+            rule(targets == "all-linear", "target_modules", 'must be "all-linear" or a list of module names')
         else:
             ok = isinstance(targets, list) and bool(targets) and all(isinstance(t, str) and t for t in targets)
             rule(ok, "target_modules", 'must be "all-linear" or a non-empty list of module names')
