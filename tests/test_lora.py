@@ -332,3 +332,31 @@ def test_merge_of_a_classifier_with_more_labels_than_its_base_config(tmp_path: P
     assert want.shape == (2, 3) and torch.allclose(want, got, atol=1e-5), (want, got)
     assert merged.config.id2label == {0: "bad", 1: "fine", 2: "good"}
     cache.release(model)
+
+
+def test_a_lora_trial_stopped_by_sigterm_resumes_its_adapter_on_the_next_start(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str
+) -> None:
+    import signal
+
+    from tests.test_faults import _slow_spec, _start, _wait_for_report
+
+    spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=1)
+    spec.write_text(with_adapter(spec.read_text()))
+    proc = _start(tmp_path, spec, sqlite_url)
+    try:
+        _wait_for_report(sqlite_url, min_step=5)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    first, retry = optuna.load_study(study_name="f", storage=sqlite_url).get_trials()
+    assert first.user_attrs["fail_reason"] == "interrupted", first.user_attrs
+    again = _start(tmp_path, spec, sqlite_url)
+    _, err = again.communicate(timeout=600)
+    assert again.returncode == 0, err[-3000:]
+    first, retry = optuna.load_study(study_name="f", storage=sqlite_url).get_trials()
+    assert retry.state == optuna.trial.TrialState.COMPLETE
+    assert retry.user_attrs["resumed_from_step"] >= 5
+    assert min(retry.intermediate_values) > retry.user_attrs["resumed_from_step"]
+    assert (Path(retry.user_attrs["best_checkpoint"]) / "adapter_model.safetensors").exists()
