@@ -69,8 +69,11 @@ def detach(model: torch.nn.Module) -> torch.nn.Module:
     for name, original in originals:
         parent_name, _, attr = name.rpartition(".")
         setattr(base.get_submodule(parent_name) if parent_name else base, attr, original)
-    # Frozen by get_peft_model: a later full fine-tune (adapter.method searched) copies this base.
-    base.requires_grad_(True)
+    if not getattr(base, "is_quantized", False):
+        # Frozen by get_peft_model: a later full fine-tune (adapter.method searched) copies this
+        # base. A quantized one stays frozen (its integer weights cannot take a gradient, and
+        # the spec allows it only with method = "lora").
+        base.requires_grad_(True)
     return base
 
 
