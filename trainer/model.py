@@ -209,8 +209,9 @@ def load_model(name: str, num_labels: int, quantization: Any = None) -> torch.nn
     # (and re-initialised per trial) anyway.
     kwargs: dict[str, Any] = {"num_labels": num_labels, "ignore_mismatched_sizes": True} if num_labels else {}
     if quantization is not None:
-        # bitsandbytes places the quantized weights itself; the head and norms stay bf16.
-        kwargs.update(quantization_config=quantization, device_map={"": 0}, dtype=torch.bfloat16)
+        # bitsandbytes places the quantized weights itself, on this worker's one visible GPU; no
+        # dtype: prepare_model_for_kbit_training below upcasts the unquantized layers to fp32 anyway.
+        kwargs.update(quantization_config=quantization, device_map={"": 0})
     try:
         model = auto.from_pretrained(name, attn_implementation="sdpa", **kwargs)
         if quantization is not None:
