@@ -360,3 +360,15 @@ def test_a_lora_trial_stopped_by_sigterm_resumes_its_adapter_on_the_next_start(
     assert retry.user_attrs["resumed_from_step"] >= 5
     assert min(retry.intermediate_values) > retry.user_attrs["resumed_from_step"]
     assert (Path(retry.user_attrs["best_checkpoint"]) / "adapter_model.safetensors").exists()
+
+
+def test_qlora_loads_the_base_as_nf4_with_bf16_compute() -> None:
+    """What a CUDA worker passes to from_pretrained (the load itself needs a GPU: not run here)."""
+    from hpsearch.trainer import adapters
+    from hpsearch.trainer.config import ModelConfig
+
+    four = adapters.quantization_config(ModelConfig(name="m", quantization="4bit"))
+    assert four.load_in_4bit and four.bnb_4bit_quant_type == "nf4" and four.bnb_4bit_use_double_quant
+    assert four.bnb_4bit_compute_dtype == torch.bfloat16
+    assert adapters.quantization_config(ModelConfig(name="m", quantization="8bit")).load_in_8bit
+    assert adapters.quantization_config(ModelConfig(name="m")) is None
