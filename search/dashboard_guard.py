@@ -149,7 +149,7 @@ def guard(app: WSGIApplication, policy: Policy) -> WSGIApplication:
         host = environ.get("HTTP_HOST", "")
         if not policy.host_allowed(host):
             shown = _printable(host) or "(none)"
-            log.warning("refused a request for Host %s (not a name of this dashboard)", shown)
+            log.info("refused a request for Host %s (not a name of this dashboard)", shown)
             return _refuse(
                 start_response,
                 "403 Forbidden",
@@ -176,7 +176,7 @@ def guard(app: WSGIApplication, policy: Policy) -> WSGIApplication:
                 )
             foreign = _foreign_origin(environ, host, policy)
             if foreign is not None:
-                log.warning("refused a %s from the page of another origin (%s)", method, foreign)
+                log.info("refused a %s from the page of another origin (%s)", method, foreign)
                 return _refuse(
                     start_response,
                     "403 Forbidden",
