@@ -111,9 +111,34 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--study", help="open this study's page (default: the list of studies)")
     storage_arg(dash)
     dash.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: reach it by SSH tunnel)"
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: reach it by SSH tunnel); any other address requires "
+        "the token it prints, or $HPSEARCH_DASHBOARD_TOKEN",
     )
     dash.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0 = any free port)")
+    dash.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also answer to this host name (a proxy's public name); repeatable. Others get 403",
+    )
+    mode = dash.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--read-only",
+        dest="writable",
+        action="store_false",
+        default=None,
+        help="visitors browse only (the default off 127.0.0.1)",
+    )
+    mode.add_argument(
+        "--writable",
+        dest="writable",
+        action="store_true",
+        default=None,
+        help="visitors may also edit notes and delete studies and trials (the default on 127.0.0.1)",
+    )
     dash.set_defaults(func=cmd_dashboard)
     return parser
 
@@ -354,7 +379,14 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     from hpsearch.storage import urls
 
     try:
-        return dashboard.run(urls.resolve(args.storage), args.study, args.host, args.port)
+        return dashboard.run(
+            urls.resolve(args.storage),
+            args.study,
+            args.host,
+            args.port,
+            allow_hosts=args.allow_host,
+            writable=args.writable,
+        )
     except dashboard.DashboardError as exc:
         raise UsageError(str(exc)) from None
 
