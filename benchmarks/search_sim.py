@@ -40,14 +40,13 @@ import numpy as np
 import optuna
 
 from hpsearch.search import study as studies
+from hpsearch.search.early_stop import ChanceLevel, PruningGate
 from hpsearch.search.spec import PRUNERS, SAMPLERS, StudySpec
-from hpsearch.trainer.chance import Chance
 from hpsearch.trainer.evaluate import Metrics
-from hpsearch.trainer.judge import Judge
 
 STEPS, EVAL_EVERY, BATCH = 128, 16, 16
 # Balanced labels, 256 validation examples.
-PRIOR = Chance.of([0, 1] * 128)
+PRIOR = ChanceLevel.of([0, 1] * 128)
 assert PRIOR is not None
 
 
@@ -115,7 +114,7 @@ def search(
         points, score = run_trial(params, rng)
         # The trainer's own judge; the surrogate has no loss, so each point gets the prior's.
         warmup = round(params["warmup_ratio"] * STEPS)
-        judge = Judge(PRIOR, warmup, STEPS, "accuracy", stop_at_chance=stop_at_chance, patient=patient)
+        judge = PruningGate(PRIOR, warmup, STEPS, "accuracy", stop_at_chance=stop_at_chance, patient=patient)
         top, pruned, step = -1.0, False, 0
         for step, value in points.items():
             top = max(top, value)

@@ -76,7 +76,7 @@ class SearchConfig:
     """asha/hyperband: 1 in this many trials is promoted to the next rung."""
     patient_pruning: bool = True
     """Any pruner: it is not asked about points that say little of a trial's hyperparameters
-    (see trainer/judge.py): before the trial's own learning-rate warm-up has ended, and, with
+    (see search/early_stop.py): before the trial's own learning-rate warm-up has ended, and, with
     an accuracy or F1 metric, in its first fifth while its loss has left the label prior's but
     its accuracy has not. Such points are still reported. asha/hyperband file a trial's first
     judged value under every rung it has passed."""

@@ -21,6 +21,7 @@ from optuna.trial import TrialState
 
 from hpsearch.search import leftovers, lifeline, ranks, reap, retry, study as studies
 from hpsearch.search.devices import torch_device
+from hpsearch.search.early_stop import EarlyStop, PruningGate
 from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import StudySpec, resolved
 from hpsearch.storage import budget, checkpoints as retention, registry
@@ -59,7 +60,7 @@ class TrialReporter:
         """When a call last reached the storage: the device time of an attempt that storage
         failed is counted up to here, not through the minutes of retrying."""
 
-    def report(self, value: float, step: int) -> None:
+    def report(self, value: float, step: int, metrics: object = None) -> None:
         self.trial.report(value, step)
         self.last_ok = time.monotonic()
 
@@ -358,10 +359,14 @@ class Worker:
                 meta={"study": self.args.study, "trial": trial.number, "params": params},
                 started=started,
                 world=self.world,
-                stop_at_chance=self.spec.search.stop_at_chance,
-                patient_pruning=self.spec.search.patient_pruning,
             )
-            result = fit(run, reporter)
+            search = self.spec.search
+            gate = PruningGate.of_run(
+                data, cfg, search.metric, stop_at_chance=search.stop_at_chance, patient=search.patient_pruning
+            )
+            early = EarlyStop(reporter, gate)
+            result = fit(run, early)
+            result.fail_reason = result.fail_reason or early.reason
         except CheckpointError as exc:
             log.error("trial %d failed: %s", trial.number, exc)
             failure: str | None = exc.reason

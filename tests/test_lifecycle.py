@@ -178,7 +178,7 @@ def test_a_storage_failure_inside_a_trial_hands_it_back_with_its_checkpoints(
     real_report = TrialReporter.report
     outage = {"left": 1}
 
-    def report(self: TrialReporter, value: float, step: int) -> None:
+    def report(self: TrialReporter, value: float, step: int, metrics: object = None) -> None:
         if step == 10 and outage["left"]:
             outage["left"] -= 1
             time.sleep(2.0)  # the storage layer retrying through the outage
@@ -214,7 +214,7 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
 
     real_report, real_hand_back = worker.TrialReporter.report, worker.retry.hand_back
 
-    def report(self: worker.TrialReporter, value: float, step: int) -> None:
+    def report(self: worker.TrialReporter, value: float, step: int, metrics: object = None) -> None:
         if step == 10:
             raise StorageInternalError("An exception is raised during the commit (injected outage)")
         real_report(self, value, step)
