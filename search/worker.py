@@ -22,6 +22,7 @@ from optuna.trial import TrialState
 from hpsearch.search import leftovers, lifeline, ranks, reap, retry, study as studies
 from hpsearch.search.devices import torch_device
 from hpsearch.search.early_stop import EarlyStop, PruningGate
+from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import StudySpec, resolved
 from hpsearch.storage import budget, checkpoints as retention, registry
@@ -83,7 +84,7 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     stop.install()
     if not lifeline.die_with_parent():
         log.warning("the supervisor that started this worker is gone; exiting")
-        raise SystemExit(128 + signal.SIGTERM)
+        raise SystemExit(ExitCode.signalled(signal.SIGTERM))
     import torch
 
     if args.threads:
@@ -104,7 +105,7 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     try:
         storage = lifeline.open_patiently(args.storage_url, patience, stop)
     except lifeline.StorageLost as exc:
-        _exit(lifeline.STORAGE_LOST, f"{exc}; exiting", peers)
+        _exit(ExitCode.STORAGE_LOST, f"{exc}; exiting", peers)
     if storage is None:
         _exit(128 + stop.signum, "stopped before the storage answered", peers)
     try:
@@ -116,14 +117,14 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
             with Reaper(storage, args.study, max_retries=worker.spec.search.max_retries, interval_s=reg.interval_s):
                 worker.run()
     except ranks.GroupRestart as exc:
-        _exit(ranks.GROUP_RESTART, f"{exc}; restarting the device group", peers)
+        _exit(ExitCode.GROUP_RESTART, f"{exc}; restarting the device group", peers)
     except Exception as exc:
         if not isinstance(exc, lifeline.StorageLost) and not lifeline.is_storage_failure(exc):
             raise
         # Also a storage call outside a trial (reading the spec while loading) that ran out
         # of patience after a stop: one line, not a traceback.
         _exit(
-            lifeline.STORAGE_LOST,
+            ExitCode.STORAGE_LOST,
             f"{lifeline.describe(exc)}; exiting (a held trial is retried once the storage is back)",
             peers,
         )
@@ -135,7 +136,7 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     if stop.requested:
         # Tell the supervisor we were stopped (its trial is already handed back), so it
         # restarts us unless it is stopping too.
-        raise SystemExit(128 + stop.signum)
+        raise SystemExit(ExitCode.signalled(stop.signum))
 
 
 def _exit(code: int, why: str, peers: ranks.Peers | None) -> NoReturn:

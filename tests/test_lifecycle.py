@@ -474,7 +474,14 @@ def test_past_the_deadline_only_a_retry_is_taken_from_the_queue() -> None:
 
 
 def test_a_worker_s_exit_codes_say_one_thing_each() -> None:
-    from hpsearch.search import lifeline, ranks
+    import signal
 
-    # The supervisor tells a lost storage from a dead peer rank by the code alone.
-    assert len({lifeline.STORAGE_LOST, ranks.PEER_DIED, ranks.GROUP_RESTART}) == 3
+    from hpsearch.search.exit_codes import ExitCode
+
+    # The supervisor tells a lost storage from a dead peer rank by the code alone: no two codes
+    # are equal, and none is what a signal's end or Python's own error exit reads as.
+    codes = [int(c) for c in ExitCode]
+    assert len(set(codes)) == len(codes) == 6
+    signal_codes = {ExitCode.signalled(s) for s in signal.Signals}
+    assert not signal_codes & set(codes) and ExitCode.signalled(signal.SIGINT) == 130
+    assert ExitCode.STORAGE_LOST not in (0, 1, 2) and ExitCode.PEER_DIED < 128
