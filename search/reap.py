@@ -73,9 +73,10 @@ def reap(
             reaped += _retry_stale(storage, study, s, max_retries, why)
     if not orphans:
         return reaped
-    # The slowest worker's own interval, not this process's: a slot it claims a moment before
-    # asking for its trial must not look orphaned to a reaper that beats faster.
-    grace = max(grace_s or 0.0, registry.MISSED_BEATS * registry.longest_interval(storage.db, study_name))
+    # By default the slowest worker's own interval, not this process's: a reaper that beats
+    # faster must not judge a slot a worker claimed a moment ago (a window of milliseconds,
+    # so a grace given by hand stands).
+    grace = grace_s if grace_s is not None else registry.MISSED_BEATS * registry.longest_interval(storage.db, study_name)
     running_trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     running = {t.number for t in running_trials}
     for number in _unbound(storage, study_name, running_trials, grace):
