@@ -76,7 +76,9 @@ def reap(
     # By default the slowest worker's own interval, not this process's: a reaper that beats
     # faster must not judge a slot a worker claimed a moment ago (a window of milliseconds,
     # so a grace given by hand stands).
-    grace = grace_s if grace_s is not None else registry.MISSED_BEATS * registry.longest_interval(storage.db, study_name)
+    grace = (
+        grace_s if grace_s is not None else registry.MISSED_BEATS * registry.longest_interval(storage.db, study_name)
+    )
     running_trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     running = {t.number for t in running_trials}
     for number in _unbound(storage, study_name, running_trials, grace):

@@ -50,11 +50,7 @@ def create_or_resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Stu
             log.info("study %s: a start was cut short while creating it; creating it again", name)
             optuna.delete_study(study_name=name, storage=storage.optuna)
             study_id = None
-        if study_id is None:
-            study = _create(storage, name, spec)
-        else:
-            study = _resume(storage, name, spec)
-    return study
+        return _create(storage, name, spec) if study_id is None else _resume(storage, name, spec)
 
 
 def _create(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:

@@ -90,6 +90,7 @@ class Storage:
         # Two int4 keys: the project's, and the name's checksum (a collision only makes two
         # studies' creations take turns).
         keys = {"project": CREATION_LOCK_CLASS, "name": zlib.crc32(name.encode()) - 2**31}
+
         def take() -> sqlalchemy.Connection:
             conn = engine.connect()
             try:

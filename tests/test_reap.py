@@ -160,9 +160,7 @@ def _worker_with_trial(storage, study: optuna.Study, name: str, heartbeat_s: flo
     return row, number
 
 
-def test_reap_by_hand_judges_each_worker_by_its_own_interval_not_the_shells(
-    storage_url: str, spec_file: Path
-) -> None:
+def test_reap_by_hand_judges_each_worker_by_its_own_interval_not_the_shells(storage_url: str, spec_file: Path) -> None:
     storage = open_storage(storage_url, create=True)
     try:
         study = studies.create_or_resume(storage, "r", load_file(spec_file))
@@ -170,7 +168,9 @@ def test_reap_by_hand_judges_each_worker_by_its_own_interval_not_the_shells(
         _, lost = _worker_with_trial(storage, study, "lost", 0.3, "host-b")  # 3 beats of 0.3 s missed
         time.sleep(1.5)
         # This shell beats every 0.2 s; a 1 s grace is 5 of its beats, and 1/30 of the slow worker's.
-        proc = _cli("reap", "--study", "r", "--grace", "1", "--storage", storage_url, env={registry.HEARTBEAT_ENV: "0.2"})
+        proc = _cli(
+            "reap", "--study", "r", "--grace", "1", "--storage", storage_url, env={registry.HEARTBEAT_ENV: "0.2"}
+        )
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err[-3000:]
         [line] = out.splitlines()

@@ -99,7 +99,6 @@ class TestRegistryContract:
         w = _only(storage.db, "s")
         assert w.state == "finished" and w.trials_finished == 0 and w.current_trial is None
 
-
     def test_a_live_row_never_ages_past_its_interval_around_trial_starts(self, storage: Storage) -> None:
         # Read on an engine of its own: the heartbeat must not wait for the watcher's sessions.
         watcher = open_storage(storage.url, create=False)
@@ -108,7 +107,7 @@ class TestRegistryContract:
             with registry.Registration(storage.db, "s", "w", "cpu:0", interval_s=interval) as reg:
                 for number in range(3):
                     beats = reg.beats
-                    assert _eventually(lambda: reg.beats > beats)
+                    assert _eventually(lambda beats=beats: reg.beats > beats)
                     reg.trial_started(number)  # just after a beat, as a worker's next trial may start
                     deadline = time.monotonic() + 2 * interval
                     while time.monotonic() < deadline:
