@@ -242,24 +242,28 @@ def stale_trials(
         ).scalars()
         stale = []
         for r in rows:
-            grace = missed_beats * r.heartbeat_s
-            if grace_s is not None and grace_s < grace:
+            own = missed_beats * r.heartbeat_s
+            grace = own if grace_s is None else max(own, grace_s)
+            if grace_s is not None and grace_s < own and (r.id, grace_s) not in _CLAMPED:
+                _CLAMPED.add((r.id, grace_s))  # once: `hpsearch reap` asks again every second while it watches
                 log.warning(
                     "a grace of %gs is shorter than %g beats of worker %s's own interval (%gs): using %gs",
                     grace_s,
                     missed_beats,
                     r.name,
                     r.heartbeat_s,
-                    grace,
+                    own,
                 )
-            elif grace_s is not None:
-                grace = grace_s
             since = r.heartbeat_at if watched_since is None else max(r.heartbeat_at, watched_since)
             if r.current_trial is not None and now - since > grace:
                 stale.append(_stale(r, now))
         return stale
 
     return db.run(read, what="find stale trials")
+
+
+_CLAMPED: set[tuple[int, float]] = set()
+"""(row id, grace) pairs this process has warned about in ``stale_trials``."""
 
 
 def longest_interval(db: Database, study: str) -> float:
