@@ -250,21 +250,24 @@ class Reaper:
 
     def _loop(self) -> None:
         healthy_since: float | None = None
+        watched_since = 0.0  # the same moment by the database clock
         while not self._stop.wait(self.poll_s):
             began = time.monotonic()
             try:
-                self.storage.db.now()
+                db_now = self.storage.db.now()
             except StorageError:
                 healthy_since = None
                 continue
             now = time.monotonic()
             # A slow answer means the storage layer was retrying through an outage.
             if healthy_since is None or now - began > self.poll_s:
-                healthy_since = now
+                healthy_since, watched_since = now, db_now
             if now - healthy_since < self.grace_s:
                 continue
             try:
-                reap(self.storage, self.study_name, max_retries=self.max_retries)
+                # Silence counts from then: a worker that beats slower than this one has a longer
+                # grace than the wait above, and its row is as old as the outage too.
+                reap(self.storage, self.study_name, max_retries=self.max_retries, watched_since=watched_since)
             except StorageError as err:
                 log.warning("reaping stale trials failed: %s", err)
                 healthy_since = None
