@@ -58,7 +58,12 @@ def _create(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
         s.merge(StudyCreation(study_name=name, started_at=s.execute(select(storage.db.clock())).scalar_one()))
 
     storage.db.run(mark, what=f"mark study {name!r} as being created")
-    study = optuna.create_study(study_name=name, storage=storage.optuna, direction=spec.direction)
+    try:
+        study = optuna.create_study(study_name=name, storage=storage.optuna, direction=spec.direction)
+    except optuna.exceptions.DuplicatedStudyError:
+        # Plain Optuna (which knows nothing of our lock) made one of that name just now.
+        _unmark(storage, name)
+        raise SpecError(f"study {name!r} exists but was not created by hpsearch; choose another --study name") from None
     # Rows a deleted study of this name left in our tables would count as the new one's.
     slots, rows = budget.forget_study(storage.db, name), registry.forget_study(storage.db, name)
     if slots or rows:
@@ -68,12 +73,16 @@ def _create(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
     for params in spec.enqueue:
         study.enqueue_trial(params, user_attrs={"enqueued": True})
     _store_spec(storage, study, spec)  # last: a study with a spec is whole
+    _unmark(storage, name)
+    log.info("created study %s in %s (%d queued trials)", name, storage.display, len(spec.enqueue))
+    return study
+
+
+def _unmark(storage: Storage, name: str) -> None:
     storage.db.run(
         lambda s: s.execute(delete(StudyCreation).where(StudyCreation.study_name == name)),
         what=f"mark study {name!r} as created",
     )
-    log.info("created study %s in %s (%d queued trials)", name, storage.display, len(spec.enqueue))
-    return study
 
 
 def _resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
