@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace",
         type=float,
         metavar="SECONDS",
-        help="heartbeat age that counts as lost (default: 3 of the worker's heartbeat intervals, 90 s)",
+        help="heartbeat age that counts as lost (default and least: 3 of each worker's own heartbeat interval, "
+        "90 s at the default 30 s)",
     )
     storage_arg(reap)
     reap.set_defaults(func=cmd_reap)
@@ -331,25 +332,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_reap(args: argparse.Namespace) -> int:
     from hpsearch.search import reap, study as studies
-    from hpsearch.storage import registry, urls
+    from hpsearch.storage import urls
     from hpsearch.storage.open import open_storage
 
     if args.grace is not None and not 0 <= args.grace < math.inf:  # also refuses nan
         raise UsageError(f"--grace {args.grace:g}: must be a number of seconds >= 0")
-    beat = registry.heartbeat_interval()
-    if args.grace is not None and args.grace < beat:
-        # A live worker's heartbeat is up to one interval old: a shorter grace reaps it mid-trial.
-        raise UsageError(
-            f"--grace {args.grace:g}: shorter than the workers' heartbeat interval ({beat:g} s), so live "
-            f"workers would look lost; use at least {beat:g} (the default, {3 * beat:g}, allows for missed beats)"
-        )
     storage = open_storage(urls.resolve(args.storage), create=False)
     try:
         spec = studies.stored_spec(storage, args.study)
         retries = spec.search.max_retries
-        # This host's own dead workers first: their rows are ended, not left "lost".
-        done = reap.reap_gone_here(storage, args.study, max_retries=retries)
-        done += reap.reap(storage, args.study, max_retries=retries, grace_s=args.grace, orphans=True)
+        done = reap.reap_by_hand(storage, args.study, max_retries=retries, grace_s=args.grace)
     finally:
         storage.close()
     for r in done:

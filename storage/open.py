@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
+import hashlib
 import logging
 import os
 import random
@@ -12,6 +14,7 @@ import sqlite3
 import tempfile
 import time
 import urllib.parse
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +40,7 @@ from hpsearch.storage.tables import Base
 
 log = logging.getLogger(__name__)
 SCHEMA_LOCK_KEY = int.from_bytes(b"hpsearch", "big")  # an advisory lock's bigint key, project-wide
+CREATION_LOCK_CLASS = int.from_bytes(b"hps", "big")  # an int4: the other key is the study name's
 CREATION_ATTEMPTS = 4
 """How often a process opens a new storage whose schema another one was creating at the same moment."""
 
@@ -65,6 +69,47 @@ class Storage:
     def close(self) -> None:
         self.optuna.engine.dispose()
 
+    @contextlib.contextmanager
+    def creation_lock(self, name: str) -> Iterator[None]:
+        """Held while a study named ``name`` is created or resumed, across processes and hosts.
+
+        Two `start`s of a new study would otherwise both create it (each queueing the spec's
+        enqueued trials), the last one's spec winning. PostgreSQL: a transaction-scoped advisory
+        lock keyed by the name, on a connection of its own that a killed process's server
+        session gives up with it. SQLite: the file's write lock cannot be held across Optuna's
+        own connections (they would wait on it), so a lock file (``_file_lock``).
+        """
+        path = urls.sqlite_path(self.url)
+        if path is not None:
+            with _file_lock(path):
+                yield
+            return
+        engine = sqlalchemy.create_engine(
+            self.url, poolclass=sqlalchemy.pool.NullPool, connect_args=self.engine_kwargs().get("connect_args", {})
+        )
+        # Two int4 keys: the project's, and the name's checksum (a collision only makes two
+        # studies' creations take turns).
+        keys = {"project": CREATION_LOCK_CLASS, "name": zlib.crc32(name.encode()) - 2**31}
+
+        def take() -> sqlalchemy.Connection:
+            conn = engine.connect()
+            try:
+                conn.begin()
+                conn.execute(sqlalchemy.text("SELECT pg_advisory_xact_lock(:project, :name)"), keys)
+            except BaseException:
+                conn.close()
+                raise
+            return conn
+
+        try:
+            conn = with_retries(take, policy=self.db.retry, what=f"lock study {name!r} for creation")
+            try:
+                yield
+            finally:
+                conn.close()  # ends the transaction, and with it the lock
+        finally:
+            engine.dispose()
+
     def prepare(self) -> None:
         """Make the storage ready for workers: WAL mode for a SQLite file, and our tables.
 
@@ -79,6 +124,26 @@ class Storage:
             self.optuna.engine.dispose()
             _use_wal(path, self.display)
         with_retries(lambda: Base.metadata.create_all(self.optuna.engine), what=f"create tables in {self.display}")
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock among this host's processes on the SQLite file ``path`` (one host's file).
+
+    In the temporary folder, not beside the database: a folder holding a study file is left
+    as SQLite leaves it. Not the database file itself: closing any descriptor of it would drop
+    SQLite's own locks in this process."""
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
+    lock = Path(tempfile.gettempdir()) / f"hpsearch-{key}.lock"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:
+        fd = os.open(lock, os.O_RDONLY)  # another user's lock file: flock needs no write access
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released on close, or when the process dies
+        yield
+    finally:
+        os.close(fd)
 
 
 def open_storage(url: str, *, create: bool, read_only: bool = False, retry: RetryPolicy | None = None) -> Storage:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any
 
-from sqlalchemy import case, event, func, select, update
+from sqlalchemy import case, delete, event, func, select, update
 from sqlalchemy.orm import Session
 
 from hpsearch.storage.db import Database
@@ -151,6 +151,17 @@ def end(db: Database, worker_id: int) -> None:
     )
 
 
+def forget_study(db: Database, study: str) -> int:
+    """Remove every row left under ``study``: a study of that name is being created anew (see
+    ``budget.forget_study``); a deleted study's workers must not count as the new one's."""
+    return int(
+        db.run(
+            lambda s: s.execute(delete(WorkerRecord).where(WorkerRecord.study_name == study)).rowcount,
+            what="remove a deleted study's worker rows",
+        )
+    )
+
+
 def held_trials(db: Database, study: str) -> set[int]:
     """The trials that workers not known to have ended hold (live or lost ones)."""
     rows = db.run(
@@ -204,12 +215,20 @@ class StaleTrial:
 
 
 def stale_trials(
-    db: Database, study: str, *, grace_s: float | None = None, missed_beats: float = MISSED_BEATS
+    db: Database,
+    study: str,
+    *,
+    grace_s: float | None = None,
+    missed_beats: float = MISSED_BEATS,
+    watched_since: float | None = None,
 ) -> list[StaleTrial]:
     """Trials held by workers whose last heartbeat is older than the grace period.
 
-    The grace period is ``grace_s``, else ``missed_beats`` of the worker's own interval. Ages
-    are read off the database clock, so hosts with drifting clocks agree.
+    The grace period is ``missed_beats`` of the interval each worker recorded (never the
+    caller's ``$HPSEARCH_HEARTBEAT_S``: workers may beat slower), or ``grace_s`` where longer.
+    ``watched_since`` (database clock) is when the caller's own connection was last known
+    healthy: silence counts only from then, since a database that was away kept every beat
+    out. Ages are read off the database clock, so hosts with drifting clocks agree.
     """
 
     def read(s: Session) -> list[StaleTrial]:
@@ -221,14 +240,43 @@ def stale_trials(
                 WorkerRecord.current_trial.is_not(None),
             )
         ).scalars()
-        return [
-            _stale(r, now)
-            for r in rows
-            if r.current_trial is not None
-            and _silent(r, now, grace_s if grace_s is not None else missed_beats * r.heartbeat_s)
-        ]
+        stale = []
+        for r in rows:
+            own = missed_beats * r.heartbeat_s
+            grace = own if grace_s is None else max(own, grace_s)
+            if grace_s is not None and grace_s < own and (r.id, grace_s) not in _CLAMPED:
+                _CLAMPED.add((r.id, grace_s))  # once: `hpsearch reap` asks again every second while it watches
+                log.warning(
+                    "a grace of %gs is shorter than %g beats of worker %s's own interval (%gs): using %gs",
+                    grace_s,
+                    missed_beats,
+                    r.name,
+                    r.heartbeat_s,
+                    own,
+                )
+            since = r.heartbeat_at if watched_since is None else max(r.heartbeat_at, watched_since)
+            if r.current_trial is not None and now - since > grace:
+                stale.append(_stale(r, now))
+        return stale
 
     return db.run(read, what="find stale trials")
+
+
+_CLAMPED: set[tuple[int, float]] = set()
+"""(row id, grace) pairs this process has warned about in ``stale_trials``."""
+
+
+def longest_interval(db: Database, study: str) -> float:
+    """The longest heartbeat interval the study's unended workers recorded (this process's if none)."""
+    longest = db.run(
+        lambda s: s.execute(
+            select(func.max(WorkerRecord.heartbeat_s)).where(
+                WorkerRecord.study_name == study, WorkerRecord.ended_at.is_(None)
+            )
+        ).scalar_one(),
+        what="read the workers' heartbeat intervals",
+    )
+    return heartbeat_interval() if longest is None else float(longest)
 
 
 def _silent(r: WorkerRecord, now: float, grace_s: float) -> bool:
@@ -438,7 +486,9 @@ class Registration:
         self._last_write = 0.0
 
     def __enter__(self) -> Registration:
+        began = time.monotonic()
         self.id = register(self.db, self.study, self.name, self.device, heartbeat_s=self.interval_s)
+        self._last_write = began
         stmt = update(WorkerRecord).where(WorkerRecord.id == self.id).values(heartbeat_at=self.db.clock())
         self._beat_sql = str(stmt.compile(dialect=self.db.engine.dialect, compile_kwargs={"literal_binds": True}))
         # SQLite is one host's file: connections cost nothing there, and a beat written at
@@ -475,13 +525,15 @@ class Registration:
 
     def trial_started(self, number: int) -> None:
         assert self.id is not None, "use Registration as a context manager"
+        began = time.monotonic()
         trial_started(self.db, self.id, number)
-        self._last_write = time.monotonic()
+        self._last_write = began  # stands for this interval's beat (see _beat_loop)
 
     def trial_ended(self, *, finished: bool = True) -> None:
         assert self.id is not None, "use Registration as a context manager"
+        began = time.monotonic()
         trial_ended(self.db, self.id, finished=finished)
-        self._last_write = time.monotonic()
+        self._last_write = began
 
     def _on_checkin(self, dbapi_connection: Any, _record: Any) -> None:
         """Write a due beat on a connection going back to the pool (any thread)."""
@@ -507,25 +559,33 @@ class Registration:
             self._writing.release()
 
     def _beat_loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        # Each beat is due one interval after the row's last stamp, whoever wrote it: a fixed
+        # tick that skipped the beat a trial start or end had just replaced let the row age to
+        # nearly two intervals (a start just after a tick skips the next one).
+        failed_at = -float("inf")
+        while True:
+            due = max(self._last_write, failed_at) + self.interval_s
+            if self._stop.wait(max(0.0, due - time.monotonic())):
+                return
             if time.monotonic() - self._last_write < self.interval_s:
-                # A trial start or end just stamped the row: that was this interval's beat.
-                continue
+                continue  # a trial start or end stamped the row meanwhile: due later
             self._due.set()
             if not self._wait_for_quiet_connection():
                 continue  # the trainer's next check-in carried the beat, or we are stopping
             with self._writing:
                 if not self._due.is_set():
                     continue
+                began = time.monotonic()
                 try:
                     assert self.id is not None
                     beat(self.db, self.id)
                     self._due.clear()
                     self.beats += 1
-                    self._last_write = time.monotonic()
+                    self._last_write = began  # the row shows when the write began, at the latest
                 except StorageError as err:
-                    # Retries already happened inside; the next beat may get through.
+                    # Retries already happened inside; the next beat, an interval on, may get through.
                     log.warning("heartbeat of worker %s failed: %s", self.name, err)
+                    failed_at = time.monotonic()
 
     def _wait_for_quiet_connection(self) -> bool:
         """True when the heartbeat should write the beat itself.

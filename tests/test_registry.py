@@ -99,6 +99,27 @@ class TestRegistryContract:
         w = _only(storage.db, "s")
         assert w.state == "finished" and w.trials_finished == 0 and w.current_trial is None
 
+    def test_a_live_row_never_ages_past_its_interval_around_trial_starts(self, storage: Storage) -> None:
+        # Read on an engine of its own: the heartbeat must not wait for the watcher's sessions.
+        watcher = open_storage(storage.url, create=False)
+        interval, worst = 1.0, 0.0
+        try:
+            with registry.Registration(storage.db, "s", "w", "cpu:0", interval_s=interval) as reg:
+                for number in range(3):
+                    beats = reg.beats
+                    assert _eventually(lambda beats=beats: reg.beats > beats)
+                    reg.trial_started(number)  # just after a beat, as a worker's next trial may start
+                    deadline = time.monotonic() + 2 * interval
+                    while time.monotonic() < deadline:
+                        worst = max(worst, _only(watcher.db, "s").heartbeat_age_s)
+                        # What a worker waiting for a retry calls stale (search/worker.py).
+                        assert registry.stale_trials(watcher.db, "s", missed_beats=1.5) == [], worst
+                        time.sleep(0.02)
+                    reg.trial_ended()
+        finally:
+            watcher.close()
+        assert worst < 1.4 * interval, f"a live row aged {worst:.2f}s with a {interval:g}s heartbeat"
+
 
 def test_host_name_can_be_overridden(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(registry.HOST_ENV, "instance-b")
