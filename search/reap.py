@@ -29,6 +29,11 @@ from hpsearch.storage.open import Storage
 log = logging.getLogger(__name__)
 
 WORKER_LOST = "worker_lost"
+# One pass at a time in a process: a worker's Reaper thread takes a stale trial off its row and
+# then fails it with the lost worker's device time; a pass of the main thread in between (a
+# worker that finds the budget used scans orphaned slots) would see the slot held by no row
+# and fail the trial first, without that time.
+_ONE_PASS = threading.RLock()
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,19 @@ def reap(
     whole grace period (``Reaper``, or ``reap_by_hand``) should judge those; ``watched_since``
     is when that began (see ``registry.stale_trials``).
     """
+    with _ONE_PASS:
+        return _reap(storage, study_name, max_retries, grace_s, orphans, stale, watched_since)
+
+
+def _reap(
+    storage: Storage,
+    study_name: str,
+    max_retries: int,
+    grace_s: float | None,
+    orphans: bool,
+    stale: bool,
+    watched_since: float | None,
+) -> list[Reaped]:
     stale_rows = (
         registry.stale_trials(storage.db, study_name, grace_s=grace_s, watched_since=watched_since) if stale else []
     )
