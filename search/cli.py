@@ -333,9 +333,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise UsageError(f"--watch {args.watch:g}: must be a number of seconds >= 0.5")
     while True:
         s = _status(args.study, url, best_only=False)
-        text = _format(s, as_json=args.json, best_only=False)
-        if not args.json:
-            text += "\n" + summary.format_trials(s, every=args.all)
+        text = _format(s, as_json=args.json, best_only=False, every=args.all)
         if args.watch is None:
             print(text)
             return EXIT_OK
@@ -432,14 +430,14 @@ def _status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
     return s
 
 
-def _format(s: dict[str, Any], *, as_json: bool, best_only: bool) -> str:
+def _format(s: dict[str, Any], *, as_json: bool, best_only: bool, every: bool = False) -> str:
     from hpsearch.search import fleet, summary
 
     if best_only:
         return json.dumps(s["best"], indent=2) if as_json else summary.format_best(s)
     if as_json:
         return json.dumps(s, indent=2)
-    return summary.format_status(s) + "\n" + fleet.format_workers(s)
+    return "\n".join([summary.format_status(s), summary.format_trials(s, every=every), fleet.format_workers(s)])
 
 
 # -- helpers ----------------------------------------------------------------------------------
