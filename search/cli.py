@@ -211,8 +211,10 @@ def cmd_start(args: argparse.Namespace) -> int:
     from hpsearch.storage.errors import StudyNotFoundError
     from hpsearch.storage.open import open_storage
 
-    if args.n_trials is not None and not 1 <= args.n_trials <= MAX_TRIALS:
-        raise UsageError(f"--n-trials {args.n_trials}: must be between 1 and {MAX_TRIALS:,}")
+    if args.n_trials is not None and args.n_trials < 1:
+        raise UsageError(f"--n-trials {args.n_trials}: must be >= 1")
+    if args.n_trials is not None and args.n_trials > MAX_TRIALS:
+        raise UsageError(f"--n-trials {args.n_trials}: must be at most {MAX_TRIALS:,}, a search that can end")
     url = urls.resolve(args.storage)
     urls.normalize(url)  # a malformed URL fails here, before anything else
     device_list = devices.parse(args.devices)

@@ -119,7 +119,8 @@ class SearchConfig:
             if not ok:
                 raise SpecError(f"{where}.{name}: {getattr(self, name)!r} {msg}")
 
-        rule(1 <= self.n_trials <= MAX_TRIALS, "n_trials", f"must be between 1 and {MAX_TRIALS:,}")
+        rule(self.n_trials >= 1, "n_trials", "must be >= 1")
+        rule(self.n_trials <= MAX_TRIALS, "n_trials", f"must be at most {MAX_TRIALS:,}, a search that can end")
         rule(self.max_retries >= 0, "max_retries", "must be >= 0")
         rule(self.pruner_warmup_steps >= 0, "pruner_warmup_steps", "must be >= 0")
         rule(self.pruner_startup_trials >= 0, "pruner_startup_trials", "must be >= 0")

@@ -69,12 +69,13 @@ def status(study: optuna.Study, spec: StudySpec, n_trials: int, storage_display:
 
 REASONS = {"at_chance": "at chance", "nan_loss": "NaN loss"}
 """How a pruned trial's recorded reason reads; a pruned trial without one was stopped by the pruner."""
+BY_PRUNER = "by the pruner"
 
 
 def reason(trial: dict[str, Any]) -> str:
     """Why a trial ended as it did, in a few words ("" for complete and running trials)."""
     if trial["state"] == "PRUNED":
-        return REASONS.get(trial["fail_reason"] or "", trial["fail_reason"] or "by the pruner")
+        return REASONS.get(trial["fail_reason"] or "", trial["fail_reason"] or BY_PRUNER)
     if trial["state"] == "FAIL":
         return str(trial["fail_reason"] or "no reason recorded")
     return ""
@@ -135,7 +136,7 @@ def _fixes(causes: Counter[str], spec: StudySpec) -> list[str]:
             f"the loss became NaN: lower the learning rate (search.space.learning_rate, {lr_now}), keep "
             f'train.max_grad_norm > 0, or use train.precision = "fp32"'
         )
-    if causes["by the pruner"]:
+    if causes[BY_PRUNER]:
         fixes.append(
             f"the {s.pruner} pruner stopped them before any finished: judge later (search.pruner_min_resource or "
             f'pruner_warmup_steps, train.eval_every, now {t.eval_every}) or set search.pruner = "none"'

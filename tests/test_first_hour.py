@@ -155,7 +155,7 @@ def test_a_headerless_file_read_with_a_header_says_so(
 @pytest.mark.parametrize(
     "key,value,expected",
     [
-        ("n_trials", "2**70", "search.n_trials: 1180591620717411303424 must be between 1 and 100,000"),
+        ("n_trials", "2**70", "search.n_trials: 1180591620717411303424 must be at most 100,000"),
         ("timeout_minutes", "1e12", "search.timeout_minutes: 1000000000000.0 must be at most 527,040 (366 days)"),
         ("max_retries", "1000000", "search.max_retries: 1000000 must be at most 100"),
     ],
@@ -180,9 +180,7 @@ def test_an_absurd_n_trials_flag_is_refused(cli: Cli, spec_file: Path, tmp_path:
         *("--n-trials", str(2**70)),
         cwd=tmp_path,
     )
-    assert (
-        result.returncode == 2 and "--n-trials 1180591620717411303424: must be between 1 and 100,000" in result.stderr
-    )
+    assert result.returncode == 2 and "--n-trials 1180591620717411303424: must be at most 100,000" in result.stderr
     assert not (tmp_path / "db").exists()
 
 
@@ -197,3 +195,27 @@ def test_an_empty_text_is_refused_with_its_line(
     spec = tmp_path / "spec.toml"
     spec.write_text(spec_text(tiny_model, train, demo_files[1]))
     assert_refused(cli, spec, tmp_path, f"data file {train}: line 3: the text in column 'text' is empty")
+
+
+def test_a_long_study_shows_its_latest_and_best_rows_unless_all() -> None:
+    from hpsearch.search.summary import format_trials
+
+    def trial(n: int, value: float) -> dict[str, object]:
+        return {
+            "number": n,
+            "state": "COMPLETE",
+            "value": value,
+            "step": 10,
+            "params": {"learning_rate": 1e-4},
+            "duration_s": 61.0,
+            "worker": "h/cpu:0/1",
+            "fail_reason": None,
+        }
+
+    # Trial 3 is the best; the latest 20 are 20..39.
+    s = {"metric": "loss", "direction": "minimize", "trials": [trial(n, 0.1 if n == 3 else 1.0 + n) for n in range(40)]}
+    rows = [line.split()[0] for line in format_trials(s).splitlines()[1:-1]]
+    assert rows[:3] == ["0", "1", "3"] and rows[3:] == [str(n) for n in range(20, 40)]
+    assert "17 more trials not shown" in format_trials(s)
+    assert len(format_trials(s, every=True).splitlines()) == 41
+    assert "1m01s" in format_trials(s)
