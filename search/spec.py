@@ -410,8 +410,9 @@ class StudySpec:
         space = d["search"].pop("space")
         d["search"].pop("enqueue", None)
         out = {f"spec: {table}": ", ".join(f"{k} = {_toml(v)}" for k, v in d[table].items()) for table in d}
-        for name, p in space.items():
-            out[f"spec: search.space.{name}"] = ", ".join(f"{k} = {_toml(v)}" for k, v in p.items())
+        out["spec: search.space"] = "; ".join(
+            f"{name} = {{ {', '.join(f'{k} = {_toml(v)}' for k, v in p.items())} }}" for name, p in space.items()
+        )
         return out
 
     @property

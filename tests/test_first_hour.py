@@ -66,7 +66,7 @@ def test_the_dashboard_names_the_metric_and_reads_the_spec(all_pruned: AllPruned
     study = optuna.load_study(study_name="c", storage=all_pruned.url)
     assert study.metric_names == ["val_loss"]
     attrs = study.user_attrs
-    assert attrs["spec: search.space.learning_rate"] == 'type = "float", low = 0.0001, high = 0.003, log = true'
+    assert attrs["spec: search.space"] == 'learning_rate = { type = "float", low = 0.0001, high = 0.003, log = true }'
     assert "n_trials = 2" in attrs["spec: search"] and 'pruner = "median"' in attrs["spec: search"]
 
 
