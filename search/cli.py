@@ -79,6 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="trials by state, best trial, and every worker on every host")
     st.add_argument("--study", required=True)
     st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument(
+        "--all", action="store_true", help="a row for every trial (default: a long study shows its latest and best)"
+    )
+    st.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=10.0,
+        metavar="SECONDS",
+        help="redraw every SECONDS (default 10) until the search ends or Ctrl-C",
+    )
     storage_arg(st)
     st.set_defaults(func=cmd_status)
 
@@ -155,14 +166,23 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def setup_logging(level: int, who: str) -> None:
+    """The one log format of every hpsearch process: ``18:35:30 [who] INFO message``, where
+    ``who`` is the command or the worker, so a terminal shared by a search's processes reads
+    as one log. Optuna's own lines (its "[I 2026-...]" handler) go through the same format,
+    at warning level unless debug logging was asked for."""
+    import optuna
+
+    logging.basicConfig(level=level, format=f"%(asctime)s [{who}] %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    optuna.logging.disable_default_handler()
+    optuna.logging.enable_propagation()
+    optuna.logging.set_verbosity(logging.DEBUG if level <= logging.DEBUG else logging.WARNING)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    setup_logging(logging.DEBUG if args.verbose else logging.INFO, args.command or "hpsearch")
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
@@ -212,12 +232,15 @@ def _is_user_error(exc: BaseException) -> bool:
 
 def cmd_start(args: argparse.Namespace) -> int:
     from hpsearch.search import devices, study as studies
+    from hpsearch.search.spec import MAX_TRIALS
     from hpsearch.storage import rundir, urls
     from hpsearch.storage.errors import StudyNotFoundError
     from hpsearch.storage.open import open_storage
 
     if args.n_trials is not None and args.n_trials < 1:
         raise UsageError(f"--n-trials {args.n_trials}: must be >= 1")
+    if args.n_trials is not None and args.n_trials > MAX_TRIALS:
+        raise UsageError(f"--n-trials {args.n_trials}: must be at most {MAX_TRIALS:,}, a search that can end")
     url = urls.resolve(args.storage)
     urls.normalize(url)  # a malformed URL fails here, before anything else
     device_list = devices.parse(args.devices)
@@ -320,14 +343,37 @@ def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Any]) 
         logs = args.output_dir / args.study / "trial-N" / "train.log"
         print(f"hpsearch {args.command}: error: {failure}; see {logs}", file=sys.stderr)
         return 1
+    if code == 0 and summary.ended_without_best(s):
+        # The search is over and left no model: a script going on to `best --export` must know.
+        print(f"hpsearch {args.command}: error: {s['no_best'][0]}; the fix is above", file=sys.stderr)
+        return EXIT_FAILED
     return code
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    import time
+
+    from hpsearch.search import summary
     from hpsearch.storage import urls
 
-    print(_render(args.study, urls.resolve(args.storage), as_json=args.json, best_only=False))
-    return EXIT_OK
+    url = urls.resolve(args.storage)
+    if args.watch is not None and not 0.5 <= args.watch < math.inf:
+        raise UsageError(f"--watch {args.watch:g}: must be a number of seconds >= 0.5")
+    while True:
+        s = _status(args.study, url, best_only=False)
+        text = _format(s, as_json=args.json, best_only=False, every=args.all)
+        if args.watch is None:
+            print(text)
+            return EXIT_OK
+        if sys.stdout.isatty():
+            print("\x1b[H\x1b[J", end="")  # redraw in place
+        print(text, flush=True)
+        if summary.search_over(s):
+            return EXIT_OK
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return EXIT_OK  # the way to stop watching, not a failure
 
 
 def cmd_reap(args: argparse.Namespace) -> int:
@@ -356,6 +402,12 @@ def cmd_best(args: argparse.Namespace) -> int:
     from hpsearch.storage import urls
 
     status = _status(args.study, urls.resolve(args.storage), best_only=True)
+    if status["best"] is None:
+        # Said the same with and without --export: what happened, the best point, the fix.
+        print(_format(status, as_json=args.json, best_only=True))
+        nothing = "nothing to export" if args.export is not None else "no model to use"
+        print(f"hpsearch best: error: study {args.study!r} has no complete trial; {nothing}", file=sys.stderr)
+        return EXIT_FAILED
     if args.export is not None:
         from hpsearch.search.export import export_best
 
@@ -383,10 +435,6 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
 
 
-def _render(name: str, url: str, *, as_json: bool, best_only: bool) -> str:
-    return _format(_status(name, url, best_only=best_only), as_json=as_json, best_only=best_only)
-
-
 def _status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
     import optuna
 
@@ -408,14 +456,14 @@ def _status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
     return s
 
 
-def _format(s: dict[str, Any], *, as_json: bool, best_only: bool) -> str:
+def _format(s: dict[str, Any], *, as_json: bool, best_only: bool, every: bool = False) -> str:
     from hpsearch.search import fleet, summary
 
     if best_only:
-        return json.dumps(s["best"], indent=2) if as_json else summary.format_best(s["best"], s["metric"])
+        return json.dumps(s["best"], indent=2) if as_json else summary.format_best(s)
     if as_json:
         return json.dumps(s, indent=2)
-    return summary.format_status(s) + "\n" + fleet.format_workers(s)
+    return "\n".join([summary.format_status(s), summary.format_trials(s, every=every), fleet.format_workers(s)])
 
 
 # -- helpers ----------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from hpsearch.search import cli
 from hpsearch.search.devices import only_gpu, torch_device
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.trainer.config import DataConfig, ModelConfig, TrainConfig
@@ -149,7 +150,7 @@ class Peers:
 
 def peer_main(args: PeerArgs, conn: Connection) -> None:
     """Entry point of a spawned peer rank: train whatever rank 0 sends, until it says stop."""
-    logging.basicConfig(level=args.log_level, format=f"%(asctime)s [{args.name}] %(levelname)s %(message)s")
+    cli.setup_logging(args.log_level, args.name)
     # Rank 0 decides when to stop and broadcasts it; a Ctrl-C in the terminal reaches every
     # process of the group, so the peers must not act on it themselves.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+import warnings
 import zlib
 from typing import Any
 
@@ -107,6 +108,12 @@ def _resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
 
 
 def _store_spec(storage: Storage, study: optuna.Study, spec: StudySpec) -> None:
+    with warnings.catch_warnings():  # experimental in Optuna 4, and the dashboard's axes read it
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names([spec.metric_name])  # else every chart says "Objective 0"
+    # Before the spec's JSON: the dashboard lists a new study's attributes in this order.
+    for key, text in spec.readable().items():
+        study.set_user_attr(key, text)
     # Stored again on resume: the budget keys (n_trials, timeout, gpu_hours, retention) may change.
     study.set_user_attr(N_TRIALS_ATTR, spec.search.n_trials)
     # The timeout counts from this start, on the database clock that every worker shares.

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import leftovers, lifeline, ranks, reap, retry, study as studies
+from hpsearch.search import cli, leftovers, lifeline, ranks, reap, retry, study as studies
 from hpsearch.search.devices import torch_device
 from hpsearch.search.early_stop import EarlyStop, PruningGate
 from hpsearch.search.exit_codes import ExitCode
@@ -78,8 +78,7 @@ class TrialReporter:
 
 def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     """Entry point of the spawned worker process."""
-    logging.basicConfig(level=args.log_level, format=f"%(asctime)s [{args.name}] %(levelname)s %(message)s")
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    cli.setup_logging(args.log_level, args.name)
     stop = lifeline.StopFlag()
     stop.install()
     if not lifeline.die_with_parent():

@@ -17,7 +17,7 @@ from hpsearch.trainer.evaluate import Metrics
 from hpsearch.trainer.loop import fit
 from hpsearch.trainer.model import load_tokenizer
 from hpsearch.trainer.report import NullReporter, TrainResult
-from tests.conftest import spec_text, start_study
+from tests.conftest import hpsearch, spec_text
 from tests.tiny import tiny_run
 
 
@@ -115,7 +115,12 @@ def test_a_search_records_why_a_trial_stopped(tiny_model: Path, demo_files: tupl
         spec_text(tiny_model, *demo_files, n_trials=2, prune_at_chance=2).replace("eval_every = 5", "eval_every = 2")
     )
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    start_study("c", spec, url, tmp_path)
+    result = hpsearch(
+        *("start", "--study", "c", "--config", str(spec), "--storage", url),
+        *("--devices", "cpu:1", "--output-dir", str(tmp_path / "runs")),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]  # no trial completed: no model came out
     trials = optuna.load_study(study_name="c", storage=url).trials
     assert [t.state for t in trials] == [optuna.trial.TrialState.PRUNED] * 2
     for t in trials:
