@@ -18,7 +18,7 @@ from hpsearch.trainer.loop import fit
 from hpsearch.trainer.model import load_tokenizer
 from hpsearch.trainer.report import NullReporter, TrainResult
 from tests.conftest import hpsearch, spec_text
-from tests.tiny import tiny_run
+from tests.support.tiny import tiny_run
 
 
 def test_chance_of_labels() -> None:

@@ -13,7 +13,7 @@ import optuna
 import pytest
 
 from tests.conftest import Cli, assert_refused, hpsearch, spec_text
-from tests.tiny import write_demo_split
+from tests.support.tiny import write_demo_split
 
 
 @dataclass

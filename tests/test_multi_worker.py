@@ -18,7 +18,7 @@ from hpsearch.storage import registry
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.tables import BudgetSlot
 from tests.conftest import hpsearch, spec_text
-from tests.tiny import write_demo_split
+from tests.support.tiny import write_demo_split
 
 HOSTS = ("instance-a", "instance-b", "instance-c")
 N_TRIALS = 6

@@ -14,7 +14,7 @@ from hpsearch.trainer.loop import fit
 from hpsearch.trainer.model import load_tokenizer
 from hpsearch.trainer.report import NullReporter
 from tests.conftest import spec_text, start_study
-from tests.tiny import tiny_run
+from tests.support.tiny import tiny_run
 
 
 def test_hopeless_trials_are_pruned(tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> None:

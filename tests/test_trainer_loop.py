@@ -15,7 +15,7 @@ from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE, load_resume
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
-from tests.tiny import build_tiny_bert, train_tiny
+from tests.support.tiny import build_tiny_bert, train_tiny
 
 CPU = torch.device("cpu")
 
@@ -252,7 +252,7 @@ def test_training_goes_on_while_the_search_does_not_answer(
 ) -> None:
     from hpsearch.trainer import precision
     from hpsearch.trainer.report import StateSavingReporter
-    from tests.tiny import tiny_run
+    from tests.support.tiny import tiny_run
 
     monkeypatch.setattr(StateSavingReporter, "ANSWER_S", 0.5)
     inner = _HangingReporter(fail=False)
