@@ -17,8 +17,8 @@ from optuna.trial import TrialState
 
 from hpsearch.storage.errors import StudyNotFoundError
 from hpsearch.storage.open import open_storage
-from tests.support import netns
 from tests.conftest import lm_spec_text, spec_text
+from tests.support import netns
 
 
 def _spawned_workers(parent: int) -> list[int]:
