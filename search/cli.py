@@ -439,7 +439,7 @@ def _status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
     import optuna
 
     from hpsearch.search import fleet, study as studies, summary
-    from hpsearch.storage import registry
+    from hpsearch.storage import lost
     from hpsearch.storage.open import open_storage
 
     storage = open_storage(url, create=False, read_only=True)
@@ -450,7 +450,7 @@ def _status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
         s["uid"] = study.user_attrs.get(studies.UID_ATTR)  # whose checkpoint folder is whose
         if not best_only:
             s.update(fleet.summary(storage.db, name))
-            summary.mark_stale(s, registry.stale_trials(storage.db, name))
+            summary.mark_stale(s, lost.stale_trials(storage.db, name))
     finally:
         storage.close()
     return s

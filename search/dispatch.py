@@ -23,7 +23,7 @@ import optuna
 from hpsearch.search import lifeline, progress, retry, study as studies, worker
 from hpsearch.search.devices import Device, only_gpu, threads_per_worker
 from hpsearch.search.exit_codes import ExitCode
-from hpsearch.storage import registry
+from hpsearch.storage import lost, registry
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.trialdir import TrialDir
@@ -187,7 +187,7 @@ class Supervisor:
         storage = open_storage(self.storage_url, create=False)
         try:
             # Ended here, not left to turn "lost": other workers would wait for it to be reaped.
-            held = registry.end_dead(storage.db, self.study, host=registry.this_host(), pid=child.process.pid)
+            held = lost.end_dead(storage.db, self.study, host=registry.this_host(), pid=child.process.pid)
             if child.trial is not None:
                 trial_id = child.trial[0]
             elif held is not None:

@@ -22,7 +22,7 @@ import optuna
 from optuna.trial import TrialState
 
 from hpsearch.search import retry
-from hpsearch.storage import budget, registry
+from hpsearch.storage import budget, lost, registry
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage
 
@@ -62,7 +62,7 @@ def reap(
     leaves it to `hpsearch reap` and to workers that find the budget used up. ``stale=False``
     skips the heartbeat rows: only a reaper that knows its own connection was healthy for a
     whole grace period (``Reaper``, or ``reap_by_hand``) should judge those; ``watched_since``
-    is when that began (see ``registry.stale_trials``).
+    is when that began (see ``lost.stale_trials``).
     """
     with _ONE_PASS:
         return _reap(storage, study_name, max_retries, grace_s, orphans, stale, watched_since)
@@ -78,7 +78,7 @@ def _reap(
     watched_since: float | None,
 ) -> list[Reaped]:
     stale_rows = (
-        registry.stale_trials(storage.db, study_name, grace_s=grace_s, watched_since=watched_since) if stale else []
+        lost.stale_trials(storage.db, study_name, grace_s=grace_s, watched_since=watched_since) if stale else []
     )
     if not stale_rows and not orphans:
         return []
@@ -86,7 +86,7 @@ def _reap(
     reaped = []
     for s in stale_rows:
         # Of several reapers (every worker runs one), exactly one wins each trial.
-        if registry.release_stale(storage.db, s):
+        if lost.release_stale(storage.db, s):
             why = f"worker {s.worker} on {s.host} has not beaten for {s.heartbeat_age_s:.0f}s"
             reaped += _retry_stale(storage, study, s, max_retries, why)
     if not orphans:
@@ -95,7 +95,7 @@ def _reap(
     # faster must not judge a slot a worker claimed a moment ago (a window of milliseconds,
     # so a grace given by hand stands).
     grace = (
-        grace_s if grace_s is not None else registry.MISSED_BEATS * registry.longest_interval(storage.db, study_name)
+        grace_s if grace_s is not None else registry.MISSED_BEATS * lost.longest_interval(storage.db, study_name)
     )
     running_trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     running = {t.number for t in running_trials}
@@ -139,7 +139,7 @@ def reap_by_hand(
         if since is None or time.monotonic() - began > poll_s:
             since = now
         reaped += reap(storage, study_name, max_retries=max_retries, grace_s=grace_s, watched_since=since)
-        waiting = registry.stale_trials(storage.db, study_name, grace_s=grace_s)
+        waiting = lost.stale_trials(storage.db, study_name, grace_s=grace_s)
         if not waiting:
             break
         if not told:
@@ -147,7 +147,7 @@ def reap_by_hand(
                 "trial(s) %s: their workers are silent; watching them for up to %.0fs, as after an outage "
                 "every heartbeat is old and live workers beat again within an interval",
                 ", ".join(str(w.trial_number) for w in waiting),
-                registry.MISSED_BEATS * registry.longest_interval(storage.db, study_name),
+                registry.MISSED_BEATS * lost.longest_interval(storage.db, study_name),
             )
             told = True
         time.sleep(poll_s)
@@ -159,9 +159,9 @@ def reap_gone_here(storage: Storage, study_name: str, *, max_retries: int) -> li
 
     A worker starting on a host that an earlier start left without a word (killed with its
     instance, or stopped while the database was away) resumes that start's trials first, at
-    once, instead of a reaper's grace later (see ``registry.end_gone``).
+    once, instead of a reaper's grace later (see ``lost.end_gone``).
     """
-    gone = registry.end_gone(storage.db, study_name, host=registry.this_host(), gone=_process_gone)
+    gone = lost.end_gone(storage.db, study_name, host=registry.this_host(), gone=_process_gone)
     if not gone:
         return []
     study = optuna.load_study(study_name=study_name, storage=storage.optuna)
@@ -182,7 +182,7 @@ def _process_gone(pid: int) -> bool:
 
 
 def _retry_stale(
-    storage: Storage, study: optuna.Study, s: registry.StaleTrial, max_retries: int, why: str
+    storage: Storage, study: optuna.Study, s: lost.StaleTrial, max_retries: int, why: str
 ) -> list[Reaped]:
     log.warning("trial %d: %s; failing it for a retry", s.trial_number, why)
     retried = _fail_for_retry(storage, study, s.trial_number, max_retries, device_seconds=s.device_seconds)

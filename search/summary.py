@@ -11,7 +11,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.search.spec import StudySpec
-from hpsearch.storage import checkpoints as retention, registry
+from hpsearch.storage import checkpoints as retention, lost, registry
 
 
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
@@ -169,7 +169,7 @@ def ended_without_best(s: dict[str, Any]) -> bool:
     return s["best"] is None and bool(s.get("no_best")) and not st["running"] and not st["waiting"]
 
 
-def mark_stale(s: dict[str, Any], stale: list[registry.StaleTrial]) -> None:
+def mark_stale(s: dict[str, Any], stale: list[lost.StaleTrial]) -> None:
     """Flag running trials whose worker stopped beating: they wait for a reaper."""
     numbers = {t.trial_number for t in stale}
     for trial in s["trials"]:

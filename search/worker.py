@@ -25,7 +25,7 @@ from hpsearch.search.early_stop import EarlyStop, PruningGate
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import StudySpec, resolved
-from hpsearch.storage import budget, checkpoints as retention, registry
+from hpsearch.storage import budget, checkpoints as retention, lost, registry
 from hpsearch.storage.db import PATIENT_RETRY
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage
@@ -288,7 +288,7 @@ class Worker:
         reap.reap(self.storage, study, max_retries=retries, orphans=True, stale=False)
         if budget.used_slots(self.storage.db, study) < studies.n_trials(self.study, self.spec):
             return True
-        waiting = registry.stale_trials(self.storage.db, study, missed_beats=1.5)
+        waiting = lost.stale_trials(self.storage.db, study, missed_beats=1.5)
         if not waiting:
             return False
         log.info(
