@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from hpsearch.trainer.report import Reporter
 
 if TYPE_CHECKING:
+    from hpsearch.search.spec import SearchConfig
     from hpsearch.trainer.evaluate import Metrics
 
 log = logging.getLogger(__name__)
@@ -107,20 +108,26 @@ class PruningGate:
     warmup: int
     total_steps: int
     metric: str
-    stop_at_chance: int = 0
+    prune_at_chance: int = 0
     """Stop after this many judged points in a row at chance (0 = never)."""
     patient: bool = False
     """Ask the pruner only about points that say something of the hyperparameters."""
     at_chance: int = 0
 
     @classmethod
-    def of_run(cls, data: Any, cfg: Any, metric: str, *, stop_at_chance: int, patient: bool) -> PruningGate:
+    def of_search(cls, data: Any, cfg: Any, search: SearchConfig) -> PruningGate:
+        """The gate the spec's search section asks for: the chance stop with every pruner but none."""
+        prune_at_chance = search.prune_at_chance if search.pruner != "none" else 0
+        return cls.of_run(data, cfg, search.metric, prune_at_chance=prune_at_chance, patient=search.patient_pruning)
+
+    @classmethod
+    def of_run(cls, data: Any, cfg: Any, metric: str, *, prune_at_chance: int, patient: bool) -> PruningGate:
         """The gate of a run of ``cfg`` on ``data`` (a trainer ``Prepared``), planned as fit plans it."""
         from hpsearch.trainer.optim import plan_steps, warmup_steps
 
         total, _ = plan_steps(len(data.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
         chance = ChanceLevel.of(data.validation.labels)
-        return cls(chance, warmup_steps(cfg, total), total, metric, stop_at_chance=stop_at_chance, patient=patient)
+        return cls(chance, warmup_steps(cfg, total), total, metric, prune_at_chance=prune_at_chance, patient=patient)
 
     @property
     def judged_from(self) -> int:
@@ -134,7 +141,7 @@ class PruningGate:
 
     @property
     def stuck(self) -> bool:
-        return 0 < self.stop_at_chance <= self.at_chance
+        return 0 < self.prune_at_chance <= self.at_chance
 
     def may_prune(self, step: int, metrics: Metrics) -> bool:
         """Whether the pruner may be asked about this point."""

@@ -94,9 +94,7 @@ def _reap(
     # By default the slowest worker's own interval, not this process's: a reaper that beats
     # faster must not judge a slot a worker claimed a moment ago (a window of milliseconds,
     # so a grace given by hand stands).
-    grace = (
-        grace_s if grace_s is not None else registry.MISSED_BEATS * lost.longest_interval(storage.db, study_name)
-    )
+    grace = grace_s if grace_s is not None else registry.MISSED_BEATS * lost.longest_interval(storage.db, study_name)
     running_trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     running = {t.number for t in running_trials}
     for number in _unbound(storage, study_name, running_trials, grace):
@@ -181,9 +179,7 @@ def _process_gone(pid: int) -> bool:
     return False
 
 
-def _retry_stale(
-    storage: Storage, study: optuna.Study, s: lost.StaleTrial, max_retries: int, why: str
-) -> list[Reaped]:
+def _retry_stale(storage: Storage, study: optuna.Study, s: lost.StaleTrial, max_retries: int, why: str) -> list[Reaped]:
     log.warning("trial %d: %s; failing it for a retry", s.trial_number, why)
     retried = _fail_for_retry(storage, study, s.trial_number, max_retries, device_seconds=s.device_seconds)
     return [] if retried is None else [Reaped(s.trial_number, s.worker, s.host, s.heartbeat_age_s, retried)]

@@ -109,11 +109,6 @@ class SearchConfig:
     max_disk_gb: float = 0.0
     """Cap on the kept best checkpoints (GB); the worst are deleted first (0 = no cap)."""
 
-    @property
-    def stop_at_chance(self) -> int:
-        """prune_at_chance as the trainer applies it: with every pruner but none."""
-        return self.prune_at_chance if self.pruner != "none" else 0
-
     def validate(self, where: str = "search") -> None:
         def rule(ok: bool, name: str, msg: str) -> None:
             if not ok:

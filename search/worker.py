@@ -360,10 +360,7 @@ class Worker:
                 started=started,
                 world=self.world,
             )
-            search = self.spec.search
-            gate = PruningGate.of_run(
-                data, cfg, search.metric, stop_at_chance=search.stop_at_chance, patient=search.patient_pruning
-            )
+            gate = PruningGate.of_search(data, cfg, self.spec.search)
             early = EarlyStop(reporter, gate)
             result = fit(run, early)
             result.fail_reason = result.fail_reason or early.reason

@@ -77,11 +77,11 @@ def words_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def _fit(model_dir: Path, files: tuple[Path, Path], cfg: TrainConfig, out: Path, stop_at_chance: int) -> TrainResult:
+def _fit(model_dir: Path, files: tuple[Path, Path], cfg: TrainConfig, out: Path, prune_at_chance: int) -> TrainResult:
     tok = load_tokenizer(str(model_dir))
     data = prepare(DataConfig(train=str(files[0]), validation=str(files[1])), tok, 32, None)
     # The search's early stop around the reporter, as a worker sets it up (no pruner: it never prunes).
-    gate = PruningGate.of_run(data, cfg, "loss", stop_at_chance=stop_at_chance, patient=True)
+    gate = PruningGate.of_run(data, cfg, "loss", prune_at_chance=prune_at_chance, patient=True)
     early = EarlyStop(NullReporter(), gate)
     result = fit(tiny_run(model_dir, (tok, data), cfg, out), early)
     result.fail_reason = result.fail_reason or early.reason
@@ -94,16 +94,16 @@ def test_a_run_that_does_not_learn_stops_at_the_second_judged_point(
     # lr 1e-9 leaves the random head predicting the prior. 16 steps, warm-up 0.3 = 5 steps:
     # judged from step 5 (warm-up; a fifth would be 4), so at 6 and 8: stopped at 8.
     cfg = TrainConfig(learning_rate=1e-9, batch_size=32, micro_batch_size=32, epochs=2, eval_every=2, warmup_ratio=0.3)
-    result = _fit(tiny_model, words_files, cfg, tmp_path / "flat", stop_at_chance=2)
+    result = _fit(tiny_model, words_files, cfg, tmp_path / "flat", prune_at_chance=2)
     assert (result.status, result.fail_reason, result.steps) == ("pruned", "at_chance", 8)
     # Off (what a plain fine-tune or pruner "none" gets), the same run trains to its end.
-    result = _fit(tiny_model, words_files, cfg, tmp_path / "off", stop_at_chance=0)
+    result = _fit(tiny_model, words_files, cfg, tmp_path / "off", prune_at_chance=0)
     assert (result.status, result.steps) == ("complete", 16)
 
 
 def test_a_learning_run_is_not_stopped(tiny_model: Path, words_files: tuple[Path, Path], tmp_path: Path) -> None:
     cfg = TrainConfig(learning_rate=1e-2, batch_size=32, micro_batch_size=32, epochs=2, eval_every=2)
-    result = _fit(tiny_model, words_files, cfg, tmp_path / "learns", stop_at_chance=1)
+    result = _fit(tiny_model, words_files, cfg, tmp_path / "learns", prune_at_chance=1)
     assert (result.status, result.steps) == ("complete", 16)
     assert result.best_value is not None and result.best_value < 0.3
 

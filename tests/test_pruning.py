@@ -57,7 +57,7 @@ def test_the_pruner_is_asked_only_after_the_trials_warmup(
     data = prepare(DataConfig(train=str(demo_files[0]), validation=str(demo_files[1])), tok, 32, None)
     cfg = TrainConfig(batch_size=32, micro_batch_size=32, epochs=2, eval_every=2, warmup_ratio=warmup_ratio)
     # The search's gate around the trial's pruner, as a worker sets it up.
-    gate = PruningGate.of_run(data, cfg, "loss", stop_at_chance=0, patient=wait)
+    gate = PruningGate.of_run(data, cfg, "loss", prune_at_chance=0, patient=wait)
     reporter = _AlwaysPrune()
     result = fit(tiny_run(tiny_model, (tok, data), cfg, tmp_path), EarlyStop(reporter, gate))
     assert (result.status, result.steps) == ("pruned", stopped_at)
