@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 import warnings
@@ -291,7 +290,7 @@ def grid_space(spec: StudySpec) -> dict[str, list[Any]]:
     return grid
 
 
-def make_pruner(spec: StudySpec, total_steps_hint: int | None = None) -> optuna.pruners.BasePruner:
+def make_pruner(spec: StudySpec) -> optuna.pruners.BasePruner:
     """The spec's pruner; its resource unit is the optimizer step the trainer reports at.
 
     Defaults suit short fine-tunes, where a trial has a handful of validation points: pruning
@@ -317,7 +316,7 @@ def make_pruner(spec: StudySpec, total_steps_hint: int | None = None) -> optuna.
         )
     return optuna.pruners.HyperbandPruner(
         min_resource=min_resource,
-        max_resource=total_steps_hint or "auto",
+        max_resource="auto",
         reduction_factor=s.pruner_reduction_factor,
     )
 
@@ -345,7 +344,3 @@ def suggest(trial: optuna.trial.BaseTrial, spec: StudySpec) -> dict[str, Any]:
             assert isinstance(dist, optuna.distributions.FloatDistribution)
             params[name] = trial.suggest_float(name, dist.low, dist.high, log=dist.log, step=dist.step)
     return params
-
-
-def spec_json(spec: StudySpec) -> str:
-    return json.dumps(spec.to_dict(), indent=2, sort_keys=True)

@@ -402,14 +402,6 @@ def _use_wal(path: Path, display: str) -> None:
         conn.close()
 
 
-def study_exists(storage: Storage, name: str) -> bool:
-    try:
-        storage.optuna.get_study_id_from_name(name)
-    except KeyError:
-        return False
-    return True
-
-
 def require_study(storage: Storage, name: str) -> int:
     try:
         return storage.optuna.get_study_id_from_name(name)

@@ -8,7 +8,7 @@ import io
 import json
 import random
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -453,8 +453,3 @@ def collate(data: Encoded, indices: Sequence[int], pad_id: int) -> dict[str, Any
         for row, i in enumerate(indices):
             labels[row, : data.prompt_lengths[i]] = IGNORE_INDEX
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
-def iter_chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
