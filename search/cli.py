@@ -402,6 +402,11 @@ def cmd_best(args: argparse.Namespace) -> int:
     from hpsearch.storage import urls
 
     status = _status(args.study, urls.resolve(args.storage), best_only=True)
+    ended = status["finished"] + status["states"]["fail"]
+    if status["best"] is None and ended == 0 and args.export is None:
+        # Nothing has run yet: not a search that went wrong, and nothing to explain.
+        print(_format(status, as_json=args.json, best_only=True))
+        return EXIT_OK
     if status["best"] is None:
         # Said the same with and without --export: what happened, the best point, the fix.
         print(_format(status, as_json=args.json, best_only=True))
