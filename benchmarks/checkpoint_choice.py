@@ -51,7 +51,7 @@ class PointScorer(NullReporter):
         self.model, self.tok, self.rows, self.max_length = model, tok, rows, max_length
         self.glue: dict[int, float] = {}
 
-    def report(self, value: float, step: int) -> None:
+    def report(self, value: float, step: int, metrics: object = None) -> None:
         super().report(value, step)
         correct = bench.score_glue_dev(self.model, self.tok, self.rows, self.max_length)
         self.glue[step] = sum(correct) / len(correct)

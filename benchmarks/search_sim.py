@@ -40,14 +40,13 @@ import numpy as np
 import optuna
 
 from hpsearch.search import study as studies
+from hpsearch.search.early_stop import ChanceLevel, PruningGate
 from hpsearch.search.spec import PRUNERS, SAMPLERS, StudySpec
-from hpsearch.trainer.chance import Chance
 from hpsearch.trainer.evaluate import Metrics
-from hpsearch.trainer.judge import Judge
 
 STEPS, EVAL_EVERY, BATCH = 128, 16, 16
 # Balanced labels, 256 validation examples.
-PRIOR = Chance.of([0, 1] * 128)
+PRIOR = ChanceLevel.of([0, 1] * 128)
 assert PRIOR is not None
 
 
@@ -96,13 +95,13 @@ def search(
     spec: StudySpec,
     seed: int,
     *,
-    stop_at_chance: int = 0,
+    prune_at_chance: int = 0,
     patient: bool = False,
 ) -> tuple[float, int]:
     """One search; returns the held-out score of its best finished trial and the samples trained.
 
     ``seed`` also seeds the validation noise; the two sides pass different seeds.
-    ``stop_at_chance`` is the trainer's chance stop (search.prune_at_chance), judged on
+    ``prune_at_chance`` is the trainer's chance stop (search.prune_at_chance), judged on
     accuracy alone: the surrogate has no loss, and a run at chance has the prior's loss anyway.
     ``patient`` asks the pruner nothing during a trial's warm-up (search.patient_pruning); the
     bound's oracle knows the final accuracy and needs no such wait."""
@@ -115,7 +114,7 @@ def search(
         points, score = run_trial(params, rng)
         # The trainer's own judge; the surrogate has no loss, so each point gets the prior's.
         warmup = round(params["warmup_ratio"] * STEPS)
-        judge = Judge(PRIOR, warmup, STEPS, "accuracy", stop_at_chance=stop_at_chance, patient=patient)
+        judge = PruningGate(PRIOR, warmup, STEPS, "accuracy", prune_at_chance=prune_at_chance, patient=patient)
         top, pruned, step = -1.0, False, 0
         for step, value in points.items():
             top = max(top, value)
@@ -185,14 +184,14 @@ def main() -> None:
         dataclasses.replace(spec, search=dataclasses.replace(spec.search, seed=seed)) for seed in range(args.seeds)
     ]
     seeds = [studies.worker_seed(sp, "cpu:0", 0) for sp in specs]
-    chance = spec.search.stop_at_chance
+    chance = spec.search.prune_at_chance if spec.search.pruner != "none" else 0
     ours = [
         search(
             studies.make_sampler(sp, s),
             studies.make_pruner(sp),
             sp,
             s,
-            stop_at_chance=chance,
+            prune_at_chance=chance,
             patient=spec.search.patient_pruning,
         )
         for sp, s in zip(specs, seeds, strict=True)

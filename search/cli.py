@@ -79,6 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="trials by state, best trial, and every worker on every host")
     st.add_argument("--study", required=True)
     st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument(
+        "--all", action="store_true", help="a row for every trial (default: a long study shows its latest and best)"
+    )
+    st.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=10.0,
+        metavar="SECONDS",
+        help="redraw every SECONDS (default 10) until the search ends or Ctrl-C",
+    )
     storage_arg(st)
     st.set_defaults(func=cmd_status)
 
@@ -90,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace",
         type=float,
         metavar="SECONDS",
-        help="heartbeat age that counts as lost (default: 3 of the worker's heartbeat intervals, 90 s)",
+        help="heartbeat age that counts as lost (default and least: 3 of each worker's own heartbeat interval, "
+        "90 s at the default 30 s)",
     )
     storage_arg(reap)
     reap.set_defaults(func=cmd_reap)
@@ -117,9 +129,34 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--study", help="open this study's page (default: the list of studies)")
     storage_arg(dash)
     dash.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: reach it by SSH tunnel)"
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: reach it by SSH tunnel); any other address requires "
+        "the token it prints, or $HPSEARCH_DASHBOARD_TOKEN",
     )
     dash.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0 = any free port)")
+    dash.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also answer to this host name (a proxy's public name); repeatable. Others get 403",
+    )
+    mode = dash.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--read-only",
+        dest="writable",
+        action="store_false",
+        default=None,
+        help="visitors browse only (the default off 127.0.0.1)",
+    )
+    mode.add_argument(
+        "--writable",
+        dest="writable",
+        action="store_true",
+        default=None,
+        help="visitors may also edit notes and delete studies and trials (the default on 127.0.0.1)",
+    )
     dash.set_defaults(func=cmd_dashboard)
     return parser
 
@@ -135,14 +172,23 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def setup_logging(level: int, who: str) -> None:
+    """The one log format of every hpsearch process: ``18:35:30 [who] INFO message``, where
+    ``who`` is the command or the worker, so a terminal shared by a search's processes reads
+    as one log. Optuna's own lines (its "[I 2026-...]" handler) go through the same format,
+    at warning level unless debug logging was asked for."""
+    import optuna
+
+    logging.basicConfig(level=level, format=f"%(asctime)s [{who}] %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    optuna.logging.disable_default_handler()
+    optuna.logging.enable_propagation()
+    optuna.logging.set_verbosity(logging.DEBUG if level <= logging.DEBUG else logging.WARNING)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    setup_logging(logging.DEBUG if args.verbose else logging.INFO, args.command or "hpsearch")
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
@@ -192,12 +238,15 @@ def _is_user_error(exc: BaseException) -> bool:
 
 def cmd_start(args: argparse.Namespace) -> int:
     from hpsearch.search import devices, study as studies
+    from hpsearch.search.spec import MAX_TRIALS
     from hpsearch.storage import rundir, urls
     from hpsearch.storage.errors import StudyNotFoundError
     from hpsearch.storage.open import open_storage
 
     if args.n_trials is not None and args.n_trials < 1:
         raise UsageError(f"--n-trials {args.n_trials}: must be >= 1")
+    if args.n_trials is not None and args.n_trials > MAX_TRIALS:
+        raise UsageError(f"--n-trials {args.n_trials}: must be at most {MAX_TRIALS:,}, a search that can end")
     url = urls.resolve(args.storage)
     urls.normalize(url)  # a malformed URL fails here, before anything else
     device_list = devices.parse(args.devices)
@@ -300,37 +349,51 @@ def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Any]) 
         logs = args.output_dir / args.study / "trial-N" / "train.log"
         print(f"hpsearch {args.command}: error: {failure}; see {logs}", file=sys.stderr)
         return 1
+    if code == 0 and summary.ended_without_best(s):
+        # The search is over and left no model: a script going on to `best --export` must know.
+        print(f"hpsearch {args.command}: error: {s['no_best'][0]}; the fix is above", file=sys.stderr)
+        return EXIT_FAILED
     return code
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    import time
+
+    from hpsearch.search import summary
     from hpsearch.storage import urls
 
-    print(_render(args.study, urls.resolve(args.storage), as_json=args.json, best_only=False))
-    return EXIT_OK
+    url = urls.resolve(args.storage)
+    if args.watch is not None and not 0.5 <= args.watch < math.inf:
+        raise UsageError(f"--watch {args.watch:g}: must be a number of seconds >= 0.5")
+    while True:
+        s = _status(args.study, url, best_only=False)
+        text = _format(s, as_json=args.json, best_only=False, every=args.all)
+        if args.watch is None:
+            print(text)
+            return EXIT_OK
+        if sys.stdout.isatty():
+            print("\x1b[H\x1b[J", end="")  # redraw in place
+        print(text, flush=True)
+        if summary.search_over(s):
+            return EXIT_OK
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return EXIT_OK  # the way to stop watching, not a failure
 
 
 def cmd_reap(args: argparse.Namespace) -> int:
     from hpsearch.search import reap, study as studies
-    from hpsearch.storage import registry, urls
+    from hpsearch.storage import urls
     from hpsearch.storage.open import open_storage
 
     if args.grace is not None and not 0 <= args.grace < math.inf:  # also refuses nan
         raise UsageError(f"--grace {args.grace:g}: must be a number of seconds >= 0")
-    beat = registry.heartbeat_interval()
-    if args.grace is not None and args.grace < beat:
-        # A live worker's heartbeat is up to one interval old: a shorter grace reaps it mid-trial.
-        raise UsageError(
-            f"--grace {args.grace:g}: shorter than the workers' heartbeat interval ({beat:g} s), so live "
-            f"workers would look lost; use at least {beat:g} (the default, {3 * beat:g}, allows for missed beats)"
-        )
     storage = open_storage(urls.resolve(args.storage), create=False)
     try:
         spec = studies.stored_spec(storage, args.study)
         retries = spec.search.max_retries
-        # This host's own dead workers first: their rows are ended, not left "lost".
-        done = reap.reap_gone_here(storage, args.study, max_retries=retries)
-        done += reap.reap(storage, args.study, max_retries=retries, grace_s=args.grace, orphans=True)
+        done = reap.reap_by_hand(storage, args.study, max_retries=retries, grace_s=args.grace)
     finally:
         storage.close()
     for r in done:
@@ -347,6 +410,17 @@ def cmd_best(args: argparse.Namespace) -> int:
     if args.merge and args.export is None:
         raise UsageError("--merge: goes with --export DIR (the folder the merged model is written to)")
     status = _status(args.study, urls.resolve(args.storage), best_only=True)
+    ended = status["finished"] + status["states"]["fail"]
+    if status["best"] is None and ended == 0 and args.export is None:
+        # Nothing has run yet: not a search that went wrong, and nothing to explain.
+        print(_format(status, as_json=args.json, best_only=True))
+        return EXIT_OK
+    if status["best"] is None:
+        # Said the same with and without --export: what happened, the best point, the fix.
+        print(_format(status, as_json=args.json, best_only=True))
+        nothing = "nothing to export" if args.export is not None else "no model to use"
+        print(f"hpsearch best: error: study {args.study!r} has no complete trial; {nothing}", file=sys.stderr)
+        return EXIT_FAILED
     if args.export is not None:
         from hpsearch.search.export import export_best
 
@@ -362,20 +436,23 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     from hpsearch.storage import urls
 
     try:
-        return dashboard.run(urls.resolve(args.storage), args.study, args.host, args.port)
+        return dashboard.run(
+            urls.resolve(args.storage),
+            args.study,
+            args.host,
+            args.port,
+            allow_hosts=args.allow_host,
+            writable=args.writable,
+        )
     except dashboard.DashboardError as exc:
         raise UsageError(str(exc)) from None
-
-
-def _render(name: str, url: str, *, as_json: bool, best_only: bool) -> str:
-    return _format(_status(name, url, best_only=best_only), as_json=as_json, best_only=best_only)
 
 
 def _status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
     import optuna
 
     from hpsearch.search import fleet, study as studies, summary
-    from hpsearch.storage import registry
+    from hpsearch.storage import lost
     from hpsearch.storage.open import open_storage
 
     storage = open_storage(url, create=False, read_only=True)
@@ -386,20 +463,20 @@ def _status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
         s["uid"] = study.user_attrs.get(studies.UID_ATTR)  # whose checkpoint folder is whose
         if not best_only:
             s.update(fleet.summary(storage.db, name))
-            summary.mark_stale(s, registry.stale_trials(storage.db, name))
+            summary.mark_stale(s, lost.stale_trials(storage.db, name))
     finally:
         storage.close()
     return s
 
 
-def _format(s: dict[str, Any], *, as_json: bool, best_only: bool) -> str:
+def _format(s: dict[str, Any], *, as_json: bool, best_only: bool, every: bool = False) -> str:
     from hpsearch.search import fleet, summary
 
     if best_only:
-        return json.dumps(s["best"], indent=2) if as_json else summary.format_best(s["best"], s["metric"])
+        return json.dumps(s["best"], indent=2) if as_json else summary.format_best(s)
     if as_json:
         return json.dumps(s, indent=2)
-    return summary.format_status(s) + "\n" + fleet.format_workers(s)
+    return "\n".join([summary.format_status(s), summary.format_trials(s, every=every), fleet.format_workers(s)])
 
 
 # -- helpers ----------------------------------------------------------------------------------

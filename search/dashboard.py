@@ -2,9 +2,11 @@
 
 The dashboard reads the same tables the workers write, so a running search shows up live:
 intermediate curves, parameters, user attributes (checkpoint, throughput, memory, device,
-host, fail reason), parameter importance and the study note (note.py). It can also edit and
-delete studies, which is why it binds 127.0.0.1 by default and the printed advice is an SSH
-tunnel: AutoDL instances sit on shared public addresses.
+host, fail reason), parameter importance and the study note (note.py). optuna-dashboard can
+also create, rename and delete studies and finish trials, for anyone who reaches it, so
+dashboard_guard.py stands in front of it: it binds 127.0.0.1 by default (the printed advice is
+an SSH tunnel: AutoDL instances sit on shared public addresses), answers only to its own host
+names, and off loopback wants a token and browses read-only unless told --writable.
 """
 
 from __future__ import annotations
@@ -12,16 +14,20 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
+import re
+import secrets
 import socket
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from typing import Any, TextIO
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import optuna
 
-from hpsearch.search import note, study as studies
+from hpsearch.search import dashboard_guard as guard, note, study as studies
 from hpsearch.search.spec import SpecError
 from hpsearch.storage import urls
 from hpsearch.storage.open import Storage, open_storage, require_study
@@ -30,6 +36,9 @@ log = logging.getLogger(__name__)
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
 AUTODL_PORT = 6006
 """The instance port AutoDL's console maps to a public link ("自定义服务")."""
+PRIVATE_BINDS = ("127.0.0.1", "localhost", "::1")
+"""Where no token is needed: only this machine reaches them. Every other address, 127.0.0.2
+included, is treated as reachable by others (tests use 127.0.0.2 to exercise the token)."""
 
 
 class DashboardError(ValueError):
@@ -43,7 +52,9 @@ class _Server(ThreadingMixIn, WSGIServer):
 
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s " + format, self.address_string(), *args)
+        # The request line may carry ?token=: never into a log.
+        line = re.sub(r"token=[^&\s]*", "token=***", format % args)
+        log.debug("%s %s", self.address_string(), line)
 
 
 @dataclass
@@ -52,12 +63,22 @@ class Dashboard:
     url: str
     """The page to open: the study's page when a study was named, else the study list."""
     storage: optuna.storages.RDBStorage
-    read_only: bool = False
+    policy: guard.Policy
+    storage_read_only: bool = False
     """The storage is a SQLite file this user cannot write: the page browses, edits fail."""
+    token_from_env: bool = False
+    """The token is the user's own (HPSEARCH_DASHBOARD_TOKEN): not printed."""
 
     @property
     def port(self) -> int:
         return int(self.server.server_port)
+
+    @property
+    def open_url(self) -> str:
+        """The URL to print: with the generated token, which the browser then keeps as a cookie."""
+        if self.policy.token is None:
+            return self.url
+        return f"{self.url}?token={'$' + guard.TOKEN_ENV if self.token_from_env else self.policy.token}"
 
     def serve_forever(self) -> None:
         try:
@@ -67,40 +88,93 @@ class Dashboard:
             self.storage.engine.dispose()
 
 
-def create(storage_url: str, study: str | None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> Dashboard:
-    """Check the storage and study, refresh the study note, bind the server (not serving yet)."""
+def create(
+    storage_url: str,
+    study: str | None,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    *,
+    allow_hosts: Sequence[str] = (),
+    writable: bool | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> Dashboard:
+    """Check the arguments, storage and study, bind the server, then refresh the study note.
+
+    ``writable`` None: writable on loopback, read-only elsewhere. Everything that can be
+    refused is checked before the note is written: a bad --host must leave the study as it was.
+    """
     if not 0 <= port <= 65535:
         raise DashboardError(f"--port {port}: must be between 1 and 65535 (0 picks a free port)")
+    try:
+        proxied = guard.proxy_names(allow_hosts)
+        user_token = environ.get(guard.TOKEN_ENV) or None
+        token = guard.check_token(user_token) if user_token else None
+    except guard.GuardError as exc:
+        raise DashboardError(str(exc)) from None
+    private = host in PRIVATE_BINDS
+    if token is None and not private:
+        token = secrets.token_urlsafe(24)
     # A SQLite file this user cannot write (a copy on a read-only mount) is browsed read-only.
     checked = open_storage(storage_url, create=False, read_only=True)
+    server: _Server | None = None
     try:
         study_id = require_study(checked, study) if study else None
+        server = _bind(host, port)
         if study and not checked.read_only:
             try:
                 _refresh_note(checked, study)
             except Exception as exc:
                 # The note is a convenience; a read-only database user must still see the study.
                 log.warning("could not update the study note: %s", str(exc).splitlines()[0])
+        # A few pooled connections for the threaded server; skip table creation: a viewer
+        # must not change the schema of a database that workers are writing to.
+        rdb = optuna.storages.RDBStorage(
+            checked.url, engine_kwargs=checked.engine_kwargs(pool_size=4), skip_table_creation=True
+        )
+    except BaseException:
+        if server is not None:
+            server.server_close()
+        raise
     finally:
         checked.close()
-    # A few pooled connections for the threaded server; skip table creation: a viewer
-    # must not change the schema of a database that workers are writing to.
-    rdb = optuna.storages.RDBStorage(
-        checked.url, engine_kwargs=checked.engine_kwargs(pool_size=4), skip_table_creation=True
-    )
     from optuna_dashboard import wsgi
 
-    try:
-        server = make_server(host, port, wsgi(rdb), server_class=_Server, handler_class=_QuietHandler)
-    except OSError as exc:
-        rdb.engine.dispose()
-        raise DashboardError(_bind_error(host, port, exc)) from None
-    shown = "127.0.0.1" if host in ("0.0.0.0", "", "localhost") else host
+    read_only = checked.read_only or (not private if writable is None else not writable)
+    policy = guard.Policy(
+        names=guard.allowed_names(host, str(server.server_address[0]), proxied),
+        proxied=proxied,
+        any_ip=host in guard.WILDCARD_BINDS,
+        token=token,
+        read_only=read_only,
+        read_only_reason=(
+            "this user cannot write the storage file, so nothing can be changed from here"
+            if checked.read_only
+            else "visitors can browse, not change studies; restart `hpsearch dashboard` with --writable "
+            "to allow edits (notes, deleting studies and trials)"
+        ),
+        port=int(server.server_port),
+    )
+    server.set_app(guard.guard(wsgi(rdb), policy))
+    shown = "127.0.0.1" if host in ("0.0.0.0", "", "localhost", "::") else host
     if ":" in shown:
         shown = f"[{shown}]"
     path = f"/dashboard/studies/{study_id}" if study_id is not None else "/dashboard"
     url = f"http://{shown}:{server.server_port}{path}"
-    return Dashboard(server=server, url=url, storage=rdb, read_only=checked.read_only)
+    return Dashboard(
+        server=server,
+        url=url,
+        storage=rdb,
+        policy=policy,
+        storage_read_only=checked.read_only,
+        token_from_env=user_token is not None,
+    )
+
+
+def _bind(host: str, port: int) -> _Server:
+    try:
+        return _Server((host, port), _QuietHandler)
+    except OSError as exc:
+        raise DashboardError(_bind_error(host, port, exc)) from None
 
 
 def _refresh_note(storage: Storage, name: str) -> None:
@@ -127,39 +201,70 @@ def _bind_error(host: str, port: int, exc: OSError) -> str:
 
 
 def how_to_reach(dash: Dashboard, host: str, study: str | None, storage_display: str) -> str:
-    """What to print: the URL, and how to open it from a laptop when the search runs on AutoDL."""
+    """What to print: the URL, who may visit and what they can do, and how to open it from a laptop."""
     port, path = dash.port, dash.url.split(f":{dash.port}", 1)[1]
+    query = dash.open_url[len(dash.url) :]
     what = f"study {study!r}" if study else "all studies"
+    # The tunnel's far end: the address the server listens on (any of its addresses for 0.0.0.0).
+    target = "127.0.0.1" if host in (*guard.WILDCARD_BINDS, "localhost") else host
+    target = f"[{target}]" if ":" in target else target
     lines = [
         f"optuna-dashboard: {what} in {storage_display}",
-        f"  open {dash.url}",
+        f"  open {dash.open_url}",
+        f"  who:  {_who(dash)}",
+        f"  can:  {_can(dash)}",
         "",
         "From your own computer (the search runs on a remote instance, e.g. AutoDL):",
-        f"  SSH tunnel:  ssh -CNg -L {port}:127.0.0.1:{port} -p SSH_PORT root@SSH_HOST",
+        f"  SSH tunnel:  ssh -N -L 127.0.0.1:{port}:{target}:{port} -p SSH_PORT root@SSH_HOST",
         "               (SSH_HOST and SSH_PORT: from the instance's login command `ssh -p SSH_PORT root@SSH_HOST`),",
-        f"               then open http://127.0.0.1:{port}{path}",
+        f"               then open http://127.0.0.1:{port}{path}{query}",
     ]
-    if dash.read_only:
+    if dash.storage_read_only:
         lines.insert(1, "  read-only (this user cannot write the file): browsing works, notes and deletions do not")
-    if port == AUTODL_PORT and host not in ("127.0.0.1", "localhost", "::1"):
-        lines.append(f"  AutoDL custom service (自定义服务): open the console's link for port {port}, then {path}")
+    if port == AUTODL_PORT and host not in PRIVATE_BINDS:
+        lines.append(
+            f"  AutoDL custom service (自定义服务): open the console's link for port {port}, then {path}{query} "
+            "(if it answers that its Host is refused, restart with the --allow-host it names)"
+        )
     else:
         lines.append(
             "  AutoDL custom service (自定义服务): restart with "
             f"--host 0.0.0.0 --port {AUTODL_PORT} and open the console's link"
         )
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        lines.append(
-            f"  warning: listening on {host}: anyone who reaches this port can edit and delete "
-            "studies; prefer the SSH tunnel"
-        )
     lines.append("Ctrl-C stops the dashboard (the search is not affected).")
     return "\n".join(lines)
 
 
-def run(storage_url: str, study: str | None, host: str, port: int, out: TextIO | None = None) -> int:
+def _who(dash: Dashboard) -> str:
+    if dash.policy.token is None:
+        return "anyone on this machine (loopback needs no token); pages of other sites are refused"
+    held = f"${guard.TOKEN_ENV}" if dash.token_from_env else "the token in the URL above"
+    return f"only a browser or client holding {held} (sent once as ?token=, then kept as a cookie)"
+
+
+def _can(dash: Dashboard) -> str:
+    if dash.storage_read_only:
+        return "browse every study of this storage, nothing else (this user cannot write it)"
+    if dash.policy.read_only:
+        return "browse every study of this storage, nothing else (read-only; --writable allows edits)"
+    return (
+        "browse every study of this storage and change them: edit notes, create, rename and delete "
+        "studies, finish and annotate trials (--read-only: browse only)"
+    )
+
+
+def run(
+    storage_url: str,
+    study: str | None,
+    host: str,
+    port: int,
+    *,
+    allow_hosts: Sequence[str] = (),
+    writable: bool | None = None,
+    out: TextIO | None = None,
+) -> int:
     out = out or sys.stdout
-    dash = create(storage_url, study, host, port)
+    dash = create(storage_url, study, host, port, allow_hosts=allow_hosts, writable=writable)
     print(how_to_reach(dash, host, study, urls.mask(storage_url)), file=out, flush=True)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a dashboard ends
         dash.serve_forever()

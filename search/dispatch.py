@@ -20,9 +20,10 @@ from typing import Any
 
 import optuna
 
-from hpsearch.search import lifeline, progress, ranks, retry, study as studies, worker
+from hpsearch.search import lifeline, progress, retry, study as studies, worker
 from hpsearch.search.devices import Device, only_gpu, threads_per_worker
-from hpsearch.storage import registry
+from hpsearch.search.exit_codes import ExitCode
+from hpsearch.storage import lost, registry
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.trialdir import TrialDir
@@ -132,19 +133,19 @@ class Supervisor:
             if not self.stopping:
                 self._spawn(child.device, child.crashes)
             return
-        if code == ranks.GROUP_RESTART:
+        if code == ExitCode.GROUP_RESTART:
             # The worker recorded its failed trial; its ranks start afresh (counted as a crash).
             how = "restart after a failed trial"
-        elif code == ranks.PEER_DIED:
+        elif code == ExitCode.PEER_DIED:
             how = "a peer rank died"
-        elif code == lifeline.STORAGE_LOST:
+        elif code == ExitCode.STORAGE_LOST:
             # Its resumable state is on disk; the trial is handed back here if the storage
             # answers, else reaped and resumed once it is back.
             how = "storage unreachable"
         else:
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         during = f" during trial {child.trial[1]}" if child.trial else ""
-        if self.stopping and code == lifeline.STORAGE_LOST:
+        if self.stopping and code == ExitCode.STORAGE_LOST:
             # It stopped after the storage went quiet: another try from here would only add
             # a connect timeout to the shutdown. The trial is reaped once the storage is back.
             log.warning("worker %s stopped without reaching the storage%s", child.name, during)
@@ -186,7 +187,7 @@ class Supervisor:
         storage = open_storage(self.storage_url, create=False)
         try:
             # Ended here, not left to turn "lost": other workers would wait for it to be reaped.
-            held = registry.end_dead(storage.db, self.study, host=registry.this_host(), pid=child.process.pid)
+            held = lost.end_dead(storage.db, self.study, host=registry.this_host(), pid=child.process.pid)
             if child.trial is not None:
                 trial_id = child.trial[0]
             elif held is not None:

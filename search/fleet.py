@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpsearch.storage import registry
+from hpsearch.storage import worker_views
 from hpsearch.storage.db import Database
 
 
 def summary(db: Database, study: str) -> dict[str, Any]:
     """The registry's view of ``study``, as plain data for `status --json`."""
-    workers = registry.list_workers(db, study)
+    workers = worker_views.list_workers(db, study)
     return {
         "workers": [w.to_dict() for w in workers],
         "workers_by_state": {state: sum(w.state == state for w in workers) for state in ("live", "lost", "finished")},
-        "gpu_hours": registry.device_hours(workers, gpu_only=True),
-        "device_hours": registry.device_hours(workers, gpu_only=False),
+        "gpu_hours": worker_views.device_hours(workers, gpu_only=True),
+        "device_hours": worker_views.device_hours(workers, gpu_only=False),
     }
 
 

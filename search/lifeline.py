@@ -36,10 +36,6 @@ class StorageLost(Exception):
         return cls(f"trial {trial_number}: storage unreachable ({describe(exc)})")
 
 
-STORAGE_LOST = 77
-"""The worker's exit code after StorageLost (ranks.py uses 75 and 76)."""
-
-
 def is_storage_failure(exc: BaseException) -> bool:
     """An error of the storage (ours or Optuna's), after its own retries, not of the trial."""
     from optuna.exceptions import StorageInternalError

@@ -17,18 +17,16 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.search import summary
 from hpsearch.search.spec import StudySpec
+from hpsearch.search.study import DEVICE_SECONDS
 
 log = logging.getLogger(__name__)
-# Attributes a worker may record for the device time a trial used; else its wall time counts.
-DEVICE_SECONDS_ATTRS = ("gpu_seconds", "device_seconds")
 
 
 def trial_seconds(trial: FrozenTrial, now: dt.datetime | None = None) -> float:
     """Device time a trial used: its recorded figure, else start to end (or to ``now``)."""
-    for key in DEVICE_SECONDS_ATTRS:
-        value = trial.user_attrs.get(key)
-        if isinstance(value, (int, float)):
-            return float(value)
+    value = trial.user_attrs.get(DEVICE_SECONDS)
+    if isinstance(value, (int, float)):
+        return float(value)
     if trial.datetime_start is None:
         return 0.0
     end = trial.datetime_complete or now

@@ -10,10 +10,10 @@ at the same step. Peers keep their tokenizer, data and pre-trained model between
 Every way a rank can end reaches the supervisor as the end of the worker process (rank 0):
 
 - a peer dies (killed, OOM, an error): rank 0's watchdog sees it at once, kills the other
-  peers and exits with ``PEER_DIED``; the supervisor hands the trial back as for any crash;
+  peers and exits with ``ExitCode.PEER_DIED``; the supervisor hands the trial back as for any crash;
 - rank 0 dies: each peer sees its parent gone and exits;
 - a trial fails with an exception on rank 0: the ranks' collectives are no longer in step,
-  so rank 0 records the failure and exits with ``GROUP_RESTART``; the supervisor starts the
+  so rank 0 records the failure and exits with ``ExitCode.GROUP_RESTART``; the supervisor starts the
   group afresh.
 """
 
@@ -31,14 +31,12 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from hpsearch.search import cli
 from hpsearch.search.devices import only_gpu, torch_device
+from hpsearch.search.exit_codes import ExitCode
 from hpsearch.trainer.config import DataConfig, ModelConfig, TrainConfig
 
 log = logging.getLogger(__name__)
-PEER_DIED = 75
-"""Exit code of rank 0 when a peer rank died: the supervisor hands the trial back."""
-GROUP_RESTART = 76
-"""Exit code of rank 0 after a failed trial left the ranks out of step: restart the group."""
 CLOSE_TIMEOUT_S = 30.0
 
 
@@ -147,12 +145,12 @@ class Peers:
             if process.is_alive():
                 process.kill()
         # os._exit: the main thread may be blocked in a collective that will never complete.
-        os._exit(PEER_DIED)
+        os._exit(ExitCode.PEER_DIED)
 
 
 def peer_main(args: PeerArgs, conn: Connection) -> None:
     """Entry point of a spawned peer rank: train whatever rank 0 sends, until it says stop."""
-    logging.basicConfig(level=args.log_level, format=f"%(asctime)s [{args.name}] %(levelname)s %(message)s")
+    cli.setup_logging(args.log_level, args.name)
     # Rank 0 decides when to stop and broadcasts it; a Ctrl-C in the terminal reaches every
     # process of the group, so the peers must not act on it themselves.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -22,13 +22,18 @@ import optuna
 from optuna.trial import TrialState
 
 from hpsearch.search import retry
-from hpsearch.storage import budget, registry
+from hpsearch.storage import budget, lost, registry
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage
 
 log = logging.getLogger(__name__)
 
 WORKER_LOST = "worker_lost"
+# One pass at a time in a process: a worker's Reaper thread takes a stale trial off its row and
+# then fails it with the lost worker's device time; a pass of the main thread in between (a
+# worker that finds the budget used scans orphaned slots) would see the slot held by no row
+# and fail the trial first, without that time.
+_ONE_PASS = threading.RLock()
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ def reap(
     grace_s: float | None = None,
     orphans: bool = False,
     stale: bool = True,
+    watched_since: float | None = None,
 ) -> list[Reaped]:
     """One pass: fail and retry every trial whose worker is past the grace period.
 
@@ -55,21 +61,40 @@ def reap(
     trial (a window of milliseconds); that scan reads every slot, so the background reaper
     leaves it to `hpsearch reap` and to workers that find the budget used up. ``stale=False``
     skips the heartbeat rows: only a reaper that knows its own connection was healthy for a
-    whole grace period (``Reaper``, or a user running `hpsearch reap`) should judge those.
+    whole grace period (``Reaper``, or ``reap_by_hand``) should judge those; ``watched_since``
+    is when that began (see ``lost.stale_trials``).
     """
-    stale_rows = registry.stale_trials(storage.db, study_name, grace_s=grace_s) if stale else []
+    with _ONE_PASS:
+        return _reap(storage, study_name, max_retries, grace_s, orphans, stale, watched_since)
+
+
+def _reap(
+    storage: Storage,
+    study_name: str,
+    max_retries: int,
+    grace_s: float | None,
+    orphans: bool,
+    stale: bool,
+    watched_since: float | None,
+) -> list[Reaped]:
+    stale_rows = (
+        lost.stale_trials(storage.db, study_name, grace_s=grace_s, watched_since=watched_since) if stale else []
+    )
     if not stale_rows and not orphans:
         return []
     study = optuna.load_study(study_name=study_name, storage=storage.optuna)
     reaped = []
     for s in stale_rows:
         # Of several reapers (every worker runs one), exactly one wins each trial.
-        if registry.release_stale(storage.db, s):
+        if lost.release_stale(storage.db, s):
             why = f"worker {s.worker} on {s.host} has not beaten for {s.heartbeat_age_s:.0f}s"
             reaped += _retry_stale(storage, study, s, max_retries, why)
     if not orphans:
         return reaped
-    grace = grace_s if grace_s is not None else registry.MISSED_BEATS * registry.heartbeat_interval()
+    # By default the slowest worker's own interval, not this process's: a reaper that beats
+    # faster must not judge a slot a worker claimed a moment ago (a window of milliseconds,
+    # so a grace given by hand stands).
+    grace = grace_s if grace_s is not None else registry.MISSED_BEATS * lost.longest_interval(storage.db, study_name)
     running_trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     running = {t.number for t in running_trials}
     for number in _unbound(storage, study_name, running_trials, grace):
@@ -91,14 +116,50 @@ def reap(
     return reaped
 
 
+def reap_by_hand(
+    storage: Storage, study_name: str, *, max_retries: int, grace_s: float | None = None, poll_s: float = 1.0
+) -> list[Reaped]:
+    """`hpsearch reap`: one pass, with the background ``Reaper``'s guard.
+
+    Right after an outage every heartbeat is old: the workers' beats could not reach the
+    database, and they beat again within an interval of its return. So a worker's silence
+    counts only from when this process saw its own connection answer promptly, and a row that
+    looks stale is watched until it has been silent for its whole grace since then (up to
+    3 of its interval); a beat meanwhile keeps its trial. A slow answer (the storage layer
+    retrying through an outage) starts the watch again.
+    """
+    reaped = reap_gone_here(storage, study_name, max_retries=max_retries)
+    since: float | None = None
+    told = False
+    while True:
+        began = time.monotonic()
+        now = storage.db.now()
+        if since is None or time.monotonic() - began > poll_s:
+            since = now
+        reaped += reap(storage, study_name, max_retries=max_retries, grace_s=grace_s, watched_since=since)
+        waiting = lost.stale_trials(storage.db, study_name, grace_s=grace_s)
+        if not waiting:
+            break
+        if not told:
+            log.warning(
+                "trial(s) %s: their workers are silent; watching them for up to %.0fs, as after an outage "
+                "every heartbeat is old and live workers beat again within an interval",
+                ", ".join(str(w.trial_number) for w in waiting),
+                registry.MISSED_BEATS * lost.longest_interval(storage.db, study_name),
+            )
+            told = True
+        time.sleep(poll_s)
+    return reaped + reap(storage, study_name, max_retries=max_retries, grace_s=grace_s, orphans=True, stale=False)
+
+
 def reap_gone_here(storage: Storage, study_name: str, *, max_retries: int) -> list[Reaped]:
     """Fail and retry the trials of this host's workers whose process is gone, and end their rows.
 
     A worker starting on a host that an earlier start left without a word (killed with its
     instance, or stopped while the database was away) resumes that start's trials first, at
-    once, instead of a reaper's grace later (see ``registry.end_gone``).
+    once, instead of a reaper's grace later (see ``lost.end_gone``).
     """
-    gone = registry.end_gone(storage.db, study_name, host=registry.this_host(), gone=_process_gone)
+    gone = lost.end_gone(storage.db, study_name, host=registry.this_host(), gone=_process_gone)
     if not gone:
         return []
     study = optuna.load_study(study_name=study_name, storage=storage.optuna)
@@ -118,9 +179,7 @@ def _process_gone(pid: int) -> bool:
     return False
 
 
-def _retry_stale(
-    storage: Storage, study: optuna.Study, s: registry.StaleTrial, max_retries: int, why: str
-) -> list[Reaped]:
+def _retry_stale(storage: Storage, study: optuna.Study, s: lost.StaleTrial, max_retries: int, why: str) -> list[Reaped]:
     log.warning("trial %d: %s; failing it for a retry", s.trial_number, why)
     retried = _fail_for_retry(storage, study, s.trial_number, max_retries, device_seconds=s.device_seconds)
     return [] if retried is None else [Reaped(s.trial_number, s.worker, s.host, s.heartbeat_age_s, retried)]
@@ -147,7 +206,20 @@ def _unbound(storage: Storage, study_name: str, running: list[optuna.trial.Froze
 def _fail_for_retry(
     storage: Storage, study: optuna.Study, number: int, max_retries: int, *, device_seconds: float | None = None
 ) -> bool | None:
-    """Hand a running trial back for a retry; None if it is not running (nothing to do)."""
+    """Hand a running trial back for a retry; None if it is not running (nothing to do).
+
+    A trial may finish while the reaper works on it (its worker was slow, not gone, and told
+    its result between our read and our write): that is no error, and the pass goes on."""
+    try:
+        return _hand_back_running(storage, study, number, max_retries, device_seconds)
+    except RuntimeError as err:  # optuna's UpdateFinishedTrialError among them
+        log.warning("trial %d finished while being reaped; leaving it as it is (%s)", number, err)
+        return None
+
+
+def _hand_back_running(
+    storage: Storage, study: optuna.Study, number: int, max_retries: int, device_seconds: float | None
+) -> bool | None:
     study_id = storage.optuna.get_study_id_from_name(study.study_name)
     trial_id = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, number)
     trial = storage.optuna.get_trial(trial_id)
@@ -192,21 +264,27 @@ class Reaper:
 
     def _loop(self) -> None:
         healthy_since: float | None = None
+        watched_since = 0.0  # the same moment by the database clock
         while not self._stop.wait(self.poll_s):
             began = time.monotonic()
             try:
-                self.storage.db.now()
+                db_now = self.storage.db.now()
             except StorageError:
                 healthy_since = None
                 continue
             now = time.monotonic()
             # A slow answer means the storage layer was retrying through an outage.
             if healthy_since is None or now - began > self.poll_s:
-                healthy_since = now
+                healthy_since, watched_since = now, db_now
             if now - healthy_since < self.grace_s:
                 continue
             try:
-                reap(self.storage, self.study_name, max_retries=self.max_retries)
+                # Silence counts from then: a worker that beats slower than this one has a longer
+                # grace than the wait above, and its row is as old as the outage too.
+                reap(self.storage, self.study_name, max_retries=self.max_retries, watched_since=watched_since)
             except StorageError as err:
                 log.warning("reaping stale trials failed: %s", err)
                 healthy_since = None
+            except Exception:
+                # A thread that dies leaves its worker's study without a reaper, silently.
+                log.exception("reaping stale trials failed; the next pass tries again")

@@ -63,6 +63,19 @@ class SpecError(ConfigError):
     """The spec is invalid; the message names the field and the rule."""
 
 
+MAX_TRIALS = 100_000
+"""The most trials a study may ask for: far beyond any search that ends (at a minute a trial,
+ten weeks on one device); a larger number is a typo (2**70) that would start one that never does."""
+LIMITS = {
+    "max_retries": (100, ""),
+    "timeout_minutes": (527_040.0, " (366 days)"),
+    "gpu_hours": (1_000_000.0, ""),
+    "keep_top_k": (MAX_TRIALS, ""),
+    "max_disk_gb": (1_000_000.0, " (a petabyte)"),
+    "pruner_startup_trials": (MAX_TRIALS, ""),
+}
+"""Upper bounds of the other budget-like keys, each with how it reads."""
+
 SAMPLERS = ("tpe", "random", "gp", "cmaes", "grid", "qmc")
 PRUNERS = ("none", "median", "percentile", "asha", "hyperband")
 
@@ -98,7 +111,7 @@ class SearchConfig:
     """asha/hyperband: 1 in this many trials is promoted to the next rung."""
     patient_pruning: bool = True
     """Any pruner: it is not asked about points that say little of a trial's hyperparameters
-    (see trainer/judge.py): before the trial's own learning-rate warm-up has ended, and, with
+    (see search/early_stop.py): before the trial's own learning-rate warm-up has ended, and, with
     an accuracy or F1 metric, in its first fifth while its loss has left the label prior's but
     its accuracy has not. Such points are still reported. asha/hyperband file a trial's first
     judged value under every rung it has passed."""
@@ -118,17 +131,13 @@ class SearchConfig:
     max_disk_gb: float = 0.0
     """Cap on the kept best checkpoints (GB); the worst are deleted first (0 = no cap)."""
 
-    @property
-    def stop_at_chance(self) -> int:
-        """prune_at_chance as the trainer applies it: with every pruner but none."""
-        return self.prune_at_chance if self.pruner != "none" else 0
-
     def validate(self, where: str = "search") -> None:
         def rule(ok: bool, name: str, msg: str) -> None:
             if not ok:
                 raise SpecError(f"{where}.{name}: {getattr(self, name)!r} {msg}")
 
         rule(self.n_trials >= 1, "n_trials", "must be >= 1")
+        rule(self.n_trials <= MAX_TRIALS, "n_trials", f"must be at most {MAX_TRIALS:,}, a search that can end")
         rule(self.max_retries >= 0, "max_retries", "must be >= 0")
         rule(self.pruner_warmup_steps >= 0, "pruner_warmup_steps", "must be >= 0")
         rule(self.pruner_startup_trials >= 0, "pruner_startup_trials", "must be >= 0")
@@ -141,6 +150,8 @@ class SearchConfig:
             # inf passes ">= 0" and breaks arithmetic later (int(inf) in retention): 0 means no limit.
             value = getattr(self, name)
             rule(math.isfinite(value) and value >= 0, name, "must be a finite number >= 0 (0 = no limit)")
+        for name, (most, words) in LIMITS.items():
+            rule(getattr(self, name) <= most, name, f"must be at most {int(most):,}{words}")
 
 
 @dataclass
@@ -459,6 +470,24 @@ class StudySpec:
             # Only when set: a full fine-tune's stored spec reads as it did before [adapter] existed.
             d["adapter"] = asdict(self.adapter)
         return d
+
+    def readable(self) -> dict[str, str]:
+        """The spec as a few short user attributes, one per table ("spec: search" =
+        "n_trials = 20, sampler = qmc, ..."), for the dashboard, where the stored spec
+        (``SPEC_ATTR``) is one long JSON string."""
+        d = self.to_dict()
+        space = d["search"].pop("space")
+        d["search"].pop("enqueue", None)
+        out = {f"spec: {table}": ", ".join(f"{k} = {_toml(v)}" for k, v in d[table].items()) for table in d}
+        out["spec: search.space"] = "; ".join(
+            f"{name} = {{ {', '.join(f'{k} = {_toml(v)}' for k, v in p.items())} }}" for name, p in space.items()
+        )
+        return out
+
+    @property
+    def metric_name(self) -> str:
+        """The objective as Optuna's metric name, which the dashboard shows on its axes."""
+        return f"val_{self.search.metric}"
 
     def identity(self) -> dict[str, Any]:
         """The spec without its budget: two runs of one study must agree on this."""

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
+import warnings
 import zlib
 from typing import Any
 
 import optuna
+import sqlalchemy
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
 
 from hpsearch.search.spec import SPEC_ATTR, Param, SpecError, StudySpec, difference
+from hpsearch.storage import budget, registry
 from hpsearch.storage.open import Storage, require_study
+from hpsearch.storage.tables import StudyCreation
 
 log = logging.getLogger(__name__)
 N_TRIALS_ATTR = "hpsearch_n_trials"
@@ -27,38 +32,93 @@ class SpecMismatchError(SpecError):
 
 
 def create_or_resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
-    """Create the study with ``spec``, or check that the existing one was made with the same."""
+    """Create the study with ``spec``, or check that the existing one was made with the same.
+
+    Under the study's creation lock (``Storage.creation_lock``), so of several `start`s at once
+    exactly one creates it, and the others find it whole (its spec stored) and resume it or are
+    refused with the difference."""
     storage.prepare()  # our tables and WAL: only now that the study is going ahead
-    study = optuna.create_study(study_name=name, storage=storage.optuna, direction=spec.direction, load_if_exists=True)
-    stored = study.user_attrs.get(SPEC_ATTR)
-    if stored is None:
-        # Known-good configurations run first: queued now, the first ask() of any worker gets one.
-        for params in spec.enqueue:
-            study.enqueue_trial(params, user_attrs={"enqueued": True})
-        log.info("created study %s in %s (%d queued trials)", name, storage.display, len(spec.enqueue))
-    else:
-        check_same(name, StudySpec.from_dict(stored), spec)
-        trials = study.get_trials(deepcopy=False)
-        log.info("resuming study %s (%d trials so far)", name, len(trials))
-        # Said up front; the workers still start, since a crashed host's claimed trials are theirs.
-        states = optuna.trial.TrialState
-        done = sum(t.state in (states.COMPLETE, states.PRUNED) for t in trials)
-        if done >= spec.search.n_trials:
-            log.warning(
-                "study %s already has %d finished trials and n_trials = %d: no new trial will start; "
-                "pass --n-trials N (or raise search.n_trials) to search further",
-                name,
-                done,
-                spec.search.n_trials,
-            )
+    with storage.creation_lock(name):
+        try:
+            study_id: int | None = storage.optuna.get_study_id_from_name(name)
+        except KeyError:
+            study_id = None
+        if study_id is not None and SPEC_ATTR not in storage.optuna.get_study_user_attrs(study_id):
+            # No other hpsearch is inside its creation now: a spec-less study is foreign, or what
+            # a `start` killed while creating it left (its creation row says so; never used).
+            _refuse_foreign(storage, name, study_id, spec, outside_lock=False)
+            log.info("study %s: a start was cut short while creating it; creating it again", name)
+            optuna.delete_study(study_name=name, storage=storage.optuna)
+            study_id = None
+        return _create(storage, name, spec) if study_id is None else _resume(storage, name, spec)
+
+
+def _create(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
+    def mark(s: Session) -> None:
+        s.merge(StudyCreation(study_name=name, started_at=s.execute(select(storage.db.clock())).scalar_one()))
+
+    storage.db.run(mark, what=f"mark study {name!r} as being created")
+    try:
+        study = optuna.create_study(study_name=name, storage=storage.optuna, direction=spec.direction)
+    except optuna.exceptions.DuplicatedStudyError:
+        # Plain Optuna (which knows nothing of our lock) made one of that name just now.
+        _unmark(storage, name)
+        raise SpecError(f"study {name!r} exists but was not created by hpsearch; choose another --study name") from None
+    # Rows a deleted study of this name left in our tables would count as the new one's.
+    slots, rows = budget.forget_study(storage.db, name), registry.forget_study(storage.db, name)
+    if slots or rows:
+        log.info("study %s: removed %d budget slots and %d worker rows of a deleted study", name, slots, rows)
     ensure_uid(study)
+    # Known-good configurations run first: queued now, the first ask() of any worker gets one.
+    for params in spec.enqueue:
+        study.enqueue_trial(params, user_attrs={"enqueued": True})
+    _store_spec(storage, study, spec)  # last: a study with a spec is whole
+    _unmark(storage, name)
+    log.info("created study %s in %s (%d queued trials)", name, storage.display, len(spec.enqueue))
+    return study
+
+
+def _unmark(storage: Storage, name: str) -> None:
+    storage.db.run(
+        lambda s: s.execute(delete(StudyCreation).where(StudyCreation.study_name == name)),
+        what=f"mark study {name!r} as created",
+    )
+
+
+def _resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
+    study = optuna.load_study(study_name=name, storage=storage.optuna)
+    check_same(name, StudySpec.from_dict(study.user_attrs[SPEC_ATTR]), spec)
+    trials = study.get_trials(deepcopy=False)
+    log.info("resuming study %s (%d trials so far)", name, len(trials))
+    # Said up front; the workers still start, since a crashed host's claimed trials are theirs.
+    states = optuna.trial.TrialState
+    done = sum(t.state in (states.COMPLETE, states.PRUNED) for t in trials)
+    if done >= spec.search.n_trials:
+        log.warning(
+            "study %s already has %d finished trials and n_trials = %d: no new trial will start; "
+            "pass --n-trials N (or raise search.n_trials) to search further",
+            name,
+            done,
+            spec.search.n_trials,
+        )
+    ensure_uid(study)
+    _store_spec(storage, study, spec)
+    return study
+
+
+def _store_spec(storage: Storage, study: optuna.Study, spec: StudySpec) -> None:
+    with warnings.catch_warnings():  # experimental in Optuna 4, and the dashboard's axes read it
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names([spec.metric_name])  # else every chart says "Objective 0"
+    # Before the spec's JSON: the dashboard lists a new study's attributes in this order.
+    for key, text in spec.readable().items():
+        study.set_user_attr(key, text)
     # Stored again on resume: the budget keys (n_trials, timeout, gpu_hours, retention) may change.
-    study.set_user_attr(SPEC_ATTR, spec.to_dict())
     study.set_user_attr(N_TRIALS_ATTR, spec.search.n_trials)
     # The timeout counts from this start, on the database clock that every worker shares.
     timeout = spec.search.timeout_minutes
     study.set_user_attr(DEADLINE_ATTR, storage.db.now() + timeout * 60 if timeout > 0 else None)
-    return study
+    study.set_user_attr(SPEC_ATTR, spec.to_dict())
 
 
 def ensure_uid(study: optuna.Study) -> str:
@@ -101,21 +161,58 @@ def check_spec_before_create(storage: Storage, name: str, spec: StudySpec) -> tu
         return False, None
     attrs = storage.optuna.get_study_user_attrs(study_id)
     stored = attrs.get(SPEC_ATTR)
-    if stored is not None:
-        check_same(name, StudySpec.from_dict(stored), spec)
-        uid = attrs.get(UID_ATTR)
-        return True, str(uid) if uid else None
-    # A study someone made with Optuna itself: its trials were never judged by this spec
-    # (another objective, maybe the other direction), so hpsearch does not adopt it. An empty
-    # one of the same direction is what a `start` cut short right after creating it leaves.
+    if stored is None:
+        # Another `start` may be creating it right now (its spec is stored last): neither new
+        # nor foreign. Its creation row is gone only once the spec is in, so read the spec again.
+        if _refuse_foreign(storage, name, study_id, spec, outside_lock=True):
+            return True, None
+        attrs = storage.optuna.get_study_user_attrs(study_id)
+        stored = attrs[SPEC_ATTR]
+    check_same(name, StudySpec.from_dict(stored), spec)
+    uid = attrs.get(UID_ATTR)
+    return True, str(uid) if uid else None
+
+
+def _refuse_foreign(storage: Storage, name: str, study_id: int, spec: StudySpec, *, outside_lock: bool) -> bool:
+    """Refuse a spec-less study that hpsearch is not creating, nor was when a `start` was cut short.
+
+    A study someone made with Optuna itself, even an empty one of the same direction: its
+    trials were never judged by this spec, and hpsearch does not adopt it. Returns True for a
+    study hpsearch is creating (``outside_lock``: another `start` may be inside its creation
+    now) or whose creation was cut short; False, only ``outside_lock``, once its spec is stored.
+    """
+    if _being_created(storage, name):
+        if outside_lock or _cut_short(storage, study_id, spec):
+            return True
+    elif outside_lock and SPEC_ATTR in storage.optuna.get_study_user_attrs(study_id):
+        return False
     n_trials = len(storage.optuna.get_all_trials(study_id, deepcopy=False))
     [direction] = storage.optuna.get_study_directions(study_id)
-    if n_trials or direction.name.lower() != spec.direction:
-        raise SpecError(
-            f"study {name!r} exists but was not created by hpsearch ({n_trials} trials, "
-            f"{direction.name.lower()}); choose another --study name"
+    raise SpecError(
+        f"study {name!r} exists but was not created by hpsearch ({n_trials} trials, "
+        f"{direction.name.lower()}); choose another --study name"
+    )
+
+
+def _being_created(storage: Storage, name: str) -> bool:
+    """Whether a `start` marked ``name`` as being created (``StudyCreation``), now or when it was cut short."""
+    if not sqlalchemy.inspect(storage.optuna.engine).has_table(StudyCreation.__tablename__):
+        return False  # a storage no hpsearch with creation marks has created a study in
+    return bool(
+        storage.db.run(
+            lambda s: s.get(StudyCreation, name) is not None, what=f"read whether study {name!r} is being created"
         )
-    return True, None
+    )
+
+
+def _cut_short(storage: Storage, study_id: int, spec: StudySpec) -> bool:
+    """What a `start` killed while creating the study leaves: this direction, and no trial ever
+    ran (workers refuse a study without a spec), only the spec's enqueued ones, waiting."""
+    [direction] = storage.optuna.get_study_directions(study_id)
+    return direction.name.lower() == spec.direction and all(
+        t.state == optuna.trial.TrialState.WAITING and t.user_attrs.get("enqueued")
+        for t in storage.optuna.get_all_trials(study_id, deepcopy=False)
+    )
 
 
 def n_trials(study: optuna.Study, spec: StudySpec) -> int:
@@ -193,7 +290,7 @@ def grid_space(spec: StudySpec) -> dict[str, list[Any]]:
     return grid
 
 
-def make_pruner(spec: StudySpec, total_steps_hint: int | None = None) -> optuna.pruners.BasePruner:
+def make_pruner(spec: StudySpec) -> optuna.pruners.BasePruner:
     """The spec's pruner; its resource unit is the optimizer step the trainer reports at.
 
     Defaults suit short fine-tunes, where a trial has a handful of validation points: pruning
@@ -219,7 +316,7 @@ def make_pruner(spec: StudySpec, total_steps_hint: int | None = None) -> optuna.
         )
     return optuna.pruners.HyperbandPruner(
         min_resource=min_resource,
-        max_resource=total_steps_hint or "auto",
+        max_resource="auto",
         reduction_factor=s.pruner_reduction_factor,
     )
 
@@ -247,7 +344,3 @@ def suggest(trial: optuna.trial.BaseTrial, spec: StudySpec) -> dict[str, Any]:
             assert isinstance(dist, optuna.distributions.FloatDistribution)
             params[name] = trial.suggest_float(name, dist.low, dist.high, log=dist.log, step=dist.step)
     return params
-
-
-def spec_json(spec: StudySpec) -> str:
-    return json.dumps(spec.to_dict(), indent=2, sort_keys=True)

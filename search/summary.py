@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import math
 from collections import Counter
 from typing import Any
 
@@ -9,7 +11,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.search.spec import StudySpec
-from hpsearch.storage import checkpoints as retention, registry
+from hpsearch.storage import checkpoints as retention, lost, registry
 
 
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
@@ -26,13 +28,16 @@ def best_trial(study: optuna.Study) -> FrozenTrial | None:
     )
 
 
-def trial_dict(trial: FrozenTrial) -> dict[str, Any]:
+def trial_dict(trial: FrozenTrial, now: dt.datetime | None = None) -> dict[str, Any]:
     attrs = trial.user_attrs
+    start, end = trial.datetime_start, trial.datetime_complete or now or dt.datetime.now()
     return {
         "number": trial.number,
         "state": trial.state.name,
         "value": trial.value,
         "params": trial.params,
+        "step": max(trial.intermediate_values, default=None),
+        "duration_s": max(0.0, (end - start).total_seconds()) if start else None,
         "best_step": attrs.get("best_step"),
         "best_checkpoint": attrs.get("best_checkpoint"),
         "host": attrs.get("host"),
@@ -47,6 +52,7 @@ def status(study: optuna.Study, spec: StudySpec, n_trials: int, storage_display:
     trials = study.get_trials(deepcopy=False)
     states = Counter(t.state.name.lower() for t in trials)
     best = best_trial(study)
+    now = dt.datetime.now()
     return {
         "study": study.study_name,
         "storage": storage_display,
@@ -56,8 +62,88 @@ def status(study: optuna.Study, spec: StudySpec, n_trials: int, storage_display:
         "finished": states["complete"] + states["pruned"],
         "states": {s.name.lower(): states[s.name.lower()] for s in TrialState},
         "best": trial_dict(best) if best else None,
-        "trials": [trial_dict(t) for t in trials],
+        "trials": [trial_dict(t, now) for t in trials],
+        "no_best": None if best else why_no_best(study, spec),
     }
+
+
+REASONS = {"at_chance": "at chance", "nan_loss": "NaN loss"}
+"""How a pruned trial's recorded reason reads; a pruned trial without one was stopped by the pruner."""
+BY_PRUNER = "by the pruner"
+
+
+def reason(trial: dict[str, Any]) -> str:
+    """Why a trial ended as it did, in a few words ("" for complete and running trials)."""
+    if trial["state"] == "PRUNED":
+        return REASONS.get(trial["fail_reason"] or "", trial["fail_reason"] or BY_PRUNER)
+    if trial["state"] == "FAIL":
+        return str(trial["fail_reason"] or "no reason recorded")
+    return ""
+
+
+def why_no_best(study: optuna.Study, spec: StudySpec) -> list[str]:
+    """What to tell a user whose study has no complete trial: what ended the trials, the best
+    point any of them reached, and what to change. Empty while no trial has ended."""
+    trials = study.get_trials(deepcopy=False)
+    pruned = [t for t in trials if t.state == TrialState.PRUNED]
+    failed = [t for t in trials if t.state == TrialState.FAIL]
+    if not pruned and not failed:
+        return []
+    causes = Counter(reason(trial_dict(t)) for t in pruned)
+    said = ", ".join(f"{n} {cause}" for cause, n in causes.most_common())
+    lines = [f"no trial completed: {len(pruned)} pruned ({said})" if pruned else "no trial completed"]
+    if failed:
+        lines[0] += f", {len(failed)} failed"
+    point = _best_point(trials, spec.direction == "minimize")
+    if point is not None:
+        trial, step, value = point
+        kept = trial.user_attrs.get(retention.BEST_CHECKPOINT_ATTR)
+        where = f"checkpoint {kept}" if kept and not retention.is_deleted(kept) else "no checkpoint kept"
+        lines.append(
+            f"best point reached: trial {trial.number}, {spec.search.metric} {value:.4f} at step {step} ({where})"
+        )
+    lines += [f"fix: {fix}" for fix in _fixes(causes, spec)]
+    return lines
+
+
+def _best_point(trials: list[FrozenTrial], minimize: bool) -> tuple[FrozenTrial, int, float] | None:
+    points = [
+        (t, step, v) for t in trials for step, v in t.intermediate_values.items() if v is not None and math.isfinite(v)
+    ]
+    if not points:
+        return None
+    return min(points, key=lambda p: p[2]) if minimize else max(points, key=lambda p: p[2])
+
+
+def _fixes(causes: Counter[str], spec: StudySpec) -> list[str]:
+    s, t = spec.search, spec.train
+    lr = spec.space.get("learning_rate")
+    if lr is not None and lr.choices:
+        lr_now = f"now one of {', '.join(map(_fmt, lr.choices))}"
+    elif lr is not None:
+        lr_now = f"now {lr.low:g} to {lr.high:g}"
+    else:
+        lr_now = f"now fixed at train.learning_rate = {t.learning_rate:g}"
+    fixes = []
+    if causes[REASONS["at_chance"]]:
+        fixes.append(
+            f"the models did no better than guessing the label prior: train longer before they are judged "
+            f"(train.eval_every, now {t.eval_every}; train.epochs or max_steps), move the learning-rate range "
+            f"(search.space.learning_rate, {lr_now}), or set search.prune_at_chance = 0 to let them run"
+        )
+    if causes[REASONS["nan_loss"]]:
+        fixes.append(
+            f"the loss became NaN: lower the learning rate (search.space.learning_rate, {lr_now}), keep "
+            f'train.max_grad_norm > 0, or use train.precision = "fp32"'
+        )
+    if causes[BY_PRUNER]:
+        fixes.append(
+            f"the {s.pruner} pruner stopped them before any finished: judge later (search.pruner_min_resource or "
+            f'pruner_warmup_steps, train.eval_every, now {t.eval_every}) or set search.pruner = "none"'
+        )
+    if not fixes:  # failures only: their reasons are in the table of `hpsearch status`
+        fixes.append("read why each trial failed (hpsearch status) and a trial's train.log")
+    return fixes
 
 
 def failed_only(s: dict[str, Any]) -> str | None:
@@ -71,7 +157,19 @@ def failed_only(s: dict[str, Any]) -> str | None:
     return f"every trial failed ({st['fail']}); {count} with: {reason}"
 
 
-def mark_stale(s: dict[str, Any], stale: list[registry.StaleTrial]) -> None:
+def search_over(s: dict[str, Any]) -> bool:
+    """No trial runs or waits, and the budget is used (or the rest failed)."""
+    st = s["states"]
+    return not st["running"] and not st["waiting"] and s["finished"] + st["fail"] >= s["n_trials"]
+
+
+def ended_without_best(s: dict[str, Any]) -> bool:
+    """Trials ended, none completed, and none runs or waits: the search left no model."""
+    st = s["states"]
+    return s["best"] is None and bool(s.get("no_best")) and not st["running"] and not st["waiting"]
+
+
+def mark_stale(s: dict[str, Any], stale: list[lost.StaleTrial]) -> None:
     """Flag running trials whose worker stopped beating: they wait for a reaper."""
     numbers = {t.trial_number for t in stale}
     for trial in s["trials"]:
@@ -92,13 +190,17 @@ def format_status(s: dict[str, Any]) -> str:
             f"stale: trial {numbers} (its worker stopped sending heartbeats); any running worker retries it, "
             f"or run: hpsearch reap --study {s['study']}"
         )
-    lines += format_best(s["best"], s["metric"]).splitlines()
+    lines += format_best(s).splitlines()
     return "\n".join(lines)
 
 
-def format_best(best: dict[str, Any] | None, metric: str) -> str:
+def format_best(s: dict[str, Any]) -> str:
+    best, metric = s["best"], s["metric"]
     if best is None:
-        return "best: no complete trial yet"
+        if not s.get("no_best"):
+            return "best: no complete trial yet"
+        first, *rest = s["no_best"]
+        return "\n".join([f"best: none; {first}", *(f"  {line}" for line in rest)])
     lines = [f"best: trial {best['number']}  {metric} {best['value']:.4f} at step {best['best_step']}"]
     lines += [f"  {k} = {_fmt(v)}" for k, v in sorted(best["params"].items())]
     lines.append(f"  checkpoint: {best['best_checkpoint']}")
@@ -110,3 +212,61 @@ def format_best(best: dict[str, Any] | None, metric: str) -> str:
 
 def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+LATEST_ROWS, BEST_ROWS = 20, 3
+"""Rows of a long study's trial table without --all: the latest trials, and the best ones."""
+
+
+def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
+    """One row per trial: number, state, value, step reached, searched parameters, duration,
+    worker, and why a pruned or failed trial ended. Without ``every``, a long study shows its
+    latest and best trials only."""
+    trials = s["trials"]
+    if not trials:
+        return "no trials yet"
+    shown = trials
+    if not every and len(trials) > LATEST_ROWS + BEST_ROWS:
+        minimize = s["direction"] == "minimize"
+        ranked = sorted(
+            (t for t in trials if t["state"] == "COMPLETE" and t["value"] is not None),
+            key=lambda t: t["value"] if minimize else -t["value"],
+        )
+        keep = {t["number"] for t in ranked[:BEST_ROWS]} | {t["number"] for t in trials[-LATEST_ROWS:]}
+        shown = [t for t in trials if t["number"] in keep]
+    names = sorted({k for t in trials for k in t["params"]})
+    header = ["#", "state", s["metric"], "step", *names, "time", "worker", "reason"]
+    rows = [header]
+    for t in shown:
+        state = t["state"].lower() + (" (stale)" if t.get("stale") else "")
+        rows.append(
+            [
+                str(t["number"]),
+                state,
+                f"{t['value']:.4f}" if t["value"] is not None else "-",
+                str(t["step"]) if t["step"] is not None else "-",
+                *(_fmt(t["params"][n]) if n in t["params"] else "-" for n in names),
+                _duration(t["duration_s"]),
+                t["worker"] or "-",
+                _short(reason(t), 60),
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    if len(shown) < len(trials):
+        hidden = len(trials) - len(shown)
+        lines.append(f"({hidden} more trials not shown, only the latest and the best; --all shows every one)")
+    return "\n".join(lines)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    m, sec = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
+
+
+def _short(text: str, limit: int) -> str:
+    text = " ".join(text.split())  # a traceback's last line may hold newlines
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -19,11 +19,13 @@ from typing import Any, NoReturn
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import leftovers, lifeline, ranks, reap, retry, study as studies
+from hpsearch.search import cli, leftovers, lifeline, ranks, reap, retry, study as studies
 from hpsearch.search.devices import torch_device
+from hpsearch.search.early_stop import EarlyStop, PruningGate
+from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import StudySpec, resolved, split_params
-from hpsearch.storage import budget, checkpoints as retention, registry
+from hpsearch.storage import budget, checkpoints as retention, lost, registry
 from hpsearch.storage.db import PATIENT_RETRY
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage
@@ -59,7 +61,7 @@ class TrialReporter:
         """When a call last reached the storage: the device time of an attempt that storage
         failed is counted up to here, not through the minutes of retrying."""
 
-    def report(self, value: float, step: int) -> None:
+    def report(self, value: float, step: int, metrics: object = None) -> None:
         self.trial.report(value, step)
         self.last_ok = time.monotonic()
 
@@ -76,13 +78,12 @@ class TrialReporter:
 
 def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     """Entry point of the spawned worker process."""
-    logging.basicConfig(level=args.log_level, format=f"%(asctime)s [{args.name}] %(levelname)s %(message)s")
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    cli.setup_logging(args.log_level, args.name)
     stop = lifeline.StopFlag()
     stop.install()
     if not lifeline.die_with_parent():
         log.warning("the supervisor that started this worker is gone; exiting")
-        raise SystemExit(128 + signal.SIGTERM)
+        raise SystemExit(ExitCode.signalled(signal.SIGTERM))
     import torch
 
     if args.threads:
@@ -103,7 +104,7 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     try:
         storage = lifeline.open_patiently(args.storage_url, patience, stop)
     except lifeline.StorageLost as exc:
-        _exit(lifeline.STORAGE_LOST, f"{exc}; exiting", peers)
+        _exit(ExitCode.STORAGE_LOST, f"{exc}; exiting", peers)
     if storage is None:
         _exit(128 + stop.signum, "stopped before the storage answered", peers)
     try:
@@ -115,14 +116,14 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
             with Reaper(storage, args.study, max_retries=worker.spec.search.max_retries, interval_s=reg.interval_s):
                 worker.run()
     except ranks.GroupRestart as exc:
-        _exit(ranks.GROUP_RESTART, f"{exc}; restarting the device group", peers)
+        _exit(ExitCode.GROUP_RESTART, f"{exc}; restarting the device group", peers)
     except Exception as exc:
         if not isinstance(exc, lifeline.StorageLost) and not lifeline.is_storage_failure(exc):
             raise
         # Also a storage call outside a trial (reading the spec while loading) that ran out
         # of patience after a stop: one line, not a traceback.
         _exit(
-            lifeline.STORAGE_LOST,
+            ExitCode.STORAGE_LOST,
             f"{lifeline.describe(exc)}; exiting (a held trial is retried once the storage is back)",
             peers,
         )
@@ -134,7 +135,7 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     if stop.requested:
         # Tell the supervisor we were stopped (its trial is already handed back), so it
         # restarts us unless it is stopping too.
-        raise SystemExit(128 + stop.signum)
+        raise SystemExit(ExitCode.signalled(stop.signum))
 
 
 def _exit(code: int, why: str, peers: ranks.Peers | None) -> NoReturn:
@@ -290,7 +291,7 @@ class Worker:
         reap.reap(self.storage, study, max_retries=retries, orphans=True, stale=False)
         if budget.used_slots(self.storage.db, study) < studies.n_trials(self.study, self.spec):
             return True
-        waiting = registry.stale_trials(self.storage.db, study, missed_beats=1.5)
+        waiting = lost.stale_trials(self.storage.db, study, missed_beats=1.5)
         if not waiting:
             return False
         log.info(
@@ -364,10 +365,11 @@ class Worker:
                 meta={"study": self.args.study, "trial": trial.number, "params": params},
                 started=started,
                 world=self.world,
-                stop_at_chance=self.spec.search.stop_at_chance,
-                patient_pruning=self.spec.search.patient_pruning,
             )
-            result = fit(run, reporter)
+            gate = PruningGate.of_search(data, cfg, self.spec.search)
+            early = EarlyStop(reporter, gate)
+            result = fit(run, early)
+            result.fail_reason = result.fail_reason or early.reason
         except CheckpointError as exc:
             log.error("trial %d failed: %s", trial.number, exc)
             failure: str | None = exc.reason

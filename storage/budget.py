@@ -107,3 +107,16 @@ def orphaned_slots(db: Database, study_name: str, *, older_than_s: float) -> lis
         return [(int(slot), None if number is None else int(number)) for slot, number in rows]
 
     return db.run(read, what="find orphaned budget slots")
+
+
+def forget_study(db: Database, study_name: str) -> int:
+    """Remove every slot left under ``study_name``: a study of that name is being created anew.
+
+    Slots are keyed by name, and deleting a study (Optuna's ``delete_study``, the dashboard)
+    leaves ours behind: a new study of that name would find its budget used and run nothing."""
+    return int(
+        db.run(
+            lambda s: s.execute(delete(BudgetSlot).where(BudgetSlot.study_name == study_name)).rowcount,
+            what="remove a deleted study's budget slots",
+        )
+    )

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import errno
-import functools
+import fcntl
+import hashlib
 import logging
 import os
 import random
 import sqlite3
 import tempfile
 import time
-import urllib.parse
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +21,7 @@ import optuna
 import sqlalchemy
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError, SQLAlchemyError
 
-from hpsearch.storage import mounts, urls
+from hpsearch.storage import sqlite_file, urls
 from hpsearch.storage.db import (
     DEFAULT_RETRY,
     Database,
@@ -37,6 +37,7 @@ from hpsearch.storage.tables import Base
 
 log = logging.getLogger(__name__)
 SCHEMA_LOCK_KEY = int.from_bytes(b"hpsearch", "big")  # an advisory lock's bigint key, project-wide
+CREATION_LOCK_CLASS = int.from_bytes(b"hps", "big")  # an int4: the other key is the study name's
 CREATION_ATTEMPTS = 4
 """How often a process opens a new storage whose schema another one was creating at the same moment."""
 
@@ -65,6 +66,47 @@ class Storage:
     def close(self) -> None:
         self.optuna.engine.dispose()
 
+    @contextlib.contextmanager
+    def creation_lock(self, name: str) -> Iterator[None]:
+        """Held while a study named ``name`` is created or resumed, across processes and hosts.
+
+        Two `start`s of a new study would otherwise both create it (each queueing the spec's
+        enqueued trials), the last one's spec winning. PostgreSQL: a transaction-scoped advisory
+        lock keyed by the name, on a connection of its own that a killed process's server
+        session gives up with it. SQLite: the file's write lock cannot be held across Optuna's
+        own connections (they would wait on it), so a lock file (``_file_lock``).
+        """
+        path = urls.sqlite_path(self.url)
+        if path is not None:
+            with _file_lock(path):
+                yield
+            return
+        engine = sqlalchemy.create_engine(
+            self.url, poolclass=sqlalchemy.pool.NullPool, connect_args=self.engine_kwargs().get("connect_args", {})
+        )
+        # Two int4 keys: the project's, and the name's checksum (a collision only makes two
+        # studies' creations take turns).
+        keys = {"project": CREATION_LOCK_CLASS, "name": zlib.crc32(name.encode()) - 2**31}
+
+        def take() -> sqlalchemy.Connection:
+            conn = engine.connect()
+            try:
+                conn.begin()
+                conn.execute(sqlalchemy.text("SELECT pg_advisory_xact_lock(:project, :name)"), keys)
+            except BaseException:
+                conn.close()
+                raise
+            return conn
+
+        try:
+            conn = with_retries(take, policy=self.db.retry, what=f"lock study {name!r} for creation")
+            try:
+                yield
+            finally:
+                conn.close()  # ends the transaction, and with it the lock
+        finally:
+            engine.dispose()
+
     def prepare(self) -> None:
         """Make the storage ready for workers: WAL mode for a SQLite file, and our tables.
 
@@ -77,8 +119,28 @@ class Storage:
             # WAL lets status/dashboard readers run while workers write. It is a property of
             # the file, switched with no other connection open: the pool's are closed first.
             self.optuna.engine.dispose()
-            _use_wal(path, self.display)
+            sqlite_file.use_wal(path, self.display)
         with_retries(lambda: Base.metadata.create_all(self.optuna.engine), what=f"create tables in {self.display}")
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock among this host's processes on the SQLite file ``path`` (one host's file).
+
+    In the temporary folder, not beside the database: a folder holding a study file is left
+    as SQLite leaves it. Not the database file itself: closing any descriptor of it would drop
+    SQLite's own locks in this process."""
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
+    lock = Path(tempfile.gettempdir()) / f"hpsearch-{key}.lock"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:
+        fd = os.open(lock, os.O_RDONLY)  # another user's lock file: flock needs no write access
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released on close, or when the process dies
+        yield
+    finally:
+        os.close(fd)
 
 
 def open_storage(url: str, *, create: bool, read_only: bool = False, retry: RetryPolicy | None = None) -> Storage:
@@ -95,7 +157,7 @@ def open_storage(url: str, *, create: bool, read_only: bool = False, retry: Retr
     path = urls.sqlite_path(normalized)
     kwargs = engine_kwargs(normalized)
     if path is not None:
-        reader = _check_sqlite(path, create=create, read_only=read_only, display=display)
+        reader = sqlite_file.check_sqlite(path, create=create, read_only=read_only, display=display)
         if reader is not None:
             kwargs = {"creator": reader}
     try:
@@ -231,118 +293,6 @@ def _check_schema_version(rdb: optuna.storages.RDBStorage, display: str) -> None
             f"storage {display} has Optuna schema {current}, this Optuna needs {head}; run "
             f"`optuna storage upgrade --storage URL` (or use the Optuna that created it)"
         )
-
-
-SQLITE_MAGIC = b"SQLite format 3\x00"
-
-
-def _check_sqlite(
-    path: Path, *, create: bool, read_only: bool, display: str
-) -> Callable[[], sqlite3.Connection] | None:
-    """Refuse, with the reason, a path SQLite cannot use; nothing is written to it here.
-
-    Returns a read-only connector when ``read_only`` and this user cannot write the file.
-    """
-    if path.is_dir():
-        raise StorageUrlError(
-            f"storage {display}: {path} is a folder; name a file in it, e.g. sqlite:///{path}/hpsearch.db"
-        )
-    if not path.exists():
-        if not create:
-            raise StudyNotFoundError(
-                f"no study storage at {display} (the file does not exist); run `hpsearch start` "
-                "first, or pass --storage / set HPSEARCH_STORAGE to the study's database"
-            )
-        if not path.parent.is_dir():
-            raise StorageUrlError(f"cannot create SQLite storage {display}: folder {path.parent} does not exist")
-        try:
-            # What SQLite is about to do (create a file there), so read-only mounts and
-            # folders like /proc fail here with the reason, not inside the driver.
-            with tempfile.TemporaryFile(dir=path.parent):
-                pass
-        except OSError as exc:
-            why = f" ({exc.strerror})" if exc.strerror and exc.errno != errno.ENOENT else ""  # ENOENT: /proc
-            raise StorageUrlError(
-                f"cannot create SQLite storage {display}: folder {path.parent} is not writable{why}; "
-                "point --storage / HPSEARCH_STORAGE at a file in a folder you can write to"
-            ) from None
-        return None
-    if not path.is_file():
-        raise StorageUrlError(
-            f"storage {display}: {path} is not a regular file, so not a database; point --storage / "
-            "HPSEARCH_STORAGE at the study's SQLite file"
-        )
-    try:
-        with path.open("rb") as f:
-            head = f.read(len(SQLITE_MAGIC))
-    except OSError as exc:
-        raise StorageUrlError(f"storage {display}: cannot read {path} ({exc.strerror or exc})") from None
-    if head and head != SQLITE_MAGIC:  # an empty file is an empty database
-        raise StorageUrlError(
-            f"storage {display}: file is not a database; point --storage / HPSEARCH_STORAGE at the study's SQLite file"
-        )
-    unwritable = _unwritable(path)
-    if unwritable is None:
-        return None
-    if read_only and not create:
-        return _read_only_connector(path)
-    raise StorageUrlError(
-        f"storage {display}: {unwritable}, and this command writes to the study; make it writable "
-        "(hpsearch status, best and dashboard read it as it is)"
-    )
-
-
-def _unwritable(path: Path) -> str | None:
-    """Why this user cannot write the SQLite file, or None. (access() also sees read-only mounts.)"""
-    if not os.access(path, os.W_OK):
-        return f"{path} is read-only"
-    if not os.access(path.parent, os.W_OK):
-        return f"its folder {path.parent} is not writable (SQLite keeps its journal beside the file)"
-    return None
-
-
-def _read_only_connector(path: Path) -> Callable[[], sqlite3.Connection]:
-    query = "mode=ro"
-    if not os.access(path.parent, os.W_OK) and not any(
-        Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-journal")
-    ):
-        # A reader of a WAL file needs a -shm file beside it, which a read-only folder cannot
-        # hold; with no -wal or journal there, the file alone is the whole database, and
-        # "immutable" reads it without one.
-        query += "&immutable=1"
-    uri = f"file:{urllib.parse.quote(str(path.resolve()))}?{query}"
-    return functools.partial(sqlite3.connect, uri, uri=True, timeout=120, check_same_thread=False)
-
-
-def _use_wal(path: Path, display: str) -> None:
-    kind = mounts.filesystem(path.parent)
-    if mounts.is_network(kind):
-        # Said, not refused: one host's workers on such a file mostly work in rollback-journal
-        # mode, and the user may have no other disk; what breaks is WAL and several hosts.
-        log.warning(
-            "storage %s is on a network file system (%s): SQLite's locks do not hold there and its WAL "
-            "would corrupt the file; keeping the rollback journal. Put the file on a local disk, and use "
-            "PostgreSQL for workers on several hosts (README: Adding GPUs from another instance)",
-            display,
-            kind,
-        )
-        return
-    conn = sqlite3.connect(path, timeout=120)
-    try:
-        if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-            conn.execute("PRAGMA journal_mode=WAL")
-    except sqlite3.DatabaseError as exc:
-        raise StorageError(f"storage {display}: cannot switch it to WAL mode: {exc}") from None
-    finally:
-        conn.close()
-
-
-def study_exists(storage: Storage, name: str) -> bool:
-    try:
-        storage.optuna.get_study_id_from_name(name)
-    except KeyError:
-        return False
-    return True
 
 
 def require_study(storage: Storage, name: str) -> int:

@@ -16,12 +16,10 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any
 
-from sqlalchemy import case, event, func, select, update
+from sqlalchemy import case, delete, event, func, select, update
 from sqlalchemy.orm import Session
 
 from hpsearch.storage.db import Database
@@ -119,7 +117,7 @@ def trial_ended(db: Database, worker_id: int, *, finished: bool = True) -> None:
         db,
         worker_id,
         "record trial end",
-        device_seconds=_device_seconds_at(clock),
+        device_seconds=device_seconds_at(clock),
         trials_finished=WorkerRecord.trials_finished + (1 if finished else 0),
         current_trial=None,
         trial_started_at=None,
@@ -127,7 +125,7 @@ def trial_ended(db: Database, worker_id: int, *, finished: bool = True) -> None:
     )
 
 
-def _device_seconds_at(clock: Any) -> Any:
+def device_seconds_at(clock: Any) -> Any:
     """The worker's device time including the current trial's, as a SQL expression.
 
     A worker killed before its first heartbeat inside a trial has its clock (that heartbeat)
@@ -143,11 +141,22 @@ def end(db: Database, worker_id: int) -> None:
         db,
         worker_id,
         "record worker end",
-        device_seconds=_device_seconds_at(clock),
+        device_seconds=device_seconds_at(clock),
         current_trial=None,
         trial_started_at=None,
         heartbeat_at=clock,
         ended_at=clock,
+    )
+
+
+def forget_study(db: Database, study: str) -> int:
+    """Remove every row left under ``study``: a study of that name is being created anew (see
+    ``budget.forget_study``); a deleted study's workers must not count as the new one's."""
+    return int(
+        db.run(
+            lambda s: s.execute(delete(WorkerRecord).where(WorkerRecord.study_name == study)).rowcount,
+            what="remove a deleted study's worker rows",
+        )
     )
 
 
@@ -166,234 +175,9 @@ def held_trials(db: Database, study: str) -> set[int]:
     return {int(r[0]) for r in rows}
 
 
-def end_dead(db: Database, study: str, *, host: str, pid: int) -> int | None:
-    """A worker process its supervisor saw die: end its row at its last heartbeat.
-
-    Returns the trial the row held, for the supervisor to hand back (it may have died
-    between recording the trial here and telling its supervisor). Without this the row
-    would turn "lost" with a current trial, and workers would wait for a reaper to clear it.
-    """
-    where = (
-        WorkerRecord.study_name == study,
-        WorkerRecord.host == host,
-        WorkerRecord.pid == pid,
-        WorkerRecord.ended_at.is_(None),
-    )
-    stmt = update(WorkerRecord).where(*where).values(**_at_last_beat(), ended_at=WorkerRecord.heartbeat_at)
-
-    def record(s: Session) -> int | None:
-        held = s.execute(select(WorkerRecord.current_trial).where(*where)).scalars().first()
-        s.execute(stmt)
-        return None if held is None else int(held)
-
-    return db.run(record, what="record a dead worker")
-
-
-@dataclass(frozen=True)
-class StaleTrial:
-    """A trial whose worker stopped beating without a clean end (killed, host gone, network cut)."""
-
-    worker_id: int
-    worker: str
-    host: str
-    trial_number: int
-    heartbeat_at: float
-    heartbeat_age_s: float
-    device_seconds: float = 0.0
-    """The trial's device time up to the last heartbeat, times the worker's devices."""
-
-
-def stale_trials(
-    db: Database, study: str, *, grace_s: float | None = None, missed_beats: float = MISSED_BEATS
-) -> list[StaleTrial]:
-    """Trials held by workers whose last heartbeat is older than the grace period.
-
-    The grace period is ``grace_s``, else ``missed_beats`` of the worker's own interval. Ages
-    are read off the database clock, so hosts with drifting clocks agree.
-    """
-
-    def read(s: Session) -> list[StaleTrial]:
-        now = float(s.execute(select(db.clock())).scalar_one())
-        rows = s.execute(
-            select(WorkerRecord).where(
-                WorkerRecord.study_name == study,
-                WorkerRecord.ended_at.is_(None),
-                WorkerRecord.current_trial.is_not(None),
-            )
-        ).scalars()
-        return [
-            _stale(r, now)
-            for r in rows
-            if r.current_trial is not None
-            and _silent(r, now, grace_s if grace_s is not None else missed_beats * r.heartbeat_s)
-        ]
-
-    return db.run(read, what="find stale trials")
-
-
-def _silent(r: WorkerRecord, now: float, grace_s: float) -> bool:
-    """No heartbeat from the row's worker for longer than ``grace_s`` (by the database clock)."""
-    return now - r.heartbeat_at > grace_s
-
-
-def _stale(r: WorkerRecord, now: float) -> StaleTrial:
-    assert r.current_trial is not None
-    return StaleTrial(
-        r.id,
-        r.name,
-        r.host,
-        int(r.current_trial),
-        r.heartbeat_at,
-        now - r.heartbeat_at,
-        max(0.0, r.heartbeat_at - (r.trial_started_at or r.heartbeat_at)) * (1 + r.device.count("+")),
-    )
-
-
-def end_gone(db: Database, study: str, *, host: str, gone: Callable[[int], bool]) -> list[StaleTrial]:
-    """End the lost rows of ``host``'s workers whose process is ``gone``; the trials they held.
-
-    A start before this one on the same host was killed with its instance, or stopped while the
-    database was away, and could not end its workers' rows. They would show as lost for ever,
-    and their trials would wait for a reaper's whole grace of healthy connection: after an
-    outage every heartbeat is old, so a reaper cannot tell a dead worker from a silent one. The
-    host can. Only stale rows still: a worker elsewhere that shares this host's name (see
-    ``this_host``) is not in this host's process table, and a live one beats.
-    """
-
-    def end(s: Session) -> list[StaleTrial]:
-        now = float(s.execute(select(db.clock())).scalar_one())
-        rows = s.execute(
-            select(WorkerRecord).where(
-                WorkerRecord.study_name == study, WorkerRecord.host == host, WorkerRecord.ended_at.is_(None)
-            )
-        ).scalars()
-        held = []
-        for r in list(rows):
-            if not _silent(r, now, MISSED_BEATS * r.heartbeat_s) or not gone(r.pid):
-                continue
-            trial = _stale(r, now) if r.current_trial is not None else None
-            # Only while the row shows the heartbeat judged stale: of two workers ending it, one wins.
-            ended = s.execute(  # type: ignore[attr-defined]  # an UPDATE's result has a rowcount
-                update(WorkerRecord)
-                .where(
-                    WorkerRecord.id == r.id,
-                    WorkerRecord.heartbeat_at == r.heartbeat_at,
-                    WorkerRecord.ended_at.is_(None),
-                )
-                .values(**_at_last_beat(), ended_at=WorkerRecord.heartbeat_at)
-            ).rowcount
-            if ended == 1 and trial is not None:
-                held.append(trial)
-        return held
-
-    return db.run(end, what="end the rows of this host's workers that are gone")
-
-
-def release_stale(db: Database, stale: StaleTrial) -> bool:
-    """Take a stale trial off its worker's row; True for exactly one caller.
-
-    The update only matches while the row still shows the heartbeat the caller judged stale,
-    so a worker that beat again meanwhile keeps its trial, and of two reapers one wins.
-    """
-    stmt = (
-        update(WorkerRecord)
-        .where(
-            WorkerRecord.id == stale.worker_id,
-            WorkerRecord.current_trial == stale.trial_number,
-            WorkerRecord.heartbeat_at == stale.heartbeat_at,
-            WorkerRecord.ended_at.is_(None),
-        )
-        .values(**_at_last_beat())
-    )
-    return bool(db.run(lambda s: s.execute(stmt).rowcount, what="release a stale trial") == 1)
-
-
-def _at_last_beat() -> dict[str, Any]:
-    """A row's trial taken off it: as far as anyone knows, its device stopped working on the
-    trial at the last heartbeat, and that much device time is the worker's."""
-    return {
-        "device_seconds": _device_seconds_at(WorkerRecord.heartbeat_at),
-        "current_trial": None,
-        "trial_started_at": None,
-    }
-
-
 def _update(db: Database, worker_id: int, what: str, **values: Any) -> None:
     stmt = update(WorkerRecord).where(WorkerRecord.id == worker_id).values(**values)
     db.run(lambda s: s.execute(stmt), what=what)
-
-
-@dataclass(frozen=True)
-class WorkerView:
-    """One registry row as `status` shows it."""
-
-    name: str
-    host: str
-    device: str
-    pid: int
-    state: str
-    """"live", "finished" or "lost"."""
-    started_at: float
-    heartbeat_age_s: float
-    """Seconds since the last heartbeat, by the database clock."""
-    current_trial: int | None
-    trials_finished: int
-    device_seconds: float
-    """Finished trials plus the running one (up to the last heartbeat for a lost worker), times
-    the worker's devices: a worker that trains each trial on "cuda:0+1" uses two GPUs."""
-
-    @property
-    def is_gpu(self) -> bool:
-        return self.device.startswith("cuda")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def list_workers(db: Database, study: str) -> list[WorkerView]:
-    """Every worker that ever served ``study``, oldest first, judged by the database clock."""
-
-    def read(s: Session) -> list[WorkerView]:
-        now = s.execute(select(db.clock())).scalar_one()
-        rows = (
-            s.execute(select(WorkerRecord).where(WorkerRecord.study_name == study).order_by(WorkerRecord.id))
-            .scalars()
-            .all()
-        )
-        return [_view(r, float(now)) for r in rows]
-
-    return db.run(read, what="read worker registry")
-
-
-def _view(r: WorkerRecord, now: float) -> WorkerView:
-    age = max(0.0, now - r.heartbeat_at)
-    if r.ended_at is not None:
-        state = "finished"
-    elif _silent(r, now, MISSED_BEATS * r.heartbeat_s):
-        state = "lost"
-    else:
-        state = "live"
-    seconds = r.device_seconds
-    if r.trial_started_at is not None:
-        # A lost worker stopped using its device at its last heartbeat, as far as anyone knows.
-        seconds += max(0.0, (now if state == "live" else r.heartbeat_at) - r.trial_started_at)
-    seconds *= 1 + r.device.count("+")  # a device group's label joins its devices with "+"
-    return WorkerView(
-        name=r.name,
-        host=r.host,
-        device=r.device,
-        pid=r.pid,
-        state=state,
-        started_at=r.started_at,
-        heartbeat_age_s=age,
-        current_trial=r.current_trial,
-        trials_finished=r.trials_finished,
-        device_seconds=seconds,
-    )
-
-
-def device_hours(workers: list[WorkerView], *, gpu_only: bool = True) -> float:
-    return sum(w.device_seconds for w in workers if w.is_gpu or not gpu_only) / 3600.0
 
 
 class Registration:
@@ -438,7 +222,9 @@ class Registration:
         self._last_write = 0.0
 
     def __enter__(self) -> Registration:
+        began = time.monotonic()
         self.id = register(self.db, self.study, self.name, self.device, heartbeat_s=self.interval_s)
+        self._last_write = began
         stmt = update(WorkerRecord).where(WorkerRecord.id == self.id).values(heartbeat_at=self.db.clock())
         self._beat_sql = str(stmt.compile(dialect=self.db.engine.dialect, compile_kwargs={"literal_binds": True}))
         # SQLite is one host's file: connections cost nothing there, and a beat written at
@@ -475,13 +261,15 @@ class Registration:
 
     def trial_started(self, number: int) -> None:
         assert self.id is not None, "use Registration as a context manager"
+        began = time.monotonic()
         trial_started(self.db, self.id, number)
-        self._last_write = time.monotonic()
+        self._last_write = began  # stands for this interval's beat (see _beat_loop)
 
     def trial_ended(self, *, finished: bool = True) -> None:
         assert self.id is not None, "use Registration as a context manager"
+        began = time.monotonic()
         trial_ended(self.db, self.id, finished=finished)
-        self._last_write = time.monotonic()
+        self._last_write = began
 
     def _on_checkin(self, dbapi_connection: Any, _record: Any) -> None:
         """Write a due beat on a connection going back to the pool (any thread)."""
@@ -507,25 +295,33 @@ class Registration:
             self._writing.release()
 
     def _beat_loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        # Each beat is due one interval after the row's last stamp, whoever wrote it: a fixed
+        # tick that skipped the beat a trial start or end had just replaced let the row age to
+        # nearly two intervals (a start just after a tick skips the next one).
+        failed_at = -float("inf")
+        while True:
+            due = max(self._last_write, failed_at) + self.interval_s
+            if self._stop.wait(max(0.0, due - time.monotonic())):
+                return
             if time.monotonic() - self._last_write < self.interval_s:
-                # A trial start or end just stamped the row: that was this interval's beat.
-                continue
+                continue  # a trial start or end stamped the row meanwhile: due later
             self._due.set()
             if not self._wait_for_quiet_connection():
                 continue  # the trainer's next check-in carried the beat, or we are stopping
             with self._writing:
                 if not self._due.is_set():
                     continue
+                began = time.monotonic()
                 try:
                     assert self.id is not None
                     beat(self.db, self.id)
                     self._due.clear()
                     self.beats += 1
-                    self._last_write = time.monotonic()
+                    self._last_write = began  # the row shows when the write began, at the latest
                 except StorageError as err:
-                    # Retries already happened inside; the next beat may get through.
+                    # Retries already happened inside; the next beat, an interval on, may get through.
                     log.warning("heartbeat of worker %s failed: %s", self.name, err)
+                    failed_at = time.monotonic()
 
     def _wait_for_quiet_connection(self) -> bool:
         """True when the heartbeat should write the beat itself.

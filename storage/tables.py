@@ -54,3 +54,18 @@ class WorkerRecord(Base):
     trials_finished: Mapped[int] = mapped_column(Integer, default=0)
     device_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     """Seconds this worker's device spent in finished trials (the running one is added live)."""
+
+
+class StudyCreation(Base):
+    """A study hpsearch is creating: written before Optuna's study, removed once its spec is stored.
+
+    Optuna creates a study and its attributes in separate transactions, so a `start` killed in
+    between leaves a study with no spec. This row tells that one (hpsearch's, never used, safe
+    to make again) from a study someone made with plain Optuna (refused), and tells a reader
+    that a spec-less study may be one another process is creating right now.
+    """
+
+    __tablename__ = "hpsearch_study_creations"
+
+    study_name: Mapped[str] = mapped_column(String(512), primary_key=True)
+    started_at: Mapped[float] = mapped_column(Float)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny import build_tiny_bert, build_tiny_gpt2, write_demo_split, write_lm_split
+from tests.support.tiny import build_tiny_bert, build_tiny_gpt2, write_demo_split, write_lm_split
 
 PG_ADMIN_URL = os.environ.get("HPSEARCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 

@@ -19,7 +19,7 @@ from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 from hpsearch.trainer.report import NullReporter, TrainResult
 from tests.conftest import hpsearch, lm_spec_text, start_study
-from tests.tiny import write_lm_split
+from tests.support.tiny import write_lm_split
 
 
 @pytest.fixture(scope="module")

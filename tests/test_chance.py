@@ -10,25 +10,25 @@ from pathlib import Path
 import optuna
 import pytest
 
-from hpsearch.trainer.chance import Chance
+from hpsearch.search.early_stop import ChanceLevel, EarlyStop, PruningGate
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.evaluate import Metrics
-from hpsearch.trainer.judge import Judge
+from hpsearch.trainer.loop import fit
 from hpsearch.trainer.model import load_tokenizer
-from hpsearch.trainer.report import TrainResult
-from tests.conftest import spec_text, start_study
-from tests.tiny import train_tiny
+from hpsearch.trainer.report import NullReporter, TrainResult
+from tests.conftest import hpsearch, spec_text
+from tests.support.tiny import tiny_run
 
 
 def test_chance_of_labels() -> None:
-    chance = Chance.of([1] * 147 + [0] * 109)  # seed 2's SST-2 validation subset in search_vs_hf
+    chance = ChanceLevel.of([1] * 147 + [0] * 109)  # seed 2's SST-2 validation subset in search_vs_hf
     assert chance is not None
     assert chance.accuracy == pytest.approx(147 / 256)
     assert chance.loss == pytest.approx(0.68209, abs=1e-5)
     assert chance.margin == pytest.approx(math.sqrt(0.5742 * 0.4258 / 256), abs=1e-4)
-    assert Chance.of([]) is None
-    three = Chance.of([0, 1, 2] * 10)
+    assert ChanceLevel.of([]) is None
+    three = ChanceLevel.of([0, 1, 2] * 10)
     assert three is not None and three.loss == pytest.approx(math.log(3))
 
 
@@ -46,13 +46,13 @@ def test_chance_of_labels() -> None:
 def test_a_point_matches_chance_only_when_loss_and_accuracy_both_say_so(
     loss: float, accuracy: float, expected: bool
 ) -> None:
-    chance = Chance.of([1] * 147 + [0] * 109)
+    chance = ChanceLevel.of([1] * 147 + [0] * 109)
     assert chance is not None
     assert chance.matches(Metrics(loss=loss, accuracy=accuracy, f1=0.0)) is expected
 
 
 def test_causal_lm_points_never_match() -> None:
-    chance = Chance.of([0, 1])
+    chance = ChanceLevel.of([0, 1])
     assert chance is not None and not chance.matches(Metrics(loss=9.0, perplexity=math.exp(9.0)))
 
 
@@ -77,10 +77,15 @@ def words_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def _fit(model_dir: Path, files: tuple[Path, Path], cfg: TrainConfig, out: Path, stop_at_chance: int) -> TrainResult:
+def _fit(model_dir: Path, files: tuple[Path, Path], cfg: TrainConfig, out: Path, prune_at_chance: int) -> TrainResult:
     tok = load_tokenizer(str(model_dir))
     data = prepare(DataConfig(train=str(files[0]), validation=str(files[1])), tok, 32, None)
-    return train_tiny(model_dir, (tok, data), cfg, out, stop_at_chance=stop_at_chance)[1]
+    # The search's early stop around the reporter, as a worker sets it up (no pruner: it never prunes).
+    gate = PruningGate.of_run(data, cfg, "loss", prune_at_chance=prune_at_chance, patient=True)
+    early = EarlyStop(NullReporter(), gate)
+    result = fit(tiny_run(model_dir, (tok, data), cfg, out), early)
+    result.fail_reason = result.fail_reason or early.reason
+    return result
 
 
 def test_a_run_that_does_not_learn_stops_at_the_second_judged_point(
@@ -89,16 +94,16 @@ def test_a_run_that_does_not_learn_stops_at_the_second_judged_point(
     # lr 1e-9 leaves the random head predicting the prior. 16 steps, warm-up 0.3 = 5 steps:
     # judged from step 5 (warm-up; a fifth would be 4), so at 6 and 8: stopped at 8.
     cfg = TrainConfig(learning_rate=1e-9, batch_size=32, micro_batch_size=32, epochs=2, eval_every=2, warmup_ratio=0.3)
-    result = _fit(tiny_model, words_files, cfg, tmp_path / "flat", stop_at_chance=2)
+    result = _fit(tiny_model, words_files, cfg, tmp_path / "flat", prune_at_chance=2)
     assert (result.status, result.fail_reason, result.steps) == ("pruned", "at_chance", 8)
     # Off (what a plain fine-tune or pruner "none" gets), the same run trains to its end.
-    result = _fit(tiny_model, words_files, cfg, tmp_path / "off", stop_at_chance=0)
+    result = _fit(tiny_model, words_files, cfg, tmp_path / "off", prune_at_chance=0)
     assert (result.status, result.steps) == ("complete", 16)
 
 
 def test_a_learning_run_is_not_stopped(tiny_model: Path, words_files: tuple[Path, Path], tmp_path: Path) -> None:
     cfg = TrainConfig(learning_rate=1e-2, batch_size=32, micro_batch_size=32, epochs=2, eval_every=2)
-    result = _fit(tiny_model, words_files, cfg, tmp_path / "learns", stop_at_chance=1)
+    result = _fit(tiny_model, words_files, cfg, tmp_path / "learns", prune_at_chance=1)
     assert (result.status, result.steps) == ("complete", 16)
     assert result.best_value is not None and result.best_value < 0.3
 
@@ -110,7 +115,12 @@ def test_a_search_records_why_a_trial_stopped(tiny_model: Path, demo_files: tupl
         spec_text(tiny_model, *demo_files, n_trials=2, prune_at_chance=2).replace("eval_every = 5", "eval_every = 2")
     )
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    start_study("c", spec, url, tmp_path)
+    result = hpsearch(
+        *("start", "--study", "c", "--config", str(spec), "--storage", url),
+        *("--devices", "cpu:1", "--output-dir", str(tmp_path / "runs")),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]  # no trial completed: no model came out
     trials = optuna.load_study(study_name="c", storage=url).trials
     assert [t.state for t in trials] == [optuna.trial.TrialState.PRUNED] * 2
     for t in trials:
@@ -119,12 +129,12 @@ def test_a_search_records_why_a_trial_stopped(tiny_model: Path, demo_files: tupl
         assert t.user_attrs["best_checkpoint"].startswith("deleted")
 
 
-# -- when the pruner is asked (trainer/judge.py) --------------------------------------------------
+# -- when the pruner is asked (search/early_stop.py) --------------------------------------------------
 
 
-def _judge(metric: str = "accuracy", patient: bool = True) -> Judge:
+def _judge(metric: str = "accuracy", patient: bool = True) -> PruningGate:
     # Seed 9's validation subset in search_vs_hf (135 of 256 positive); 128 steps, warm-up 16.
-    return Judge(Chance.of([1] * 135 + [0] * 121), 16, 128, metric, patient=patient)
+    return PruningGate(ChanceLevel.of([1] * 135 + [0] * 121), 16, 128, metric, patient=patient)
 
 
 @pytest.mark.parametrize(
@@ -147,4 +157,4 @@ def test_an_impatient_judge_or_a_loss_objective_asks_after_the_warmup() -> None:
     assert _judge(metric="loss").may_prune(16, learnt_prior)
     assert not _judge(metric="loss").may_prune(8, learnt_prior)
     assert _judge(patient=False).may_prune(8, learnt_prior)
-    assert Judge(None, 0, 20, "loss", patient=True).may_prune(2, Metrics(loss=3.0, perplexity=20.0))
+    assert PruningGate(None, 0, 20, "loss", patient=True).may_prune(2, Metrics(loss=3.0, perplexity=20.0))

@@ -183,5 +183,5 @@ def test_binds_localhost_by_default_and_says_how_to_reach_it(sqlite_study: str) 
         served.server.server_close()
         served.storage.engine.dispose()
     port = served.port
-    assert f"ssh -CNg -L {port}:127.0.0.1:{port} -p SSH_PORT root@SSH_HOST" in text
-    assert "--host 0.0.0.0 --port 6006" in text and "warning" not in text
+    assert f"ssh -N -L 127.0.0.1:{port}:127.0.0.1:{port} -p SSH_PORT root@SSH_HOST" in text
+    assert "--host 0.0.0.0 --port 6006" in text and "-g" not in text

@@ -67,19 +67,26 @@ def visible_text(dom: str) -> str:
     return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", dom)))
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2"], ids=["loopback", "token"])
 def test_browser_shows_trials_and_best_checkpoint(
     tmp_path: Path,
     tmp_path_factory: pytest.TempPathFactory,
     tiny_model: Path,
     demo_files: tuple[Path, Path],
+    host: str,
 ) -> None:
     binary = chromium()
     storage = finished_study(tmp_path_factory, tiny_model, demo_files)
     best = optuna.load_study(study_name=STUDY, storage=storage).best_trial
     checkpoint = best.user_attrs["best_checkpoint"]
-    with dashboard("--study", STUDY, "--storage", storage, cwd=tmp_path) as url:
+    with dashboard("--study", STUDY, "--storage", storage, "--host", host, cwd=tmp_path) as printed:
+        # Off 127.0.0.1 the printed URL carries the token: the page is served with a cookie that
+        # the page's own API calls (the trials, the curves) must then carry, or nothing renders.
+        url, _, token = printed.partition("?token=")
+        assert bool(token) == (host != "127.0.0.1"), printed
+        query = f"&token={token}" if token else ""
         # The study's trial list, with its best trial selected: trials, curves, user attributes.
-        page = f"{url}/trials?numbers={best.number}"
+        page = f"{url}/trials?numbers={best.number}{query}"
         text = ""
         for _ in range(3):  # a loaded CI machine may need more than one budget to render
             rendered = browse(binary, page, "--dump-dom")
@@ -87,12 +94,13 @@ def test_browser_shows_trials_and_best_checkpoint(
             if "best_checkpoint" in text:
                 break
         ARTIFACTS.mkdir(exist_ok=True)
-        shot = ARTIFACTS / "dashboard-trials.png"
+        suffix = "" if host == "127.0.0.1" else "-token"
+        shot = ARTIFACTS / f"dashboard-trials{suffix}.png"
         shot.unlink(missing_ok=True)
         browse(binary, page, f"--screenshot={shot}")
-        overview = ARTIFACTS / "dashboard-study.png"
+        overview = ARTIFACTS / f"dashboard-study{suffix}.png"
         overview.unlink(missing_ok=True)
-        browse(binary, url, f"--screenshot={overview}")
+        browse(binary, printed, f"--screenshot={overview}")
     assert "Trial 0" in text and "Trial 1" in text, text[:2000]
     assert f"Trial {best.number} (trial_id=" in text
     assert "best_checkpoint" in text and checkpoint in text, text[:3000]

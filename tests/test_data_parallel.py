@@ -17,7 +17,7 @@ from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 from hpsearch.trainer.report import NullReporter
 from tests.conftest import hpsearch, lm_spec_text
-from tests.tiny import build_tiny_gpt2
+from tests.support.tiny import build_tiny_gpt2
 
 CPU = torch.device("cpu")
 # 192 examples, global batch 16 = micro-batch 4 x 2 ranks x 2 accumulation steps.

@@ -17,8 +17,8 @@ from optuna.trial import TrialState
 
 from hpsearch.storage.errors import StudyNotFoundError
 from hpsearch.storage.open import open_storage
-from tests import netns
 from tests.conftest import lm_spec_text, spec_text
+from tests.support import netns
 
 
 def _spawned_workers(parent: int) -> list[int]:
@@ -219,7 +219,7 @@ def test_sigterm_of_start_hands_back_and_next_start_resumes(
 def test_database_restart_under_a_running_worker_loses_nothing(
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
 ) -> None:
-    from tests.pgcluster import Cluster
+    from tests.support.pgcluster import Cluster
 
     cluster = Cluster()
     try:
@@ -270,7 +270,7 @@ def _validation_times(study_dir: Path) -> list[float]:
 def test_sigterm_during_a_database_outage_exits_soon_and_the_retry_resumes_where_it_stopped(
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], outage: str
 ) -> None:
-    from tests.pgcluster import Cluster
+    from tests.support.pgcluster import Cluster
 
     # The worker is stopped while its storage calls cannot get through. "server-down": the
     # server is stopped, so calls fail at once and are retried (for minutes, before a stop
@@ -339,7 +339,7 @@ def test_a_worker_that_starts_during_an_outage_waits_for_the_storage_or_a_stop()
     from hpsearch.search.lifeline import StopFlag, open_patiently
     from hpsearch.storage.db import PATIENT_RETRY
     from hpsearch.storage.open import open_storage
-    from tests.pgcluster import Cluster
+    from tests.support.pgcluster import Cluster
 
     cluster = Cluster()
     try:

@@ -62,9 +62,9 @@ def test_out_of_memory_at_micro_batch_one_fails_that_trial_and_worker_carries_on
 ) -> None:
     import torch
 
-    from hpsearch.trainer import loop
+    from hpsearch.trainer import loop, step as trainer_step
 
-    real_collate = loop.collate
+    real_collate = trainer_step.collate
     first_trial = {"done": False}
 
     def collate(data, indices, pad_id):  # type: ignore[no-untyped-def]
@@ -82,7 +82,7 @@ def test_out_of_memory_at_micro_batch_one_fails_that_trial_and_worker_carries_on
         finally:
             first_trial["done"] = True
 
-    monkeypatch.setattr(loop, "collate", collate)
+    monkeypatch.setattr(trainer_step, "collate", collate)
     monkeypatch.setattr(loop, "fit", fit)
     trials = _run_two_trials(tmp_path, spec_file, sqlite_url, "oom")
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE]

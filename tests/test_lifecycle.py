@@ -178,7 +178,7 @@ def test_a_storage_failure_inside_a_trial_hands_it_back_with_its_checkpoints(
     real_report = TrialReporter.report
     outage = {"left": 1}
 
-    def report(self: TrialReporter, value: float, step: int) -> None:
+    def report(self: TrialReporter, value: float, step: int, metrics: object = None) -> None:
         if step == 10 and outage["left"]:
             outage["left"] -= 1
             time.sleep(2.0)  # the storage layer retrying through the outage
@@ -214,7 +214,7 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
 
     real_report, real_hand_back = worker.TrialReporter.report, worker.retry.hand_back
 
-    def report(self: worker.TrialReporter, value: float, step: int) -> None:
+    def report(self: worker.TrialReporter, value: float, step: int, metrics: object = None) -> None:
         if step == 10:
             raise StorageInternalError("An exception is raised during the commit (injected outage)")
         real_report(self, value, step)
@@ -474,7 +474,14 @@ def test_past_the_deadline_only_a_retry_is_taken_from_the_queue() -> None:
 
 
 def test_a_worker_s_exit_codes_say_one_thing_each() -> None:
-    from hpsearch.search import lifeline, ranks
+    import signal
 
-    # The supervisor tells a lost storage from a dead peer rank by the code alone.
-    assert len({lifeline.STORAGE_LOST, ranks.PEER_DIED, ranks.GROUP_RESTART}) == 3
+    from hpsearch.search.exit_codes import ExitCode
+
+    # The supervisor tells a lost storage from a dead peer rank by the code alone: no two codes
+    # are equal, and none is what a signal's end or Python's own error exit reads as.
+    codes = [int(c) for c in ExitCode]
+    assert len(set(codes)) == len(codes) == 6
+    signal_codes = {ExitCode.signalled(s) for s in signal.Signals}
+    assert not signal_codes & set(codes) and ExitCode.signalled(signal.SIGINT) == 130
+    assert ExitCode.STORAGE_LOST not in (0, 1, 2) and ExitCode.PEER_DIED < 128

@@ -14,11 +14,11 @@ import pytest
 import sqlalchemy
 
 from hpsearch.search import spec as specs, study as studies
-from hpsearch.storage import registry
+from hpsearch.storage import registry, worker_views
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.tables import BudgetSlot
 from tests.conftest import hpsearch, spec_text
-from tests.tiny import write_demo_split
+from tests.support.tiny import write_demo_split
 
 HOSTS = ("instance-a", "instance-b", "instance-c")
 N_TRIALS = 6
@@ -84,7 +84,7 @@ def test_three_hosts_share_one_study_exactly(tmp_path: Path, tiny_model: Path, p
     try:
         study = optuna.load_study(study_name="shared", storage=storage.optuna)
         trials = study.get_trials()
-        workers = registry.list_workers(storage.db, "shared")
+        workers = worker_views.list_workers(storage.db, "shared")
         with storage.db.session() as s:
             slots = s.execute(
                 sqlalchemy.select(BudgetSlot.slot, BudgetSlot.trial_number).where(BudgetSlot.study_name == "shared")
@@ -158,6 +158,6 @@ def test_worker_refuses_a_study_that_does_not_exist(tmp_path: Path, storage_url:
     storage = open_storage(storage_url, create=False)
     try:
         assert storage.optuna.get_all_studies() == []
-        assert registry.list_workers(storage.db, "nope") == []
+        assert worker_views.list_workers(storage.db, "nope") == []
     finally:
         storage.close()

@@ -7,13 +7,14 @@ from pathlib import Path
 import optuna
 import pytest
 
+from hpsearch.search.early_stop import EarlyStop, PruningGate
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.loop import fit
 from hpsearch.trainer.model import load_tokenizer
 from hpsearch.trainer.report import NullReporter
 from tests.conftest import spec_text, start_study
-from tests.tiny import tiny_run
+from tests.support.tiny import tiny_run
 
 
 def test_hopeless_trials_are_pruned(tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> None:
@@ -55,8 +56,10 @@ def test_the_pruner_is_asked_only_after_the_trials_warmup(
     tok = load_tokenizer(str(tiny_model))
     data = prepare(DataConfig(train=str(demo_files[0]), validation=str(demo_files[1])), tok, 32, None)
     cfg = TrainConfig(batch_size=32, micro_batch_size=32, epochs=2, eval_every=2, warmup_ratio=warmup_ratio)
+    # The search's gate around the trial's pruner, as a worker sets it up.
+    gate = PruningGate.of_run(data, cfg, "loss", prune_at_chance=0, patient=wait)
     reporter = _AlwaysPrune()
-    result = fit(tiny_run(tiny_model, (tok, data), cfg, tmp_path, patient_pruning=wait), reporter)
+    result = fit(tiny_run(tiny_model, (tok, data), cfg, tmp_path), EarlyStop(reporter, gate))
     assert (result.status, result.steps) == ("pruned", stopped_at)
     # Reported at every point all the same: the curve is whole in the study.
     assert sorted(reporter.values) == list(range(2, stopped_at + 1, 2))

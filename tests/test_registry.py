@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import sqlalchemy
 
-from hpsearch.storage import registry
+from hpsearch.storage import lost, registry, worker_views
 from hpsearch.storage.db import Database
 from hpsearch.storage.open import Storage, open_storage
 
@@ -23,8 +23,8 @@ def storage(storage_url: str) -> Iterator[Storage]:
         st.close()
 
 
-def _only(db: Database, study: str) -> registry.WorkerView:
-    (w,) = registry.list_workers(db, study)
+def _only(db: Database, study: str) -> worker_views.WorkerView:
+    (w,) = worker_views.list_workers(db, study)
     return w
 
 
@@ -55,8 +55,8 @@ class TestRegistryContract:
         registry.end(db, wid)
         w = _only(db, "s")
         assert w.state == "finished"
-        assert registry.device_hours([w]) == pytest.approx(w.device_seconds / 3600)
-        assert registry.list_workers(db, "other study") == []
+        assert worker_views.device_hours([w]) == pytest.approx(w.device_seconds / 3600)
+        assert worker_views.list_workers(db, "other study") == []
 
     def test_silent_worker_is_lost_and_its_trial_time_stops_at_last_beat(self, storage: Storage) -> None:
         db = storage.db
@@ -77,7 +77,7 @@ class TestRegistryContract:
         wid = registry.register(db, "s", "w", "cpu:0", host="h", pid=7, heartbeat_s=60)
         time.sleep(0.3)
         registry.trial_started(db, wid, 0)
-        registry.end_dead(db, "s", host="h", pid=7)
+        lost.end_dead(db, "s", host="h", pid=7)
         w = _only(db, "s")
         assert w.state == "finished" and w.device_seconds == 0.0
 
@@ -98,6 +98,27 @@ class TestRegistryContract:
             reg.trial_ended(finished=False)
         w = _only(storage.db, "s")
         assert w.state == "finished" and w.trials_finished == 0 and w.current_trial is None
+
+    def test_a_live_row_never_ages_past_its_interval_around_trial_starts(self, storage: Storage) -> None:
+        # Read on an engine of its own: the heartbeat must not wait for the watcher's sessions.
+        watcher = open_storage(storage.url, create=False)
+        interval, worst = 1.0, 0.0
+        try:
+            with registry.Registration(storage.db, "s", "w", "cpu:0", interval_s=interval) as reg:
+                for number in range(3):
+                    beats = reg.beats
+                    assert _eventually(lambda beats=beats: reg.beats > beats)
+                    reg.trial_started(number)  # just after a beat, as a worker's next trial may start
+                    deadline = time.monotonic() + 2 * interval
+                    while time.monotonic() < deadline:
+                        worst = max(worst, _only(watcher.db, "s").heartbeat_age_s)
+                        # What a worker waiting for a retry calls stale (search/worker.py).
+                        assert lost.stale_trials(watcher.db, "s", missed_beats=1.5) == [], worst
+                        time.sleep(0.02)
+                    reg.trial_ended()
+        finally:
+            watcher.close()
+        assert worst < 1.4 * interval, f"a live row aged {worst:.2f}s with a {interval:g}s heartbeat"
 
 
 def test_host_name_can_be_overridden(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,7 @@ import pytest
 from hpsearch.storage import budget, urls
 from hpsearch.storage.errors import StorageUrlError, StudyNotFoundError
 from hpsearch.storage.open import open_storage, require_study
-from tests import netns
+from tests.support import netns
 
 
 def test_bare_postgres_url_uses_psycopg2() -> None:
@@ -131,7 +131,7 @@ def test_a_stopping_process_stops_waiting_on_a_database_seen_unreachable() -> No
     import sqlalchemy
 
     from hpsearch.storage.db import GAVE_UP, create_engine, give_up_on_silence
-    from tests.pgcluster import free_port
+    from tests.support.pgcluster import free_port
 
     # Nothing listens there: each attempt is a refused connection.
     engine = create_engine(f"postgresql://postgres@127.0.0.1:{free_port()}/postgres")
@@ -155,7 +155,7 @@ def test_a_host_that_vanishes_mid_transaction_blocks_the_others_for_seconds_not_
     import sqlalchemy
 
     from hpsearch.storage.tables import BudgetSlot
-    from tests.pgcluster import Cluster
+    from tests.support.pgcluster import Cluster
 
     host = netns.Host()  # PostgreSQL's instance; this process plays a worker's instance
     cluster = Cluster(host=host)

@@ -257,9 +257,9 @@ def test_reading_a_study_does_not_change_its_file(tmp_path: Path, spec_file: Pat
 
 
 def test_a_study_that_goes_ahead_gets_wal_and_the_project_tables(tmp_path: Path, spec_file: Path) -> None:
-    # An empty Optuna study of the same direction is adopted (what a `start` cut short leaves).
+    # A file that plain Optuna made (another study in it): hpsearch's study goes ahead beside it.
     db = tmp_path / "adopted.db"
-    optuna.create_study(study_name="s", storage=f"sqlite:///{db}")
+    optuna.create_study(study_name="plain", storage=f"sqlite:///{db}")
     assert _journal_mode(db) == "delete"
     _hpsearch_study(db, spec_file)
     assert _journal_mode(db) == "wal"

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpsearch.trainer import loop
+from hpsearch.trainer import loop, step as trainer_step
 from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE, load_resume
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
-from tests.tiny import build_tiny_bert, train_tiny
+from tests.support.tiny import build_tiny_bert, train_tiny
 
 CPU = torch.device("cpu")
 
@@ -58,7 +58,7 @@ def test_accumulation_matches_one_big_batch(no_dropout_model: Path, prepared, tm
 def _oom_above(monkeypatch: pytest.MonkeyPatch, limit: int) -> list[int]:
     """Inject CUDA's out-of-memory error for micro-batches larger than ``limit`` (CPU has none)."""
     sizes: list[int] = []
-    real = loop.collate
+    real = trainer_step.collate
 
     def collate(data, indices, pad_id):  # type: ignore[no-untyped-def]
         sizes.append(len(indices))
@@ -66,7 +66,7 @@ def _oom_above(monkeypatch: pytest.MonkeyPatch, limit: int) -> list[int]:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         return real(data, indices, pad_id)
 
-    monkeypatch.setattr(loop, "collate", collate)
+    monkeypatch.setattr(trainer_step, "collate", collate)
     return sizes
 
 
@@ -234,7 +234,7 @@ class _HangingReporter:
         self.values: dict[int, float] = {}
         self.waited_out = False
 
-    def report(self, value: float, step: int) -> None:
+    def report(self, value: float, step: int, metrics: object = None) -> None:
         self.waited_out = self.waited_out or not self.release.wait(30)
         if self.fail:
             raise ConnectionError("the database stopped answering")
@@ -252,7 +252,7 @@ def test_training_goes_on_while_the_search_does_not_answer(
 ) -> None:
     from hpsearch.trainer import precision
     from hpsearch.trainer.report import StateSavingReporter
-    from tests.tiny import tiny_run
+    from tests.support.tiny import tiny_run
 
     monkeypatch.setattr(StateSavingReporter, "ANSWER_S", 0.5)
     inner = _HangingReporter(fail=False)
@@ -358,7 +358,7 @@ def test_an_immediate_reporter_is_called_at_once_on_the_runs_own_thread() -> Non
 
         thread: threading.Thread | None = None
 
-        def report(self, value: float, step: int) -> None:
+        def report(self, value: float, step: int, metrics: object = None) -> None:
             super().report(value, step)
             self.thread = threading.current_thread()
 

@@ -28,7 +28,7 @@ from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 from hpsearch.trainer.optim import build_optimizer
 from hpsearch.trainer.report import NullReporter
 from hpsearch.trainer.stats import PEAK_ENV, Throughput, mfu, peak_tflops
-from tests.tiny import tiny_run
+from tests.support.tiny import tiny_run
 
 WORDS = ["good", "bad", "great", "terrible", "fine"]
 

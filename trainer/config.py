@@ -55,13 +55,17 @@ class DataConfig:
     """Training file: .jsonl, .csv or .tsv (relative paths resolve against the spec file)."""
     validation: str = ""
     """Validation file, same format; the objective is measured on it."""
-    text_column: str = "text"
-    """Column (or JSON key) holding the input text (causal-lm: the whole text is trained on)."""
-    label_column: str = "label"
+    header: bool = True
+    """.csv/.tsv: the first row names the columns. false: every row is an example (AG News as
+    distributed), and the columns below are positions, 0 being the first."""
+    text_column: str | int = "text"
+    """Column (or JSON key) holding the input text (causal-lm: the whole text is trained on);
+    its position (0, 1, ...) when header = false."""
+    label_column: str | int = "label"
     """Column holding the label: integers, or strings that are mapped to ids and saved."""
-    prompt_column: str = "prompt"
+    prompt_column: str | int = "prompt"
     """causal-lm: a row without text_column holds a prompt here; it is not trained on."""
-    response_column: str = "response"
+    response_column: str | int = "response"
     """causal-lm: the response that follows the prompt; only its tokens count in the loss."""
 
     def validate(self, where: str = "data") -> None:
@@ -70,8 +74,11 @@ class DataConfig:
                 what = "training" if name == "train" else "validation"
                 raise ConfigError(f"{where}.{name}: missing; set it to the {what} file's path (.jsonl, .csv or .tsv)")
         for name in ("text_column", "label_column", "prompt_column", "response_column"):
-            if not getattr(self, name):
+            value = getattr(self, name)
+            if value == "":
                 raise ConfigError(f"{where}.{name}: must not be empty")
+            if isinstance(value, int) and value < 0:
+                raise ConfigError(f"{where}.{name}: {value} must be a column position >= 0 (0 = the first column)")
 
 
 @dataclass

@@ -8,10 +8,10 @@ import io
 import json
 import random
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 SUFFIXES = (".jsonl", ".csv", ".tsv")
 
@@ -27,22 +27,30 @@ class Rows:
     path: Path
 
 
-def read_rows(path: Path, text_column: str, label_column: str) -> Rows:
+Column = str | int
+"""A column's name, or its position (0 = the first) in a file read with ``header = False``."""
+
+
+def read_rows(path: Path, text_column: Column, label_column: Column, header: bool = True) -> Rows:
     """Read (text, label) pairs from a .jsonl, .csv or .tsv file, with errors that say where."""
+    keys = {"text_column": text_column, "label_column": label_column}
+    records = read_records(path, header)
+    _check_columns(path, header, keys, records)
     texts: list[str] = []
     labels: list[Any] = []
-    for line_no, record in read_records(path):
-        for column in (text_column, label_column):
+    for line_no, record in records:
+        for key, column in keys.items():
             if column not in record:
-                known = ", ".join(sorted(record)) or "none"
-                raise DataError(
-                    f"data file {path}: row at line {line_no} has no column {column!r} (columns: "
-                    f"{known}); fix the file or set "
-                    f"data.{'text' if column == text_column else 'label'}_column"
-                )
+                _missing(path, line_no, record, column, key, header, first=records[0][0] == line_no)
         text, label = record[text_column], record[label_column]
         if not isinstance(text, str):
             raise DataError(f"data file {path}: line {line_no}: {text_column!r} must be text, got {text!r}")
+        if not text.strip():
+            # An empty example trains on nothing but [CLS]: a broken export more often than not.
+            raise DataError(
+                f"data file {path}: line {line_no}: the text in column {text_column!r} is empty; "
+                "fill it or remove the row"
+            )
         if label == "":
             raise DataError(f"data file {path}: line {line_no}: empty label in column {label_column!r}")
         _check_label_type(label, path, line_no, label_column)
@@ -51,10 +59,69 @@ def read_rows(path: Path, text_column: str, label_column: str) -> Rows:
     return Rows(texts, labels, path)
 
 
+def _check_columns(
+    path: Path, header: bool, keys: dict[str, Column], records: list[tuple[int, dict[Any, Any]]]
+) -> None:
+    """Names go with a header row, positions without one: said before any row is read."""
+    if not header and path.suffix.lower() == ".jsonl":
+        raise DataError(
+            f"data.header = false: {path} is JSON lines, whose rows name their keys; "
+            "header = false is for .csv and .tsv files"
+        )
+    for key, column in keys.items():
+        if header and isinstance(column, int):
+            raise DataError(
+                f"data.{key}: {column} is a column position, which needs data.header = false; the first row of "
+                f"{path} names the columns ({_columns(records[0][1])}): give one of those names"
+            )
+        if not header and isinstance(column, str):
+            raise DataError(
+                f"data.{key}: {column!r} is a column name, but data.header = false: give the column's position "
+                "(0 = the first column)"
+            )
+
+
+def _missing(
+    path: Path, line_no: int, record: dict[Any, Any], column: Column, key: str, header: bool, first: bool
+) -> NoReturn:
+    if not header:
+        raise DataError(
+            f"data file {path}: line {line_no} has {len(record)} fields, so no column {column} "
+            f"(data.{key} counts from 0)"
+        )
+    why = _not_a_header(list(record)) if first and path.suffix.lower() != ".jsonl" else None
+    if why:
+        raise DataError(
+            f"data file {path}: its first row does not look like a header ({why}), and has no column {column!r}; "
+            "if the file has no header row, set data.header = false and data.text_column / data.label_column "
+            "to column positions (0 = the first column)"
+        )
+    raise DataError(
+        f"data file {path}: row at line {line_no} has no column {column!r} (columns: {_columns(record)}); "
+        f"fix the file or set data.{key}"
+    )
+
+
+def _not_a_header(names: list[str]) -> str | None:
+    """Why a first row reads like an example rather than column names, or None."""
+    for name in names:
+        if _as_int(name) is not None:
+            return f"{_short(repr(name))} is a number"
+        if len(name) > 40 or len(name.split()) > 4:
+            return f"{_short(repr(name))} is a sentence"
+    if len(set(names)) < len(names):
+        return "two columns have the same name"
+    return None
+
+
+def _columns(record: dict[Any, Any]) -> str:
+    return _short(", ".join(map(str, record)), 120) or "none"
+
+
 _JSON_KINDS = {bool: "a boolean", float: "a float", list: "a list", dict: "an object", type(None): "null"}
 
 
-def _check_label_type(label: Any, path: Path, line_no: int, column: str) -> None:
+def _check_label_type(label: Any, path: Path, line_no: int, column: Column) -> None:
     """Labels are class names (strings) or class ids (integers); anything else only JSON can hold,
     and a float or a list would silently become a class of its own (or a huge id range)."""
     if isinstance(label, str) or (isinstance(label, int) and not isinstance(label, bool)):
@@ -82,17 +149,22 @@ class TextRows:
     path: Path
 
 
-def read_text_rows(path: Path, text_column: str, prompt_column: str, response_column: str) -> TextRows:
+def read_text_rows(
+    path: Path, text_column: Column, prompt_column: Column, response_column: Column, header: bool = True
+) -> TextRows:
     """Read causal-LM rows: each has ``text_column``, or ``prompt_column`` and ``response_column``."""
     prompts: list[str] = []
     texts: list[str] = []
-    for line_no, record in read_records(path):
+    records = read_records(path, header)
+    _check_columns(path, header, {"text_column": text_column}, records)
+    for line_no, record in records:
         columns = (text_column,) if text_column in record else (prompt_column, response_column)
         if not all(c in record for c in columns):
-            known = ", ".join(sorted(record)) or "none"
+            if not header:
+                _missing(path, line_no, record, text_column, "text_column", header, first=False)
             raise DataError(
                 f"data file {path}: row at line {line_no} has no column {text_column!r} (nor {prompt_column!r} + "
-                f"{response_column!r}; columns: {known}); fix the file or set data.text_column "
+                f"{response_column!r}; columns: {_columns(record)}); fix the file or set data.text_column "
                 "(or data.prompt_column and data.response_column)"
             )
         for column in columns:
@@ -106,8 +178,10 @@ def read_text_rows(path: Path, text_column: str, prompt_column: str, response_co
     return TextRows(prompts, texts, path)
 
 
-def read_records(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, row) of a .jsonl, .csv or .tsv file; at least one row, or a DataError."""
+def read_records(path: Path, header: bool = True) -> list[tuple[int, dict[Any, Any]]]:
+    """(line number, row) of a .jsonl, .csv or .tsv file; at least one row, or a DataError.
+
+    A .csv/.tsv row is keyed by the header's names, or by position without a header."""
     if not path.exists():
         raise DataError(f"data file {path} does not exist; check the path in the spec's [data] table")
     if path.is_dir():
@@ -121,9 +195,10 @@ def read_records(path: Path) -> list[tuple[int, dict[str, Any]]]:
         raise DataError(
             f"data file {path} is not UTF-8 (bad byte at offset {exc.start}); re-save it as UTF-8"
         ) from None
-    records = _read_jsonl(raw, path) if suffix == ".jsonl" else _read_table(raw, path, suffix)
+    records = _read_jsonl(raw, path) if suffix == ".jsonl" else _read_table(raw, path, suffix, header)
     if not records:
-        raise DataError(f"data file {path} has no rows; it needs a header and at least one example")
+        needs = "a header and at least one example" if header and suffix != ".jsonl" else "at least one example"
+        raise DataError(f"data file {path} has no rows; it needs {needs}")
     return records
 
 
@@ -150,7 +225,7 @@ def _read_jsonl(raw: str, path: Path) -> list[tuple[int, dict[str, Any]]]:
 CSV_FIELD_LIMIT = 2**31 - 1
 
 
-def _read_table(raw: str, path: Path, suffix: str) -> list[tuple[int, dict[str, Any]]]:
+def _read_table(raw: str, path: Path, suffix: str, header_row: bool = True) -> list[tuple[int, dict[Any, Any]]]:
     if csv.field_size_limit() < CSV_FIELD_LIMIT:
         csv.field_size_limit(CSV_FIELD_LIMIT)
     # newline="" hands csv the raw line ends, as its docs require: a quoted field keeps its
@@ -159,11 +234,14 @@ def _read_table(raw: str, path: Path, suffix: str) -> list[tuple[int, dict[str, 
     source = io.StringIO(raw, newline="")
     # TSV corpora (GLUE among them) contain bare quotes: quoting must be off.
     reader = csv.reader(source, delimiter="\t", quoting=csv.QUOTE_NONE) if suffix == ".tsv" else csv.reader(source)
-    header: list[str] | None = None
-    records = []
+    header: list[Any] | None = None
+    records: list[tuple[int, dict[Any, Any]]] = []
     line_no = 1  # where the current row starts: a quoted field may span lines
+    first = "header"
     try:
         for row in reader:
+            if header is None and not header_row and row and any(cell.strip() for cell in row):
+                header, first = list(range(len(row))), "first row"  # columns by position
             if header is None:
                 header = row
             elif row and any(cell.strip() for cell in row):
@@ -175,7 +253,7 @@ def _read_table(raw: str, path: Path, suffix: str) -> list[tuple[int, dict[str, 
                         else ""
                     )
                     raise DataError(
-                        f"data file {path}: line {line_no} has {len(row)} fields, the header has {len(header)}{hint}"
+                        f"data file {path}: line {line_no} has {len(row)} fields, the {first} has {len(header)}{hint}"
                     )
                 records.append((line_no, dict(zip(header, row, strict=True))))
             line_no = reader.line_num + 1
@@ -375,8 +453,3 @@ def collate(data: Encoded, indices: Sequence[int], pad_id: int) -> dict[str, Any
         for row, i in enumerate(indices):
             labels[row, : data.prompt_lengths[i]] = IGNORE_INDEX
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
-def iter_chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
-    for i in range(0, len(items), size):
-        yield items[i : i + size]

@@ -44,10 +44,10 @@ class Splits:
 def read_splits(cfg: DataConfig, task: str = CLASSIFICATION) -> Splits:
     """Read both files and check their labels agree; no tokenizer needed (cheap validation)."""
     if task == CAUSAL_LM:
-        columns = (cfg.text_column, cfg.prompt_column, cfg.response_column)
+        columns = (cfg.text_column, cfg.prompt_column, cfg.response_column, cfg.header)
         return Splits(read_text_rows(Path(cfg.train), *columns), read_text_rows(Path(cfg.validation), *columns), None)
-    train = read_rows(Path(cfg.train), cfg.text_column, cfg.label_column)
-    validation = read_rows(Path(cfg.validation), cfg.text_column, cfg.label_column)
+    train = read_rows(Path(cfg.train), cfg.text_column, cfg.label_column, cfg.header)
+    validation = read_rows(Path(cfg.validation), cfg.text_column, cfg.label_column, cfg.header)
     labels = LabelMap.fit(train.labels, train.path)
     labels.encode(validation.labels, validation.path)  # raises on a label unseen in training
     return Splits(train, validation, labels)
@@ -226,6 +226,7 @@ def _encode_text(rows: TextRows, tokenizer: Any, max_length: int) -> Encoded:
 
 def _cache_key(cfg: DataConfig, tokenizer: Any, max_length: int, task: str) -> str:
     columns = f"{cfg.text_column}|{cfg.label_column}|{cfg.prompt_column}|{cfg.response_column}"
+    columns += "" if cfg.header else "|no header"  # the first row is an example too
     h = hashlib.sha256(f"v{CACHE_VERSION}|{task}|{max_length}|{columns}".encode())
     for name in (cfg.train, cfg.validation):
         with open(name, "rb") as f:

@@ -6,9 +6,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from hpsearch.trainer.courier import Courier
+
+if TYPE_CHECKING:
+    from hpsearch.trainer.evaluate import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -16,11 +19,12 @@ log = logging.getLogger(__name__)
 class Reporter(Protocol):
     """What the trainer needs from a search: Optuna's trial, reduced to three calls."""
 
-    def report(self, value: float, step: int) -> None:
-        """Record the objective at optimizer step ``step``."""
+    def report(self, value: float, step: int, metrics: Metrics | None = None) -> None:
+        """Record the objective at optimizer step ``step``, with every metric of that point."""
 
     def should_prune(self) -> bool:
-        """Whether the search wants this run stopped after the last report."""
+        """Whether the search wants this run stopped after the last report (its pruner, or its
+        own early-stopping rules: see search/early_stop.py)."""
 
     def set_attrs(self, attrs: dict[str, Any]) -> None:
         """Attach facts (checkpoint path, throughput, ...) to the run."""
@@ -36,7 +40,7 @@ class NullReporter:
         self.values: dict[int, float] = {}
         self.attrs: dict[str, Any] = {}
 
-    def report(self, value: float, step: int) -> None:
+    def report(self, value: float, step: int, metrics: Metrics | None = None) -> None:
         self.values[step] = value
 
     def should_prune(self) -> bool:
@@ -84,9 +88,9 @@ class StateSavingReporter:
         self.courier = Courier(inline=getattr(inner, "immediate", False))
         self._state_saved = False  # by this reporter: once per run, for a failure or a stop
 
-    def report(self, value: float, step: int) -> None:
+    def report(self, value: float, step: int, metrics: Metrics | None = None) -> None:
         self._raise_failure()
-        self.courier.send(self.inner.report, value, step)
+        self.courier.send(self.inner.report, value, step, metrics)
 
     def set_attrs(self, attrs: dict[str, Any]) -> None:
         self._raise_failure()

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tests.netns import Host
+    from tests.support.netns import Host
 
 OS_USER = "hpsearch-pg"
 

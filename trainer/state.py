@@ -1,0 +1,109 @@
+"""What a run has reached (step, best point, micro-batch), and its resumable state on disk."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpsearch.trainer import adapters, checkpoint as ckpt
+from hpsearch.trainer.evaluate import Point
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainState:
+    """Everything of a run that changes as it trains, but the weights and optimizer moments."""
+
+    step: int = 0
+    """Optimizer steps taken: the step reported to the search, never a micro-batch index."""
+    best: Point | None = None
+    micro: int = 1
+    """The micro-batch size: halved when a step runs out of memory, and kept so on resume."""
+    attrs: dict[str, Any] | None = None
+    """The trial attributes a resumed run re-records (resumed_from_step, its best point)."""
+
+
+@dataclass
+class Trainable:
+    """The objects a resumable state restores: the plain model, optimizer, scheduler, scaler."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    scaler: Any
+    out_dir: Path
+    config: dict[str, Any]
+
+    def save(self, state: TrainState) -> Path:
+        """Everything needed to continue exactly: weights, optimizer, scheduler, scaler, RNG, position."""
+        # The plain module: no DDP / compile prefixes. Of an adapter, only what it trains.
+        model = adapters.trainable_state(self.model) if adapters.is_adapter(self.model) else self.model.state_dict()
+        return ckpt.save_resume(
+            self.out_dir,
+            {
+                "model": model,
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "step": state.step,
+                "best_value": state.best.value if state.best else None,
+                "best_step": state.best.step if state.best else None,
+                "config": self.config,
+                "micro_batch_size": state.micro,
+            },
+        )
+
+    def restore(self, path: Path | None, metric: str, micro: int) -> TrainState:
+        """The state to start from: ``path``'s, or a fresh one where there is none (or it is unreadable)."""
+        if path is None:
+            return TrainState(micro=micro)
+        try:
+            saved = ckpt.load_resume(path)
+        except Exception as exc:  # torch.load's errors: truncated zip, refused types, missing file
+            # A checkpoint cut short (a full disk, a copy interrupted) must not cost the trial:
+            # it trains again from the start.
+            log.warning("cannot read the resumable state %s (%s); training from the start", path, exc)
+            return TrainState(micro=micro)
+        if adapters.is_adapter(self.model):
+            adapters.load_trainable(self.model, saved["model"])
+        else:
+            self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.scaler.load_state_dict(saved["scaler"])
+        ckpt.set_rng_state(saved["rng"])
+        # A micro-batch that ran out of memory before the restart would do so again.
+        saved_micro = saved.get("micro_batch_size")
+        if isinstance(saved_micro, int):
+            micro = min(micro, saved_micro)
+        log.info("resumed from %s at optimizer step %d", path, saved["step"])
+        best, best_attrs = restored_best(self.out_dir, metric, saved["best_step"])
+        return TrainState(saved["step"], best, micro, {"resumed_from_step": saved["step"], **best_attrs})
+
+
+def restored_best(out_dir: Path, metric: str, saved_step: int | None) -> tuple[Point | None, dict[str, Any]]:
+    """The best point a resumed run starts from, and its trial attributes: the one whose model
+    is in the run's folder (moved there from the interrupted attempt's), read from the model's
+    own meta, not from the resumable state. The state may be older than the last best model
+    (it is written at most every resume_every_minutes), and a best point whose model is gone
+    would leave the trial with a value no checkpoint has: then the best starts over."""
+    meta = ckpt.best_meta(out_dir)
+    value = meta.get(f"val_{metric}") if meta else None
+    step = meta.get("step") if meta else None
+    if meta is None or not isinstance(value, int | float) or not isinstance(step, int):
+        if saved_step is not None:
+            log.warning("the best model of step %d is not in %s: the best point starts over", saved_step, out_dir)
+        return None, {}
+    loss = meta.get("val_loss")
+    attrs = {
+        "best_checkpoint": str((out_dir / ckpt.BEST).resolve()),
+        "best_step": step,
+        **{f"best_{k}": v for k, v in meta.items() if k.startswith("val_")},  # as best_attrs() names them
+    }
+    return Point(float(value), float(loss) if isinstance(loss, int | float) else math.inf, step), attrs

@@ -1,0 +1,210 @@
+"""One optimizer step and one validation pass, each re-planned when the device runs out of memory."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hpsearch.trainer import precision as prec, tasks
+from hpsearch.trainer.config import TrainConfig
+from hpsearch.trainer.data import collate, even_shards, micro_batches
+from hpsearch.trainer.dataset import Prepared
+from hpsearch.trainer.distributed import World
+from hpsearch.trainer.evaluate import Metrics, evaluate
+from hpsearch.trainer.stats import Throughput
+
+log = logging.getLogger(__name__)
+COMPILE_BACKEND_ENV = "HPSEARCH_COMPILE_BACKEND"
+
+
+@dataclass
+class Batches:
+    """Which examples each optimizer step trains on: an epoch's micro-batches, drawn once per
+    epoch, ``per_step`` of them a step, shared out evenly over the ranks."""
+
+    data: Prepared
+    cfg: TrainConfig
+    micro: int
+    world: World
+    steps_per_epoch: int
+    _epoch: int = -1
+    _batches: list[list[int]] = field(default_factory=list)
+
+    @property
+    def per_step(self) -> int:
+        """Micro-batches of one optimizer step, over every rank."""
+        return self.cfg.batch_size // self.micro
+
+    def of_step(self, step: int) -> list[list[int]]:
+        """The micro-batches of optimizer step ``step``, over every rank."""
+        epoch, group = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:  # the epoch's order is drawn once, not every step
+            drawn = micro_batches(
+                self.data.train.lengths,
+                self.micro,
+                seed=self.cfg.seed,
+                epoch=epoch,
+                group_by_length=self.cfg.group_by_length,
+            )
+            self._batches, self._epoch = even_shards(drawn, self.world.size), epoch
+        return self._batches[group * self.per_step : (group + 1) * self.per_step]
+
+    def halve(self) -> None:
+        """Same effective batch in smaller pieces: each drawn micro-batch is cut, which keeps
+        this epoch's data order and its step boundaries."""
+        self.micro = halved(self.micro)
+        self._batches = [b[i : i + self.micro] for b in self._batches for i in range(0, len(b), self.micro)]
+
+
+def train_step(
+    model: torch.nn.Module,
+    plain: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    scaler: Any,
+    batches: Batches,
+    step: int,
+    precision: str,
+    device: torch.device,
+    speed: Throughput,
+) -> torch.Tensor | None:
+    """Forward, backward and the optimizer step of ``step``; its loss on the device (summed over
+    targets, normalised by the step's), or None when even micro-batch 1 runs out of memory.
+
+    Out of memory, the step is redone from its first micro-batch with the micro-batch halved and
+    the accumulation doubled (not on several ranks: one cannot re-plan while the others wait in
+    an all-reduce)."""
+    world, data = batches.world, batches.data
+    while True:
+        group = batches.of_step(step)
+        # Normalise by the targets (examples, or predicted tokens) of the whole optimizer step
+        # on every rank, not per micro-batch: the summed gradient then equals one big batch's,
+        # even when the last micro-batch is short. x world.size because DDP averages over ranks.
+        scale = world.size / data.train.targets([i for b in group for i in b])
+        mine = group[world.rank :: world.size]
+        try:
+            loss = _accumulate(model, data, mine, scale, device, precision, scaler, world)
+            break
+        except torch.OutOfMemoryError:
+            if world.size > 1:
+                raise
+            optimizer.zero_grad(set_to_none=True)
+            _release_memory(device)
+            if batches.micro == 1:
+                log.error("out of memory at micro-batch 1, step %d: failing the trial", step)
+                return None
+            batches.halve()
+            log.warning(
+                "out of memory at step %d: micro-batch %d, accumulation %d", step, batches.micro, batches.per_step
+            )
+    for indices in mine:
+        speed.add(
+            examples=len(indices), tokens=data.train.real_tokens(indices), padded=data.train.padded_tokens(indices)
+        )
+    if batches.cfg.max_grad_norm > 0:
+        scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+        # Returns the norm as a device tensor: no host sync.
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), batches.cfg.max_grad_norm)
+    prec.optimizer_step(optimizer, scheduler, scaler)
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def _accumulate(
+    model: torch.nn.Module,
+    data: Prepared,
+    mine: list[list[int]],
+    scale: float,
+    device: torch.device,
+    precision: str,
+    scaler: Any,
+    world: World,
+) -> torch.Tensor:
+    """Forward and backward over this rank's micro-batches of one optimizer step."""
+    step_loss = torch.zeros((), device=device)
+    for i, indices in enumerate(mine):
+        batch = _to_device(collate(data.train, indices, data.pad_id), device)
+        # While a step still accumulates, DDP's all-reduce of every backward would be wasted.
+        with world.no_sync(model, is_accumulating=i < len(mine) - 1):
+            with prec.autocast(precision, device):
+                logits = tasks.logits(model, batch, data.task)
+            loss = tasks.loss_sum(logits, batch["labels"], data.task) * scale
+            scaler.scale(loss).backward()
+        step_loss += loss.detach()
+    return step_loss
+
+
+def halved(micro: int) -> int:
+    """The largest divisor of ``micro`` up to half of it: the effective batch stays a whole
+    number of micro-batches, and each drawn micro-batch splits into equal pieces."""
+    return max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
+
+
+def validate(
+    model: torch.nn.Module, data: Prepared, batch_size: int, device: torch.device, precision: str, world: World
+) -> Metrics | None:
+    """Validation, halving its batch until it fits in memory; None if even one example does not."""
+    num_labels = data.labels.num_labels if data.labels else 0
+    while True:
+        try:
+            return evaluate(
+                model,
+                data.validation,
+                pad_id=data.pad_id,
+                batch_size=batch_size,
+                device=device,
+                precision=precision,
+                num_labels=num_labels,
+                world=world,
+            )
+        except torch.OutOfMemoryError:
+            if world.size > 1:
+                raise  # the ranks' shards are cut by the batch size: they must all use the same
+            _release_memory(device)
+            if batch_size == 1:
+                return None
+            batch_size //= 2
+            log.warning("out of memory in validation: batch %d", batch_size)
+
+
+def compile_model(model: torch.nn.Module) -> torch.nn.Module:
+    """torch.compile with shapes marked dynamic up front: dynamic padding changes the sequence
+    length every batch, and a static graph would be recompiled for each new width.
+
+    ``HPSEARCH_COMPILE_BACKEND`` picks another backend than inductor ("aot_eager" to tell a
+    compiler bug from a model bug, "eager" to test the wiring without a C++ build).
+    """
+    backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
+    return torch.compile(model, dynamic=True, backend=backend)  # type: ignore[return-value]
+
+
+def flops_per_token(model: torch.nn.Module) -> float:
+    """Training FLOPs per real token, 6 x parameters (forward 2, backward 4; Kaplan et al.).
+
+    A frozen parameter (an adapter's base) costs 4: forward 2, and 2 in the backward pass for
+    the gradient of its input, which the layers below need; it has no weight gradient.
+    Embedding tables are left out: a lookup multiplies nothing, and counting its rows would
+    inflate the figure (by ~28% for BERT-base). Attention's own matmuls are left out too.
+    """
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    counted = [p for p in model.parameters() if id(p) not in embeddings]
+    trained = sum(p.numel() for p in counted if p.requires_grad)
+    frozen = sum(p.numel() for p in counted if not p.requires_grad)
+    return 6.0 * trained + 4.0 * frozen
+
+
+def _release_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        # The failed step's activations are garbage now; hand their blocks back before retrying.
+        torch.cuda.empty_cache()
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    if device.type != "cuda":
+        return batch
+    # Page-locked host memory lets the copy overlap with compute (non_blocking).
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
