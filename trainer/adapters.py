@@ -63,8 +63,9 @@ def detach(model: torch.nn.Module) -> torch.nn.Module:
     if getattr(inner, "_require_grads_hook", None) is not None:
         inner.disable_input_require_grads()
     if getattr(inner, "supports_gradient_checkpointing", False):
-        # A no-op when it was off; asking first warns on transformers 5 (a renamed property).
-        inner.gradient_checkpointing_disable()
+        # A no-op when it was off. transformers 5 renamed it, and warns under the old name.
+        off = getattr(inner, "activation_checkpointing_disable", None) or inner.gradient_checkpointing_disable
+        off()
     base: Any = pretrained.unload()
     for name, original in originals:
         parent_name, _, attr = name.rpartition(".")
