@@ -271,7 +271,10 @@ _CONNECT_HINTS: list[tuple[str, str]] = [
         "nothing accepts connections there; start PostgreSQL, or fix the host/port in the storage URL",
     ),
     (r"timeout expired|timed out", "no answer within 10 s; check the host, the port, the firewall or the SSH tunnel"),
-    (r"no pg_hba.conf entry", "the server's pg_hba.conf does not admit this host; add a host line for it (see docs/postgresql.md)"),
+    (
+        r"no pg_hba.conf entry",
+        "the server's pg_hba.conf does not admit this host; add a host line for it (see docs/postgresql.md)",
+    ),
     (
         r"too many clients",
         "the server has no free connections (max_connections); stop idle clients or raise max_connections",
