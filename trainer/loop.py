@@ -72,15 +72,15 @@ class Loop:
     batches: Batches
     speed: Throughput
     curves: Curves
+    running_loss: torch.Tensor
+    """The train loss summed on the device since the last validation point: read with .item()
+    only there, since .item() forces a host-device sync that would stall the GPU's queue."""
     reporter: StateSavingReporter = field(init=False)
     """Set once the loop exists: it saves the loop's resumable state when the search is away."""
     saved: tuple[int, Path] | None = None
     """The step of the resumable state last written, and where: a stop and a failing call at
     the same step need one copy."""
     last_resume: float = field(default_factory=time.monotonic)
-    # Loss is accumulated on the device and read with .item() only at validation points:
-    # .item() forces a host-device sync that would stall the GPU's queue every step.
-    running_loss: torch.Tensor | None = None
     running_steps: int = 0
 
 
@@ -114,7 +114,6 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
 
 def _stepped(loop: Loop, state: TrainState, loss: torch.Tensor) -> TrainResult | None:
     """Count the step taken; at a validation point (or a stop), how the run ends if it does."""
-    assert loop.running_loss is not None
     loop.running_loss += loss
     loop.running_steps += 1
     state.step += 1
@@ -129,7 +128,6 @@ def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResu
     """Evaluate, save if best, report, then ask to prune (as in optuna-examples' checkpoint
     example); how the run ends if it ends here, else None."""
     run, world = loop.run, loop.run.world
-    assert loop.running_loss is not None
     # Summed over ranks, every rank sees the same loss (and the same NaN).
     train_loss = world.all_sum(loop.running_loss).item() / world.size / loop.running_steps
     loop.speed.pause()
@@ -213,7 +211,7 @@ def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
         Batches(run.data, cfg, state.micro, world, steps_per_epoch),
         Throughput(device, flops_per_token=flops_per_token(run.model)),
         Curves(run.out_dir, device, enabled=world.is_main),  # TensorBoard files under the trial's folder
-        running_loss=torch.zeros((), device=device),
+        torch.zeros((), device=device),
     )
     loop.reporter = StateSavingReporter(reporter, lambda: _save_state(loop, state), run.should_stop, run.stop_waiting)
     return loop, state
