@@ -45,12 +45,12 @@ def sqlite_study(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, dem
     return finished_study(tmp_path_factory, tiny_model, demo_files)
 
 
-@contextmanager
-def dashboard(*args: str, cwd: Path, timeout: float = 120) -> Iterator[str]:
-    """Run `hpsearch dashboard ... --port 0` and yield the URL it prints."""
+def spawn_dashboard(*args: str, cwd: Path, unset: tuple[str, ...] = ("HPSEARCH_STORAGE",)) -> subprocess.Popen[str]:
+    """`hpsearch dashboard ... --port 0` as a user starts it, without the ``unset`` variables."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("HPSEARCH_STORAGE", None)
-    proc = subprocess.Popen(
+    for name in unset:
+        env.pop(name, None)
+    return subprocess.Popen(
         [sys.executable, "-m", "hpsearch.search.cli", "dashboard", *args, "--port", "0"],
         cwd=cwd,
         env=env,
@@ -58,6 +58,12 @@ def dashboard(*args: str, cwd: Path, timeout: float = 120) -> Iterator[str]:
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+@contextmanager
+def dashboard(*args: str, cwd: Path, timeout: float = 120) -> Iterator[str]:
+    """Run `hpsearch dashboard ... --port 0` and yield the URL it prints."""
+    proc = spawn_dashboard(*args, cwd=cwd)
     try:
         url, printed = None, []
         deadline = time.monotonic() + timeout

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,7 +24,7 @@ import pytest
 
 from hpsearch.search import dashboard as dash
 from tests.conftest import hpsearch
-from tests.test_dashboard import STUDY, finished_study
+from tests.test_dashboard import STUDY, finished_study, spawn_dashboard
 
 NEW_STUDY = json.dumps({"study_name": "created-by-a-visitor", "directions": ["minimize"]})
 
@@ -235,17 +232,7 @@ def test_writable_allows_writes_off_loopback_and_read_only_forbids_them_on_it(st
 @contextmanager
 def cli_dashboard(*args: str, cwd: Path) -> Iterator[list[str]]:
     """`hpsearch dashboard ... --port 0`, yielding the lines it printed up to Ctrl-C's."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for name in ("HPSEARCH_STORAGE", "HPSEARCH_DASHBOARD_TOKEN"):
-        env.pop(name, None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hpsearch.search.cli", "dashboard", *args, "--port", "0"],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = spawn_dashboard(*args, cwd=cwd, unset=("HPSEARCH_STORAGE", "HPSEARCH_DASHBOARD_TOKEN"))
     try:
         assert proc.stdout is not None
         printed: list[str] = []
