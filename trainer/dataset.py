@@ -13,18 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpsearch.trainer.batches import CAUSAL_LM, CLASSIFICATION, Encoded
 from hpsearch.trainer.config import DataConfig
-from hpsearch.trainer.data import (
-    CAUSAL_LM,
-    CLASSIFICATION,
-    DataError,
-    Encoded,
-    LabelMap,
-    Rows,
-    TextRows,
-    read_rows,
-    read_text_rows,
-)
+from hpsearch.trainer.data import DataError, Rows, TextRows, read_rows, read_text_rows
+from hpsearch.trainer.labels import LabelMap
 
 log = logging.getLogger(__name__)
 # Raised whenever reading or encoding yields other examples from the same file (4: CSV quoted
