@@ -17,11 +17,14 @@ IGNORE_INDEX = -100
 class Encoded:
     """A tokenised split: variable-length id lists (no padding is stored) and what they are
     trained to predict: a class id each (classification), or their own next tokens after
-    ``prompt_lengths[i]`` prompt tokens (causal-lm)."""
+    ``prompt_lengths[i]`` prompt tokens (causal-lm), or, for chat data, the tokens whose
+    ``token_labels`` are not IGNORE_INDEX (the assistant's turns)."""
 
     input_ids: list[list[int]]
     labels: list[int] = field(default_factory=list)
     prompt_lengths: list[int] = field(default_factory=list)
+    token_labels: list[list[int]] = field(default_factory=list)
+    """Chat data: each token's label, its own id or IGNORE_INDEX; empty otherwise (then prompt_lengths apply)."""
     task: str = CLASSIFICATION
 
     def __len__(self) -> int:
@@ -47,8 +50,16 @@ class Encoded:
         sequence's first token and its prompt are never predicted)."""
         if self.task == CLASSIFICATION:
             return len(indices)
+        if self.token_labels:
+            counts = self._label_counts
+            return sum(counts[i] for i in indices)
         lengths, prompts = self.lengths, self.prompt_lengths
         return sum(lengths[i] - max(prompts[i], 1) for i in indices)
+
+    @functools.cached_property
+    def _label_counts(self) -> list[int]:
+        # From position 1: the first token is never predicted, whatever its label.
+        return [sum(label != IGNORE_INDEX for label in labels[1:]) for labels in self.token_labels]
 
 
 def micro_batches(
@@ -112,6 +123,10 @@ def collate(data: Encoded, indices: Sequence[int], pad_id: int) -> dict[str, Any
     mask = torch.tensor([[1] * lengths[i] + [0] * (width - lengths[i]) for i in indices], dtype=torch.long)
     if data.task == CLASSIFICATION:
         labels = torch.tensor([data.labels[i] for i in indices], dtype=torch.long)
+    elif data.token_labels:
+        # Chat: only the assistant's turns were given labels; padding is kept out of the loss.
+        pad = [IGNORE_INDEX]
+        labels = torch.tensor([data.token_labels[i] + pad * (width - lengths[i]) for i in indices], dtype=torch.long)
     else:
         # A causal LM predicts its own tokens; the prompt and the padding are kept out of the loss.
         labels = ids.masked_fill(mask == 0, IGNORE_INDEX)

@@ -147,12 +147,18 @@ class TextRows:
 
 
 def read_text_rows(
-    path: Path, text_column: Column, prompt_column: Column, response_column: Column, header: bool = True
+    path: Path,
+    text_column: Column,
+    prompt_column: Column,
+    response_column: Column,
+    header: bool = True,
+    records: list[tuple[int, dict[Any, Any]]] | None = None,
 ) -> TextRows:
-    """Read causal-LM rows: each has ``text_column``, or ``prompt_column`` and ``response_column``."""
+    """Read causal-LM rows: each has ``text_column``, or ``prompt_column`` and ``response_column``.
+    ``records``: the file as :func:`read_records` already read it."""
     prompts: list[str] = []
     texts: list[str] = []
-    records = read_records(path, header)
+    records = records if records is not None else read_records(path, header)
     _check_columns(path, header, {"text_column": text_column}, records)
     for line_no, record in records:
         columns = (text_column,) if text_column in record else (prompt_column, response_column)
