@@ -179,3 +179,16 @@ def test_lora_chat_trial_from_the_cli_saves_an_adapter_that_peft_loads(tmp_path:
 
     model = AutoPeftModelForCausalLM.from_pretrained(str(folder))
     assert any("lora_A" in n for n, _ in model.named_parameters())
+
+
+def test_the_lora_chat_preset_searches_lora_on_the_shipped_chat_data() -> None:
+    from hpsearch.search.spec import PRESETS, load_file, locate, preset_file
+
+    assert "lora-chat" in PRESETS
+    path = preset_file("lora-chat")
+    assert path is not None
+    spec = load_file(path)
+    assert spec.model.name == "builtin://tiny-llama-chat" and spec.adapter.method == "lora"
+    assert {"learning_rate", "adapter.r", "adapter.alpha"} <= set(spec.space)
+    rows = [json.loads(line) for line in Path(locate(spec.data.train)).read_text().splitlines()]
+    assert len(rows) == 400 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
