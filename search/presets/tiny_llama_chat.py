@@ -5,9 +5,9 @@ output folder, from a fixed seed: a byte-level BPE tokenizer trained on generate
 2-layer Llama (the architecture of Llama 3 and Qwen2.5: RMSNorm, rotary positions, SwiGLU,
 grouped-query attention) and a chat template like Qwen's. LoRA trains a few low-rank matrices on
 a *frozen* base, and a frozen random base knows nothing for them to adapt, so the build also
-pre-trains it briefly (a few seconds on one CPU thread, deterministic) as a language model of
-review sentences without their verdicts: the base reads reviews, and the adapter must learn to
-answer with the verdict, the one right answer of each conversation.
+pre-trains it briefly (seconds on one CPU thread, deterministic) on plain reviews ending in
+"verdict: ..." and on chat turns of another task: the base knows the words and the chat format,
+and the adapter must learn to answer a review in the chat with its verdict, the one right answer.
 
 The shipped data files are reproducible with ``python -m hpsearch.search.presets.tiny_llama_chat``.
 """
