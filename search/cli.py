@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     start = sub.add_parser("start", help="create or resume a study and run workers on this host's devices")
     start.add_argument(
-        "--study", required=True, type=study_name, help="study name (built-in presets: bert-lr, gpt2-lr)"
+        "--study", required=True, type=study_name, help="study name (built-in presets: bert-lr, gpt2-lr, lora-chat)"
     )
     start.add_argument(
         "--config", metavar="FILE", type=Path, help="study spec (.toml); default ./STUDY.toml or a preset"

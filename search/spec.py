@@ -36,13 +36,13 @@ SPEC_ATTR = "hpsearch_spec"
 MAX_CHECKED_VALUES = 10_000
 MAX_GRID_POINTS = 100_000
 """A grid larger than this is refused: no search runs that many trials, and listing it costs memory."""
-PRESETS = ("bert-lr", "gpt2-lr")
+PRESETS = ("bert-lr", "gpt2-lr", "lora-chat")
 # Values that may change between runs of one study: raising the budget is not a new study.
 BUDGET_KEYS = ("n_trials", "timeout_minutes", "gpu_hours", "keep_top_k", "max_disk_gb")
 PKG_SCHEME = "pkg://"
 BUILTIN_SCHEME = "builtin://"
 """A model built from hpsearch's own code on first use (``builtin://tiny-gpt2``), under the output folder."""
-BUILTIN_MODELS = ("tiny-gpt2",)
+BUILTIN_MODELS = ("tiny-gpt2", "tiny-llama-chat")
 UNSEARCHABLE = {"devices_per_trial": "the workers' device groups are fixed when they start; set it in [train]"}
 LORA_LEARNING_RATE = 5e-4
 """train.learning_rate when [adapter] method = "lora" and none is given: 10x the full fine-tune's
@@ -617,8 +617,9 @@ def resolved(spec: StudySpec, output_dir: Path = Path("hpsearch-runs")) -> Study
     data = replace(spec.data, train=locate(spec.data.train), validation=locate(spec.data.validation))
     name = spec.model.name
     if name.startswith(BUILTIN_SCHEME):
-        from hpsearch.search.presets import tiny_gpt2
+        from hpsearch.search.presets import tiny_gpt2, tiny_llama_chat
 
-        name = str(tiny_gpt2.ensure_built(output_dir.resolve() / "builtin"))
+        builder = tiny_llama_chat if name == BUILTIN_SCHEME + tiny_llama_chat.NAME else tiny_gpt2
+        name = str(builder.ensure_built(output_dir.resolve() / "builtin"))
     model = replace(spec.model, name=locate(name))
     return replace(spec, data=data, model=model)

@@ -11,9 +11,9 @@ import optuna
 import pytest
 import torch
 
+from hpsearch.trainer.batches import IGNORE_INDEX, collate, even_shards
 from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE
 from hpsearch.trainer.config import DataConfig, TrainConfig
-from hpsearch.trainer.data import IGNORE_INDEX, collate, even_shards
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer

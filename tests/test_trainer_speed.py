@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpsearch.trainer.batches import micro_batches
 from hpsearch.trainer.config import DataConfig, TrainConfig
-from hpsearch.trainer.data import micro_batches
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.loop import COMPILE_BACKEND_ENV, Run, fit, flops_per_token
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer

@@ -67,13 +67,16 @@ class DataConfig:
     """causal-lm: a row without text_column holds a prompt here; it is not trained on."""
     response_column: str | int = "response"
     """causal-lm: the response that follows the prompt; only its tokens count in the loss."""
+    messages_column: str = "messages"
+    """causal-lm: a file whose rows hold this key is chat data: a list of {"role", "content"}
+    messages rendered with the tokenizer's chat template; only assistant turns count in the loss."""
 
     def validate(self, where: str = "data") -> None:
         for name in ("train", "validation"):
             if not getattr(self, name):
                 what = "training" if name == "train" else "validation"
                 raise ConfigError(f"{where}.{name}: missing; set it to the {what} file's path (.jsonl, .csv or .tsv)")
-        for name in ("text_column", "label_column", "prompt_column", "response_column"):
+        for name in ("text_column", "label_column", "prompt_column", "response_column", "messages_column"):
             value = getattr(self, name)
             if value == "":
                 raise ConfigError(f"{where}.{name}: must not be empty")

@@ -1,15 +1,12 @@
-"""Reading labelled text files, mapping labels, tokenising once and batching without waste."""
+"""Reading data files (.jsonl, .csv, .tsv) into rows, with errors that name the file, the line and the fix."""
 
 from __future__ import annotations
 
 import csv
-import functools
 import io
 import json
-import random
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -105,17 +102,17 @@ def _missing(
 def _not_a_header(names: list[str]) -> str | None:
     """Why a first row reads like an example rather than column names, or None."""
     for name in names:
-        if _as_int(name) is not None:
-            return f"{_short(repr(name))} is a number"
+        if as_int(name) is not None:
+            return f"{short(repr(name))} is a number"
         if len(name) > 40 or len(name.split()) > 4:
-            return f"{_short(repr(name))} is a sentence"
+            return f"{short(repr(name))} is a sentence"
     if len(set(names)) < len(names):
         return "two columns have the same name"
     return None
 
 
 def _columns(record: dict[Any, Any]) -> str:
-    return _short(", ".join(map(str, record)), 120) or "none"
+    return short(", ".join(map(str, record)), 120) or "none"
 
 
 _JSON_KINDS = {bool: "a boolean", float: "a float", list: "a list", dict: "an object", type(None): "null"}
@@ -129,14 +126,14 @@ def _check_label_type(label: Any, path: Path, line_no: int, column: Column) -> N
     kind = _JSON_KINDS.get(type(label), type(label).__name__)
     hint = ""
     if isinstance(label, float) and label.is_integer() and abs(label) < 1e15:
-        hint = f" (write {int(label)}, not {_short(json.dumps(label))})"
+        hint = f" (write {int(label)}, not {short(json.dumps(label))})"
     raise DataError(
-        f"data file {path}: line {line_no}: label {_short(json.dumps(label))} in column {column!r} is {kind}; "
+        f"data file {path}: line {line_no}: label {short(json.dumps(label))} in column {column!r} is {kind}; "
         f"labels must be integers or strings{hint}"
     )
 
 
-def _short(text: str, limit: int = 40) -> str:
+def short(text: str, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -150,12 +147,18 @@ class TextRows:
 
 
 def read_text_rows(
-    path: Path, text_column: Column, prompt_column: Column, response_column: Column, header: bool = True
+    path: Path,
+    text_column: Column,
+    prompt_column: Column,
+    response_column: Column,
+    header: bool = True,
+    records: list[tuple[int, dict[Any, Any]]] | None = None,
 ) -> TextRows:
-    """Read causal-LM rows: each has ``text_column``, or ``prompt_column`` and ``response_column``."""
+    """Read causal-LM rows: each has ``text_column``, or ``prompt_column`` and ``response_column``.
+    ``records``: the file as :func:`read_records` already read it."""
     prompts: list[str] = []
     texts: list[str] = []
-    records = read_records(path, header)
+    records = records if records is not None else read_records(path, header)
     _check_columns(path, header, {"text_column": text_column}, records)
     for line_no, record in records:
         columns = (text_column,) if text_column in record else (prompt_column, response_column)
@@ -262,65 +265,7 @@ def _read_table(raw: str, path: Path, suffix: str, header_row: bool = True) -> l
     return records
 
 
-@dataclass(frozen=True)
-class LabelMap:
-    """Label value <-> class id. Saved with every checkpoint so predictions decode back."""
-
-    names: tuple[str, ...]
-    numeric: bool
-
-    @classmethod
-    def fit(cls, labels: Sequence[Any], path: Path) -> LabelMap:
-        """The classes of the training labels. Integers must be consecutive (0..K-1, 1..K for
-        star ratings, -1..1): class ids follow their order and id2label keeps the user's values.
-        A gap or a stray large value is refused, since it would make classes with no examples.
-        Strings are sorted into ids."""
-        ints = [_as_int(v) for v in labels]
-        distinct = sorted({i for i in ints if i is not None})
-        numeric = len(distinct) > 0 and all(i is not None for i in ints)
-        names = sorted({str(v) for v in labels})
-        if len(names) < 2 or (numeric and len(distinct) < 2):  # "1" and "01" are one class
-            raise DataError(
-                f"data.train: every row of {path} has label {_short(repr(labels[0]))}; a classifier needs at "
-                "least 2 classes; add examples of the other classes"
-            )
-        if not numeric:
-            return cls(tuple(names), numeric=False)
-        lo, hi, k = distinct[0], distinct[-1], len(distinct)
-        absent = hi - lo + 1 - k  # values between the smallest and largest with no example
-        if absent:
-            present = set(distinct)
-            gaps = _listing([i for i in range(lo, hi + 1) if i not in present]) if absent <= 8 else f"{absent} values"
-            raise DataError(
-                f"data file {path}: integer labels are class ids and must be consecutive (0..K-1 or 1..K); got "
-                f"{_listing(distinct)}, with no example of {gaps} between {lo} and {hi}; renumber them "
-                f"0..{k - 1} or use string labels"
-            )
-        return cls(tuple(str(i) for i in distinct), numeric=True)
-
-    @property
-    def num_labels(self) -> int:
-        return len(self.names)
-
-    def encode(self, labels: Sequence[Any], path: Path) -> list[int]:
-        index = {name: i for i, name in enumerate(self.names)}
-        out = []
-        for row, value in enumerate(labels, start=1):
-            key = str(_as_int(value)) if self.numeric and _as_int(value) is not None else str(value)
-            if key not in index:
-                raise DataError(
-                    f"data file {path}: example {row} has label {value!r}, never seen in the "
-                    f"training data (labels: {', '.join(self.names[:10])}); fix the label or add "
-                    "it to training"
-                )
-            out.append(index[key])
-        return out
-
-    def id2label(self) -> dict[int, str]:
-        return dict(enumerate(self.names))
-
-
-def _as_int(value: Any) -> int | None:
+def as_int(value: Any) -> int | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -333,123 +278,3 @@ def _as_int(value: Any) -> int | None:
         except ValueError:  # longer than Python's int_max_str_digits: no class id anyway
             return None
     return None
-
-
-def _listing(values: Sequence[int], head: int = 8) -> str:
-    """``0, 1, 2, ..., 9 (12 values)``: enough to see the problem without flooding one line."""
-    shown = [_short(str(v), 20) for v in values]
-    if len(shown) <= head:
-        return ", ".join(shown)
-    return f"{', '.join(shown[: head - 2])}, ..., {', '.join(shown[-2:])} ({len(shown)} values)"
-
-
-CLASSIFICATION, CAUSAL_LM = "classification", "causal-lm"
-IGNORE_INDEX = -100
-"""Label of a token left out of the loss (cross_entropy's ignore_index): prompt and padding."""
-
-
-@dataclass
-class Encoded:
-    """A tokenised split: variable-length id lists (no padding is stored) and what they are
-    trained to predict: a class id each (classification), or their own next tokens after
-    ``prompt_lengths[i]`` prompt tokens (causal-lm)."""
-
-    input_ids: list[list[int]]
-    labels: list[int] = field(default_factory=list)
-    prompt_lengths: list[int] = field(default_factory=list)
-    task: str = CLASSIFICATION
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-    @functools.cached_property
-    def lengths(self) -> list[int]:
-        # Cached: the loop asks for it every epoch and it is O(dataset) to rebuild.
-        return [len(ids) for ids in self.input_ids]
-
-    def real_tokens(self, indices: Sequence[int]) -> int:
-        """Tokens that carry text (special tokens included), padding excluded."""
-        lengths = self.lengths
-        return sum(lengths[i] for i in indices)
-
-    def padded_tokens(self, indices: Sequence[int]) -> int:
-        """Tokens the model processes for this batch once padded to its longest sequence."""
-        lengths = self.lengths
-        return len(indices) * max(lengths[i] for i in indices)
-
-    def targets(self, indices: Sequence[int]) -> int:
-        """What the loss is averaged over: examples, or predicted tokens for causal-lm (a
-        sequence's first token and its prompt are never predicted)."""
-        if self.task == CLASSIFICATION:
-            return len(indices)
-        lengths, prompts = self.lengths, self.prompt_lengths
-        return sum(lengths[i] - max(prompts[i], 1) for i in indices)
-
-
-def micro_batches(
-    lengths: Sequence[int], micro_batch_size: int, *, seed: int, epoch: int, group_by_length: bool
-) -> list[list[int]]:
-    """The epoch's micro-batches as index lists, deterministic in (seed, epoch).
-
-    With ``group_by_length``, indices are shuffled, cut into mega-batches of 50 micro-batches,
-    sorted by length inside each, then the micro-batches are shuffled: batches stay random
-    across the epoch but each holds similar lengths, so dynamic padding wastes little.
-    """
-    rng = random.Random(seed * 100_003 + epoch)
-    order = list(range(len(lengths)))
-    rng.shuffle(order)
-    if group_by_length:
-        mega = micro_batch_size * 50
-        grouped: list[int] = []
-        for start in range(0, len(order), mega):
-            chunk = order[start : start + mega]
-            grouped.extend(sorted(chunk, key=lambda i: lengths[i], reverse=True))
-        order = grouped
-    batches = [order[i : i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
-    if group_by_length:
-        rng.shuffle(batches)
-    return batches
-
-
-def even_shards(batches: list[list[int]], n: int) -> list[list[int]]:
-    """Split the largest micro-batches in two until their count is a multiple of ``n``.
-
-    Data-parallel ranks take every n-th micro-batch of an optimizer step, and each must run
-    the same number of forward/backward passes (DDP all-reduces in each rank's last one), so
-    the epoch's short last step must divide evenly too. The loss is normalised by the step's
-    targets over every rank, so smaller micro-batches change no gradient.
-    """
-    batches = [list(b) for b in batches]
-    while len(batches) % n:
-        i = max(range(len(batches)), key=lambda j: (len(batches[j]), j))
-        if len(batches[i]) < 2:
-            raise ValueError(f"{sum(map(len, batches))} examples cannot feed {n} devices; use fewer devices")
-        half = len(batches[i]) // 2
-        batches[i : i + 1] = [batches[i][:half], batches[i][half:]]
-    return batches
-
-
-def eval_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    """Validation batches sorted by length: same result, far less padding."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-
-
-def collate(data: Encoded, indices: Sequence[int], pad_id: int) -> dict[str, Any]:
-    """Pad to the longest sequence of this batch only; returns CPU tensors (pinned by caller)."""
-    import torch
-
-    lengths = data.lengths
-    width = max(lengths[i] for i in indices)
-    # One tensor built from padded Python lists: far cheaper than a tensor per row.
-    rows = [data.input_ids[i] + [pad_id] * (width - lengths[i]) for i in indices]
-    ids = torch.tensor(rows, dtype=torch.long)
-    mask = torch.tensor([[1] * lengths[i] + [0] * (width - lengths[i]) for i in indices], dtype=torch.long)
-    if data.task == CLASSIFICATION:
-        labels = torch.tensor([data.labels[i] for i in indices], dtype=torch.long)
-    else:
-        # A causal LM predicts its own tokens; the prompt and the padding are kept out of the loss.
-        labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
-        for row, i in enumerate(indices):
-            labels[row, : data.prompt_lengths[i]] = IGNORE_INDEX
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}

@@ -13,30 +13,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpsearch.trainer.batches import CAUSAL_LM, CLASSIFICATION, Encoded
+from hpsearch.trainer.chat import ChatRows, encode_chat, is_chat, read_chat_rows
 from hpsearch.trainer.config import DataConfig
-from hpsearch.trainer.data import (
-    CAUSAL_LM,
-    CLASSIFICATION,
-    DataError,
-    Encoded,
-    LabelMap,
-    Rows,
-    TextRows,
-    read_rows,
-    read_text_rows,
-)
+from hpsearch.trainer.data import DataError, Rows, TextRows, read_records, read_rows, read_text_rows
+from hpsearch.trainer.labels import LabelMap
 
 log = logging.getLogger(__name__)
 # Raised whenever reading or encoding yields other examples from the same file (4: CSV quoted
 # fields keep their line breaks; 5: JSON, not pickle), so no host reuses tokens the current code
-# would not produce.
-CACHE_VERSION = 5
+# would not produce; 6: chat data, per-token labels).
+CACHE_VERSION = 6
 
 
 @dataclass
 class Splits:
-    train: Rows | TextRows
-    validation: Rows | TextRows
+    train: Rows | TextRows | ChatRows
+    validation: Rows | TextRows | ChatRows
     labels: LabelMap | None
     """Classification only: label value <-> class id."""
 
@@ -44,13 +37,20 @@ class Splits:
 def read_splits(cfg: DataConfig, task: str = CLASSIFICATION) -> Splits:
     """Read both files and check their labels agree; no tokenizer needed (cheap validation)."""
     if task == CAUSAL_LM:
-        columns = (cfg.text_column, cfg.prompt_column, cfg.response_column, cfg.header)
-        return Splits(read_text_rows(Path(cfg.train), *columns), read_text_rows(Path(cfg.validation), *columns), None)
+        return Splits(_read_lm(Path(cfg.train), cfg), _read_lm(Path(cfg.validation), cfg), None)
     train = read_rows(Path(cfg.train), cfg.text_column, cfg.label_column, cfg.header)
     validation = read_rows(Path(cfg.validation), cfg.text_column, cfg.label_column, cfg.header)
     labels = LabelMap.fit(train.labels, train.path)
     labels.encode(validation.labels, validation.path)  # raises on a label unseen in training
     return Splits(train, validation, labels)
+
+
+def _read_lm(path: Path, cfg: DataConfig) -> TextRows | ChatRows:
+    """Chat rows when the file's first row holds ``messages_column``, else text or prompt/response rows."""
+    records = read_records(path, cfg.header)
+    if is_chat(records, cfg.messages_column):
+        return read_chat_rows(path, cfg.messages_column, records)
+    return read_text_rows(path, cfg.text_column, cfg.prompt_column, cfg.response_column, cfg.header, records)
 
 
 @dataclass
@@ -102,6 +102,8 @@ def _tokenise(cfg: DataConfig, tokenizer: Any, max_length: int, task: str, split
     labels = splits.labels
 
     def encode(rows: Any) -> Encoded:
+        if isinstance(rows, ChatRows):
+            return encode_chat(rows, tokenizer, max_length)
         if labels is None:  # causal-lm
             return _encode_text(rows, tokenizer, max_length)
         return _encode(rows, labels, tokenizer, max_length)
@@ -129,7 +131,13 @@ def _load(path: Path) -> Prepared | None:
 
 def _to_json(p: Prepared) -> dict[str, Any]:
     def split(e: Encoded) -> dict[str, Any]:
-        return {"input_ids": e.input_ids, "labels": e.labels, "prompt_lengths": e.prompt_lengths, "task": e.task}
+        return {
+            "input_ids": e.input_ids,
+            "labels": e.labels,
+            "prompt_lengths": e.prompt_lengths,
+            "token_labels": e.token_labels,
+            "task": e.task,
+        }
 
     labels = None if p.labels is None else {"names": list(p.labels.names), "numeric": p.labels.numeric}
     return {
@@ -160,6 +168,7 @@ def _from_json(d: dict[str, Any]) -> Prepared:
             input_ids=[ints(x) for x in ids],
             labels=ints(e["labels"]),
             prompt_lengths=ints(e["prompt_lengths"]),
+            token_labels=[ints(x) for x in e["token_labels"]],
             task=str(e["task"]),
         )
 
@@ -225,7 +234,7 @@ def _encode_text(rows: TextRows, tokenizer: Any, max_length: int) -> Encoded:
 
 
 def _cache_key(cfg: DataConfig, tokenizer: Any, max_length: int, task: str) -> str:
-    columns = f"{cfg.text_column}|{cfg.label_column}|{cfg.prompt_column}|{cfg.response_column}"
+    columns = f"{cfg.text_column}|{cfg.label_column}|{cfg.prompt_column}|{cfg.response_column}|{cfg.messages_column}"
     columns += "" if cfg.header else "|no header"  # the first row is an example too
     h = hashlib.sha256(f"v{CACHE_VERSION}|{task}|{max_length}|{columns}".encode())
     for name in (cfg.train, cfg.validation):
@@ -242,13 +251,15 @@ def _tokenizer_identity(tokenizer: Any) -> str:
     A fast tokenizer's serialisation also holds the truncation/padding settings of its last
     call, so keying on it raw would give a different key once it has tokenised anything.
     """
+    # The chat template decides which tokens a conversation becomes and which are trained on.
+    template = str(getattr(tokenizer, "chat_template", None))
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        return repr(tokenizer)
+        return repr(tokenizer) + template
     state = json.loads(backend.to_str())
     state.pop("truncation", None)
     state.pop("padding", None)
-    return json.dumps(state, sort_keys=True)
+    return json.dumps(state, sort_keys=True) + template
 
 
 def _write_atomic(path: Path, value: Prepared) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from hpsearch.trainer import precision as prec, tasks
+from hpsearch.trainer.batches import collate, even_shards, micro_batches
 from hpsearch.trainer.config import TrainConfig
-from hpsearch.trainer.data import collate, even_shards, micro_batches
 from hpsearch.trainer.dataset import Prepared
 from hpsearch.trainer.distributed import World
 from hpsearch.trainer.evaluate import Metrics, evaluate

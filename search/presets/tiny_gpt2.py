@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from hpsearch.search.presets import demo_data
@@ -37,18 +38,19 @@ def write_data(folder: Path, n_train: int = 400, n_validation: int = 100) -> Non
                 f.write(json.dumps({"text": text}) + "\n")
 
 
-def ensure_built(root: Path) -> Path:
-    """The model's folder under ``root``, built there first if it is not yet (safe to race)."""
-    target = root / NAME
+def ensure_built(root: Path, name: str = NAME, builder: Callable[[Path], Path] | None = None) -> Path:
+    """The model's folder under ``root``, built there first if it is not yet (safe to race);
+    ``name`` and ``builder``: another built-in model (lora-chat's tiny Llama)."""
+    target = root / name
     if (target / "config.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{NAME}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = root / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        build(tmp)
+        (builder or build)(tmp)
         # Several workers may build at once: the first rename wins, the others drop theirs.
         os.rename(tmp, target)
-        log.info("built %s in %s", NAME, target)
+        log.info("built %s in %s", name, target)
     except OSError:
         if not (target / "config.json").exists():
             raise

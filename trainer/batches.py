@@ -1,0 +1,135 @@
+"""Tokenised splits and how they are cut into batches: shuffled by length, sharded, padded."""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+CLASSIFICATION, CAUSAL_LM = "classification", "causal-lm"
+IGNORE_INDEX = -100
+"""Label of a token left out of the loss (cross_entropy's ignore_index): prompt and padding."""
+
+
+@dataclass
+class Encoded:
+    """A tokenised split: variable-length id lists (no padding is stored) and what they are
+    trained to predict: a class id each (classification), or their own next tokens after
+    ``prompt_lengths[i]`` prompt tokens (causal-lm), or, for chat data, the tokens whose
+    ``token_labels`` are not IGNORE_INDEX (the assistant's turns)."""
+
+    input_ids: list[list[int]]
+    labels: list[int] = field(default_factory=list)
+    prompt_lengths: list[int] = field(default_factory=list)
+    token_labels: list[list[int]] = field(default_factory=list)
+    """Chat data: each token's label, its own id or IGNORE_INDEX; empty otherwise (then prompt_lengths apply)."""
+    task: str = CLASSIFICATION
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @functools.cached_property
+    def lengths(self) -> list[int]:
+        # Cached: the loop asks for it every epoch and it is O(dataset) to rebuild.
+        return [len(ids) for ids in self.input_ids]
+
+    def real_tokens(self, indices: Sequence[int]) -> int:
+        """Tokens that carry text (special tokens included), padding excluded."""
+        lengths = self.lengths
+        return sum(lengths[i] for i in indices)
+
+    def padded_tokens(self, indices: Sequence[int]) -> int:
+        """Tokens the model processes for this batch once padded to its longest sequence."""
+        lengths = self.lengths
+        return len(indices) * max(lengths[i] for i in indices)
+
+    def targets(self, indices: Sequence[int]) -> int:
+        """What the loss is averaged over: examples, or predicted tokens for causal-lm (a
+        sequence's first token and its prompt are never predicted)."""
+        if self.task == CLASSIFICATION:
+            return len(indices)
+        if self.token_labels:
+            counts = self._label_counts
+            return sum(counts[i] for i in indices)
+        lengths, prompts = self.lengths, self.prompt_lengths
+        return sum(lengths[i] - max(prompts[i], 1) for i in indices)
+
+    @functools.cached_property
+    def _label_counts(self) -> list[int]:
+        # From position 1: the first token is never predicted, whatever its label.
+        return [sum(label != IGNORE_INDEX for label in labels[1:]) for labels in self.token_labels]
+
+
+def micro_batches(
+    lengths: Sequence[int], micro_batch_size: int, *, seed: int, epoch: int, group_by_length: bool
+) -> list[list[int]]:
+    """The epoch's micro-batches as index lists, deterministic in (seed, epoch).
+
+    With ``group_by_length``, indices are shuffled, cut into mega-batches of 50 micro-batches,
+    sorted by length inside each, then the micro-batches are shuffled: batches stay random
+    across the epoch but each holds similar lengths, so dynamic padding wastes little.
+    """
+    rng = random.Random(seed * 100_003 + epoch)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    if group_by_length:
+        mega = micro_batch_size * 50
+        grouped: list[int] = []
+        for start in range(0, len(order), mega):
+            chunk = order[start : start + mega]
+            grouped.extend(sorted(chunk, key=lambda i: lengths[i], reverse=True))
+        order = grouped
+    batches = [order[i : i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+    if group_by_length:
+        rng.shuffle(batches)
+    return batches
+
+
+def even_shards(batches: list[list[int]], n: int) -> list[list[int]]:
+    """Split the largest micro-batches in two until their count is a multiple of ``n``.
+
+    Data-parallel ranks take every n-th micro-batch of an optimizer step, and each must run
+    the same number of forward/backward passes (DDP all-reduces in each rank's last one), so
+    the epoch's short last step must divide evenly too. The loss is normalised by the step's
+    targets over every rank, so smaller micro-batches change no gradient.
+    """
+    batches = [list(b) for b in batches]
+    while len(batches) % n:
+        i = max(range(len(batches)), key=lambda j: (len(batches[j]), j))
+        if len(batches[i]) < 2:
+            raise ValueError(f"{sum(map(len, batches))} examples cannot feed {n} devices; use fewer devices")
+        half = len(batches[i]) // 2
+        batches[i : i + 1] = [batches[i][:half], batches[i][half:]]
+    return batches
+
+
+def eval_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Validation batches sorted by length: same result, far less padding."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def collate(data: Encoded, indices: Sequence[int], pad_id: int) -> dict[str, Any]:
+    """Pad to the longest sequence of this batch only; returns CPU tensors (pinned by caller)."""
+    import torch
+
+    lengths = data.lengths
+    width = max(lengths[i] for i in indices)
+    # One tensor built from padded Python lists: far cheaper than a tensor per row.
+    rows = [data.input_ids[i] + [pad_id] * (width - lengths[i]) for i in indices]
+    ids = torch.tensor(rows, dtype=torch.long)
+    mask = torch.tensor([[1] * lengths[i] + [0] * (width - lengths[i]) for i in indices], dtype=torch.long)
+    if data.task == CLASSIFICATION:
+        labels = torch.tensor([data.labels[i] for i in indices], dtype=torch.long)
+    elif data.token_labels:
+        # Chat: only the assistant's turns were given labels; padding is kept out of the loss.
+        pad = [IGNORE_INDEX]
+        labels = torch.tensor([data.token_labels[i] + pad * (width - lengths[i]) for i in indices], dtype=torch.long)
+    else:
+        # A causal LM predicts its own tokens; the prompt and the padding are kept out of the loss.
+        labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+        for row, i in enumerate(indices):
+            labels[row, : data.prompt_lengths[i]] = IGNORE_INDEX
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
