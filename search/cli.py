@@ -452,7 +452,7 @@ def _status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
     import optuna
 
     from hpsearch.search import fleet, study as studies, summary
-    from hpsearch.storage import lost
+    from hpsearch.storage import attrs, lost
     from hpsearch.storage.open import open_storage
 
     storage = open_storage(url, create=False, read_only=True)
@@ -460,7 +460,7 @@ def _status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
         spec = studies.stored_spec(storage, name)
         study = optuna.load_study(study_name=name, storage=storage.optuna)
         s = summary.status(study, spec, studies.n_trials(study, spec), storage.display)
-        s["uid"] = study.user_attrs.get(studies.UID_ATTR)  # whose checkpoint folder is whose
+        s["uid"] = study.user_attrs.get(attrs.UID)  # whose checkpoint folder is whose
         if not best_only:
             s.update(fleet.summary(storage.db, name))
             summary.mark_stale(s, lost.stale_trials(storage.db, name))
