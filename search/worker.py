@@ -25,6 +25,7 @@ from hpsearch.search.early_stop import EarlyStop, PruningGate
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import StudySpec, resolved, split_params
+from hpsearch.search.trial_attrs import AttrReporter
 from hpsearch.storage import attrs, budget, checkpoints as retention, lost, registry
 from hpsearch.storage.db import PATIENT_RETRY
 from hpsearch.storage.errors import StorageError
@@ -52,7 +53,7 @@ class WorkerArgs:
     as ``Device.child_ids`` names them."""
 
 
-class TrialReporter:
+class TrialReporter(AttrReporter):
     """The trainer's Reporter, backed by an Optuna trial."""
 
     def __init__(self, trial: optuna.Trial) -> None:
@@ -70,8 +71,8 @@ class TrialReporter:
         self.last_ok = time.monotonic()
         return prune
 
-    def set_attrs(self, attrs: dict[str, Any]) -> None:
-        for key, value in attrs.items():
+    def set_attrs(self, values: dict[str, Any]) -> None:
+        for key, value in values.items():
             self.trial.set_user_attr(key, value)
         self.last_ok = time.monotonic()
 
