@@ -322,6 +322,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Any]) -> int:
     from hpsearch.search import lifeline, summary
     from hpsearch.search.dispatch import Supervisor
+    from hpsearch.storage import trialdir
     from hpsearch.storage.errors import StorageError
 
     level = logging.DEBUG if args.verbose else logging.INFO
@@ -346,7 +347,7 @@ def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Any]) 
     failure = summary.failed_only(s)
     if code == 0 and failure:
         # Exit 0 would tell a script that a search ran; nothing did.
-        logs = args.output_dir / args.study / "trial-N" / "train.log"
+        logs = args.output_dir / args.study / "trial-N" / trialdir.LOG
         print(f"hpsearch {args.command}: error: {failure}; see {logs}", file=sys.stderr)
         return 1
     if code == 0 and summary.ended_without_best(s):

@@ -30,7 +30,7 @@ from hpsearch.storage import attrs, budget, checkpoints as retention, lost, regi
 from hpsearch.storage.db import PATIENT_RETRY
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage
-from hpsearch.storage.trialdir import TrialDir, TrialDirError
+from hpsearch.storage.trialdir import LOG, TrialDir, TrialDirError
 
 log = logging.getLogger(__name__)
 
@@ -545,7 +545,7 @@ class Worker:
 
 
 def _trial_log(out_dir: Path) -> logging.Handler:
-    handler = logging.FileHandler(out_dir / "train.log")
+    handler = logging.FileHandler(out_dir / LOG)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger().addHandler(handler)
     return handler
