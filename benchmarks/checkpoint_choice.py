@@ -31,10 +31,10 @@ import search_vs_hf as bench
 import torch
 
 from hpsearch.search.spec import load_file
+from hpsearch.search.trial_attrs import NullReporter
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
-from hpsearch.trainer.report import NullReporter
 
 # Learning rate, warm-up ratio, weight decay: the region both searches of search_vs_hf end in.
 CONFIGS = [(8.5e-5, 0.1, 0.05), (2e-4, 0.1, 0.05), (4e-4, 0.1, 0.05)]

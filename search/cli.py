@@ -322,6 +322,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Any]) -> int:
     from hpsearch.search import lifeline, summary
     from hpsearch.search.dispatch import Supervisor
+    from hpsearch.storage import trialdir
     from hpsearch.storage.errors import StorageError
 
     level = logging.DEBUG if args.verbose else logging.INFO
@@ -346,7 +347,7 @@ def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Any]) 
     failure = summary.failed_only(s)
     if code == 0 and failure:
         # Exit 0 would tell a script that a search ran; nothing did.
-        logs = args.output_dir / args.study / "trial-N" / "train.log"
+        logs = args.output_dir / args.study / "trial-N" / trialdir.LOG
         print(f"hpsearch {args.command}: error: {failure}; see {logs}", file=sys.stderr)
         return 1
     if code == 0 and summary.ended_without_best(s):
@@ -452,7 +453,7 @@ def _status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
     import optuna
 
     from hpsearch.search import fleet, study as studies, summary
-    from hpsearch.storage import lost
+    from hpsearch.storage import attrs, lost
     from hpsearch.storage.open import open_storage
 
     storage = open_storage(url, create=False, read_only=True)
@@ -460,7 +461,7 @@ def _status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
         spec = studies.stored_spec(storage, name)
         study = optuna.load_study(study_name=name, storage=storage.optuna)
         s = summary.status(study, spec, studies.n_trials(study, spec), storage.display)
-        s["uid"] = study.user_attrs.get(studies.UID_ATTR)  # whose checkpoint folder is whose
+        s["uid"] = study.user_attrs.get(attrs.UID)  # whose checkpoint folder is whose
         if not best_only:
             s.update(fleet.summary(storage.db, name))
             summary.mark_stale(s, lost.stale_trials(storage.db, name))

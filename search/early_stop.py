@@ -41,6 +41,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpsearch.trainer.report import Reporter
@@ -48,6 +49,7 @@ from hpsearch.trainer.report import Reporter
 if TYPE_CHECKING:
     from hpsearch.search.spec import SearchConfig
     from hpsearch.trainer.evaluate import Metrics
+    from hpsearch.trainer.stats import Figures
 
 log = logging.getLogger(__name__)
 AT_CHANCE = "at_chance"
@@ -180,5 +182,14 @@ class EarlyStop:
             return True
         return self.gate.may_prune(step, metrics) and self.inner.should_prune()
 
-    def set_attrs(self, attrs: dict[str, Any]) -> None:
-        self.inner.set_attrs(attrs)
+    def best_saved(self, path: Path, step: int, values: dict[str, float]) -> None:
+        self.inner.best_saved(path, step, values)
+
+    def state_saved(self, path: Path) -> None:
+        self.inner.state_saved(path)
+
+    def resumed(self, step: int) -> None:
+        self.inner.resumed(step)
+
+    def measured(self, figures: Figures) -> None:
+        self.inner.measured(figures)

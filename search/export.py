@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpsearch.search.spec import SpecError
-from hpsearch.storage import registry, rundir, trialdir
+from hpsearch.storage import attrs, registry, rundir, trialdir
 from hpsearch.storage.checkpoints import is_deleted
 from hpsearch.trainer.errors import ModelError
 from hpsearch.trainer.model import check_weights
@@ -40,12 +40,12 @@ def export_best(
     the same name elsewhere wrote over it) is not this trial's model, and is refused."""
     if best is None:
         raise ExportError(f"study {study!r} has no complete trial yet; nothing to export")
-    source_text = best.get("best_checkpoint")
+    source_text = best.get(attrs.BEST_CHECKPOINT)
     if not source_text or is_deleted(source_text):
         raise ExportError(f"trial {best['number']}'s checkpoint is gone ({source_text}); nothing to export")
     source = Path(source_text)
     if not source.is_dir():
-        host = best.get("host")
+        host = best.get(attrs.HOST)
         if host and host != registry.this_host():
             raise ExportError(
                 f"checkpoint {source} of trial {best['number']} is not on this host; run the export on {host}"
@@ -114,7 +114,7 @@ def export_best(
             "study": study,
             "trial": best["number"],
             "value": best["value"],
-            "best_step": best.get("best_step"),
+            attrs.BEST_STEP: best.get(attrs.BEST_STEP),
             "params": best.get("params", {}),
         }
         (tmp / "hpsearch_best.json").write_text(json.dumps(record, indent=2, sort_keys=True))

@@ -22,8 +22,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from hpsearch.search import retry
-from hpsearch.storage import checkpoints as retention
+from hpsearch.storage import attrs, checkpoints as retention
 from hpsearch.storage.db import Database
 from hpsearch.storage.trialdir import BEST, RESUME, TrialDir
 
@@ -38,7 +37,7 @@ def sweep(db: Database, study: optuna.Study, root: Path, *, max_retries: int) ->
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
     retries: dict[int, list[FrozenTrial]] = {}
     for t in trials.values():
-        of = t.user_attrs.get(retry.RETRY_OF)
+        of = t.user_attrs.get(attrs.RETRY_OF)
         if isinstance(of, int):
             retries.setdefault(of, []).append(t)
     gone: list[Path] = []
@@ -62,7 +61,7 @@ def sweep(db: Database, study: optuna.Study, root: Path, *, max_retries: int) ->
                 continue
             gone.append(path)
             log.info("removed %s (trial %d is %s)", path, trial.number, trial.state.name.lower())
-            if path.name == BEST and trial.user_attrs.get(retention.BEST_CHECKPOINT_ATTR):
+            if path.name == BEST and trial.user_attrs.get(attrs.BEST_CHECKPOINT):
                 note = f"{retention.DELETED_PREFIX} (trial {trial.state.name.lower()}; was {path})"
                 retention.mark_deleted(db, trial._trial_id, note)
     return gone
@@ -73,5 +72,5 @@ def _released(failed: FrozenTrial, its_retries: list[FrozenTrial], max_retries: 
     if not its_retries:
         # Out of retries. With retries left, hand_back may be about to queue one (it fails
         # the trial first); such a folder waits for the next sweep.
-        return int(failed.user_attrs.get(retry.RETRY_COUNT, 0)) >= max_retries
-    return all(r.state.is_finished() or not r.user_attrs.get(retry.RESUME_FROM) for r in its_retries)
+        return int(failed.user_attrs.get(attrs.RETRY_COUNT, 0)) >= max_retries
+    return all(r.state.is_finished() or not r.user_attrs.get(attrs.RESUME_FROM) for r in its_retries)

@@ -17,14 +17,14 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.search import summary
 from hpsearch.search.spec import StudySpec
-from hpsearch.search.study import DEVICE_SECONDS
+from hpsearch.storage import attrs
 
 log = logging.getLogger(__name__)
 
 
 def trial_seconds(trial: FrozenTrial, now: dt.datetime | None = None) -> float:
     """Device time a trial used: its recorded figure, else start to end (or to ``now``)."""
-    value = trial.user_attrs.get(DEVICE_SECONDS)
+    value = trial.user_attrs.get(attrs.DEVICE_SECONDS)
     if isinstance(value, (int, float)):
         return float(value)
     if trial.datetime_start is None:
@@ -61,15 +61,16 @@ def _best(best: dict[str, Any] | None, spec: StudySpec) -> list[str]:
     if best is None:
         return ["**Best:** no complete trial yet."]
     params = ", ".join(f"`{k}` = {_fmt(v)}" for k, v in sorted(best["params"].items()))
+    step, host = best[attrs.BEST_STEP], best.get(attrs.HOST)
     lines = [
-        f"**Best:** trial {best['number']}: {spec.search.metric} **{best['value']:.4f}** at step {best['best_step']}",
+        f"**Best:** trial {best['number']}: {spec.search.metric} **{best['value']:.4f}** at step {step}",
         "",
-        f"- checkpoint: `{best['best_checkpoint']}`" + (f" on host `{best['host']}`" if best.get("host") else ""),
+        f"- checkpoint: `{best[attrs.BEST_CHECKPOINT]}`" + (f" on host `{host}`" if host else ""),
     ]
     if params:
         lines.append(f"- parameters: {params}")
-    if best.get("train_samples_per_second") is not None:
-        lines.append(f"- {best['train_samples_per_second']} samples/s on {best.get('device') or '?'}")
+    if best.get(attrs.SPEED) is not None:
+        lines.append(f"- {best[attrs.SPEED]} samples/s on {best.get(attrs.DEVICE) or '?'}")
     return lines
 
 

@@ -28,8 +28,8 @@ from optuna.trial import TrialState
 
 from hpsearch.search import lifeline, note, study as studies, summary
 from hpsearch.search.devices import Device
-from hpsearch.search.retry import RETRY_OF
 from hpsearch.search.spec import StudySpec
+from hpsearch.storage import attrs
 
 log = logging.getLogger(__name__)
 POLL_S = 15.0
@@ -77,7 +77,7 @@ class Snapshot:
 def read(study: optuna.Study, spec: StudySpec, now: dt.datetime | None = None) -> Snapshot:
     now = now or dt.datetime.now()
     trials = study.get_trials(deepcopy=False)
-    retried = {t.user_attrs.get(RETRY_OF) for t in trials}
+    retried = {t.user_attrs.get(attrs.RETRY_OF) for t in trials}
     best = summary.best_trial(study)
     done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     running = [t for t in trials if t.state == TrialState.RUNNING]

@@ -34,6 +34,7 @@ from typing import Any
 from hpsearch.search import cli
 from hpsearch.search.devices import only_gpu, torch_device
 from hpsearch.search.exit_codes import ExitCode
+from hpsearch.search.trial_attrs import NullReporter
 from hpsearch.trainer.config import DataConfig, ModelConfig, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,6 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
     from hpsearch.trainer.dataset import prepare
     from hpsearch.trainer.loop import Run, fit
     from hpsearch.trainer.model import PretrainedCache, load_tokenizer
-    from hpsearch.trainer.report import NullReporter
 
     if args.threads:
         torch.set_num_threads(args.threads)

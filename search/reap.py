@@ -22,7 +22,7 @@ import optuna
 from optuna.trial import TrialState
 
 from hpsearch.search import retry
-from hpsearch.storage import budget, lost, registry
+from hpsearch.storage import attrs, budget, lost, registry
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage
 
@@ -225,7 +225,7 @@ def _hand_back_running(
     trial = storage.optuna.get_trial(trial_id)
     if trial.state != TrialState.RUNNING:
         return None  # its supervisor already handed it back, or it finished in time
-    resume = trial.user_attrs.get(retry.RESUME_CHECKPOINT)
+    resume = trial.user_attrs.get(attrs.RESUME_CHECKPOINT)
     return retry.hand_back(
         storage,
         study,

@@ -13,19 +13,11 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
-from hpsearch.search.study import DEVICE_SECONDS
-from hpsearch.storage import budget, checkpoints as retention
+from hpsearch.storage import attrs, budget, checkpoints as retention
 from hpsearch.storage.open import Storage
 from hpsearch.storage.trialdir import BEST, RESUME, TrialDir
-from hpsearch.trainer.report import RESUME_CHECKPOINT_ATTR
 
 log = logging.getLogger(__name__)
-
-RETRY_OF = "retry_of"
-RETRY_COUNT = "retry_count"
-RESUME_FROM = "resume_from"
-FAIL_REASON = "fail_reason"
-RESUME_CHECKPOINT = RESUME_CHECKPOINT_ATTR
 
 
 def hand_back(
@@ -54,15 +46,15 @@ def hand_back(
     frozen = storage.optuna.get_trial(trial_id)
     if frozen.state.is_finished():
         return False
-    storage.optuna.set_trial_user_attr(trial_id, FAIL_REASON, reason)
-    if device_seconds is not None and DEVICE_SECONDS not in frozen.user_attrs:
-        storage.optuna.set_trial_user_attr(trial_id, DEVICE_SECONDS, round(device_seconds, 3))
+    storage.optuna.set_trial_user_attr(trial_id, attrs.FAIL_REASON, reason)
+    if device_seconds is not None and attrs.DEVICE_SECONDS not in frozen.user_attrs:
+        storage.optuna.set_trial_user_attr(trial_id, attrs.DEVICE_SECONDS, round(device_seconds, 3))
     try:
         storage.optuna.set_trial_state_values(trial_id, TrialState.FAIL)
     except RuntimeError:
         # Finished by someone else in the meantime (e.g. the worker told its result late).
         return False
-    count = int(frozen.user_attrs.get(RETRY_COUNT, 0))
+    count = int(frozen.user_attrs.get(attrs.RETRY_COUNT, 0))
     if count >= max_retries:
         log.warning("trial %d failed (%s); out of retries (%d)", frozen.number, reason, max_retries)
         return False
@@ -70,9 +62,9 @@ def hand_back(
     study.enqueue_trial(
         frozen.params,
         user_attrs={
-            RETRY_OF: frozen.number,
-            RETRY_COUNT: count + 1,
-            RESUME_FROM: str(resume) if resume else "",
+            attrs.RETRY_OF: frozen.number,
+            attrs.RETRY_COUNT: count + 1,
+            attrs.RESUME_FROM: str(resume) if resume else "",
         },
         skip_if_exists=False,
     )
@@ -91,9 +83,9 @@ def hand_back(
 def waiting_retries(study: optuna.Study) -> list[int]:
     """The trials whose retry is queued and not yet taken by a worker."""
     return [
-        int(t.user_attrs[RETRY_OF])
+        int(t.user_attrs[attrs.RETRY_OF])
         for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-        if RETRY_OF in t.user_attrs
+        if attrs.RETRY_OF in t.user_attrs
     ]
 
 
@@ -106,7 +98,7 @@ def pop_retry(study: optuna.Study) -> optuna.Trial | None:
     """
     storage = study._storage
     for frozen in storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.WAITING,)):
-        if RETRY_OF not in frozen.user_attrs:
+        if attrs.RETRY_OF not in frozen.user_attrs:
             continue
         try:
             if storage.set_trial_state_values(frozen._trial_id, state=TrialState.RUNNING):
@@ -129,7 +121,7 @@ def take_over(storage: Storage, study_name: str, trial: optuna.Trial, here: Tria
     one retries (a failed one): the recorded ``resume_from`` only says that there is a state to
     resume, and a path it names anywhere else is refused (see storage/trialdir.py).
     """
-    source, of = trial.user_attrs.get(RESUME_FROM), trial.user_attrs.get(RETRY_OF)
+    source, of = trial.user_attrs.get(attrs.RESUME_FROM), trial.user_attrs.get(attrs.RETRY_OF)
     if not source or not isinstance(of, int) or isinstance(of, bool):
         return None
     old = TrialDir(here.root, of)
@@ -168,7 +160,7 @@ def _failed(storage: Storage, study_name: str, number: int) -> bool:
 
 def _mark_moved(storage: Storage, study_name: str, trial: optuna.Trial, was: Path) -> None:
     """The failed attempt's ``best_checkpoint`` must not name the folder its retry took."""
-    of = trial.user_attrs.get(RETRY_OF)
+    of = trial.user_attrs.get(attrs.RETRY_OF)
     if not isinstance(of, int):
         return
     study_id = storage.optuna.get_study_id_from_name(study_name)

@@ -21,6 +21,7 @@ else:  # the same parser, as a backport
     import tomli as tomllib
 
 
+from hpsearch.storage import attrs
 from hpsearch.trainer.config import (
     AdapterConfig,
     ConfigError,
@@ -32,7 +33,6 @@ from hpsearch.trainer.config import (
     from_dict,
 )
 
-SPEC_ATTR = "hpsearch_spec"
 MAX_CHECKED_VALUES = 10_000
 MAX_GRID_POINTS = 100_000
 """A grid larger than this is refused: no search runs that many trials, and listing it costs memory."""
@@ -474,12 +474,12 @@ class StudySpec:
     def readable(self) -> dict[str, str]:
         """The spec as a few short user attributes, one per table ("spec: search" =
         "n_trials = 20, sampler = qmc, ..."), for the dashboard, where the stored spec
-        (``SPEC_ATTR``) is one long JSON string."""
+        (``attrs.SPEC``) is one long JSON string."""
         d = self.to_dict()
         space = d["search"].pop("space")
         d["search"].pop("enqueue", None)
-        out = {f"spec: {table}": ", ".join(f"{k} = {_toml(v)}" for k, v in d[table].items()) for table in d}
-        out["spec: search.space"] = "; ".join(
+        out = {f"{attrs.SPEC_TABLE}{table}": ", ".join(f"{k} = {_toml(v)}" for k, v in d[table].items()) for table in d}
+        out[f"{attrs.SPEC_TABLE}search.space"] = "; ".join(
             f"{name} = {{ {', '.join(f'{k} = {_toml(v)}' for k, v in p.items())} }}" for name, p in space.items()
         )
         return out

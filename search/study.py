@@ -13,18 +13,12 @@ import sqlalchemy
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from hpsearch.search.spec import SPEC_ATTR, Param, SpecError, StudySpec, difference
-from hpsearch.storage import budget, registry
+from hpsearch.search.spec import Param, SpecError, StudySpec, difference
+from hpsearch.storage import attrs, budget, registry
 from hpsearch.storage.open import Storage, require_study
 from hpsearch.storage.tables import StudyCreation
 
 log = logging.getLogger(__name__)
-N_TRIALS_ATTR = "hpsearch_n_trials"
-DEADLINE_ATTR = "hpsearch_deadline"
-DEVICE_SECONDS = "device_seconds"
-# A random id per study: its checkpoint folder is marked with it (storage/rundir.py), so a second
-# study of the same name (another storage, or a deleted and re-created one) cannot overwrite it.
-UID_ATTR = "hpsearch_uid"
 
 
 class SpecMismatchError(SpecError):
@@ -43,7 +37,7 @@ def create_or_resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Stu
             study_id: int | None = storage.optuna.get_study_id_from_name(name)
         except KeyError:
             study_id = None
-        if study_id is not None and SPEC_ATTR not in storage.optuna.get_study_user_attrs(study_id):
+        if study_id is not None and attrs.SPEC not in storage.optuna.get_study_user_attrs(study_id):
             # No other hpsearch is inside its creation now: a spec-less study is foreign, or what
             # a `start` killed while creating it left (its creation row says so; never used).
             _refuse_foreign(storage, name, study_id, spec, outside_lock=False)
@@ -71,7 +65,7 @@ def _create(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
     ensure_uid(study)
     # Known-good configurations run first: queued now, the first ask() of any worker gets one.
     for params in spec.enqueue:
-        study.enqueue_trial(params, user_attrs={"enqueued": True})
+        study.enqueue_trial(params, user_attrs={attrs.ENQUEUED: True})
     _store_spec(storage, study, spec)  # last: a study with a spec is whole
     _unmark(storage, name)
     log.info("created study %s in %s (%d queued trials)", name, storage.display, len(spec.enqueue))
@@ -87,7 +81,7 @@ def _unmark(storage: Storage, name: str) -> None:
 
 def _resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
     study = optuna.load_study(study_name=name, storage=storage.optuna)
-    check_same(name, StudySpec.from_dict(study.user_attrs[SPEC_ATTR]), spec)
+    check_same(name, StudySpec.from_dict(study.user_attrs[attrs.SPEC]), spec)
     trials = study.get_trials(deepcopy=False)
     log.info("resuming study %s (%d trials so far)", name, len(trials))
     # Said up front; the workers still start, since a crashed host's claimed trials are theirs.
@@ -114,20 +108,20 @@ def _store_spec(storage: Storage, study: optuna.Study, spec: StudySpec) -> None:
     for key, text in spec.readable().items():
         study.set_user_attr(key, text)
     # Stored again on resume: the budget keys (n_trials, timeout, gpu_hours, retention) may change.
-    study.set_user_attr(N_TRIALS_ATTR, spec.search.n_trials)
+    study.set_user_attr(attrs.N_TRIALS, spec.search.n_trials)
     # The timeout counts from this start, on the database clock that every worker shares.
     timeout = spec.search.timeout_minutes
-    study.set_user_attr(DEADLINE_ATTR, storage.db.now() + timeout * 60 if timeout > 0 else None)
-    study.set_user_attr(SPEC_ATTR, spec.to_dict())
+    study.set_user_attr(attrs.DEADLINE, storage.db.now() + timeout * 60 if timeout > 0 else None)
+    study.set_user_attr(attrs.SPEC, spec.to_dict())
 
 
 def ensure_uid(study: optuna.Study) -> str:
     """The study's id, given it now if it has none (studies made before ids existed)."""
-    uid = study.user_attrs.get(UID_ATTR)
+    uid = study.user_attrs.get(attrs.UID)
     if not uid:
-        study.set_user_attr(UID_ATTR, uuid.uuid4().hex)
+        study.set_user_attr(attrs.UID, uuid.uuid4().hex)
         # Re-read: of two hosts giving an old study its id at once, the last write counts.
-        uid = study.user_attrs[UID_ATTR]
+        uid = study.user_attrs[attrs.UID]
     return str(uid)
 
 
@@ -142,34 +136,34 @@ def check_same(name: str, stored: StudySpec, given: StudySpec) -> None:
 
 def stored_spec(storage: Storage, name: str) -> StudySpec:
     study_id = require_study(storage, name)
-    attrs = storage.optuna.get_study_user_attrs(study_id)
-    if SPEC_ATTR not in attrs:
+    stored_attrs = storage.optuna.get_study_user_attrs(study_id)
+    if attrs.SPEC not in stored_attrs:
         raise SpecError(
             f"study {name!r} was not created by hpsearch (it has no stored spec); create one with "
             "`hpsearch start --study NAME --config FILE`"
         )
-    return StudySpec.from_dict(attrs[SPEC_ATTR])
+    return StudySpec.from_dict(stored_attrs[attrs.SPEC])
 
 
 def check_spec_before_create(storage: Storage, name: str, spec: StudySpec) -> tuple[bool, str | None]:
     """Raise on a spec mismatch without writing anything (bad input leaves storage untouched).
 
-    Returns whether the study exists, and its id if it has one (``UID_ATTR``)."""
+    Returns whether the study exists, and its id if it has one (``attrs.UID``)."""
     try:
         study_id = storage.optuna.get_study_id_from_name(name)
     except KeyError:
         return False, None
-    attrs = storage.optuna.get_study_user_attrs(study_id)
-    stored = attrs.get(SPEC_ATTR)
+    stored_attrs = storage.optuna.get_study_user_attrs(study_id)
+    stored = stored_attrs.get(attrs.SPEC)
     if stored is None:
         # Another `start` may be creating it right now (its spec is stored last): neither new
         # nor foreign. Its creation row is gone only once the spec is in, so read the spec again.
         if _refuse_foreign(storage, name, study_id, spec, outside_lock=True):
             return True, None
-        attrs = storage.optuna.get_study_user_attrs(study_id)
-        stored = attrs[SPEC_ATTR]
+        stored_attrs = storage.optuna.get_study_user_attrs(study_id)
+        stored = stored_attrs[attrs.SPEC]
     check_same(name, StudySpec.from_dict(stored), spec)
-    uid = attrs.get(UID_ATTR)
+    uid = stored_attrs.get(attrs.UID)
     return True, str(uid) if uid else None
 
 
@@ -184,7 +178,7 @@ def _refuse_foreign(storage: Storage, name: str, study_id: int, spec: StudySpec,
     if _being_created(storage, name):
         if outside_lock or _cut_short(storage, study_id, spec):
             return True
-    elif outside_lock and SPEC_ATTR in storage.optuna.get_study_user_attrs(study_id):
+    elif outside_lock and attrs.SPEC in storage.optuna.get_study_user_attrs(study_id):
         return False
     n_trials = len(storage.optuna.get_all_trials(study_id, deepcopy=False))
     [direction] = storage.optuna.get_study_directions(study_id)
@@ -210,13 +204,13 @@ def _cut_short(storage: Storage, study_id: int, spec: StudySpec) -> bool:
     ran (workers refuse a study without a spec), only the spec's enqueued ones, waiting."""
     [direction] = storage.optuna.get_study_directions(study_id)
     return direction.name.lower() == spec.direction and all(
-        t.state == optuna.trial.TrialState.WAITING and t.user_attrs.get("enqueued")
+        t.state == optuna.trial.TrialState.WAITING and t.user_attrs.get(attrs.ENQUEUED)
         for t in storage.optuna.get_all_trials(study_id, deepcopy=False)
     )
 
 
 def n_trials(study: optuna.Study, spec: StudySpec) -> int:
-    return int(study.user_attrs.get(N_TRIALS_ATTR, spec.search.n_trials))
+    return int(study.user_attrs.get(attrs.N_TRIALS, spec.search.n_trials))
 
 
 def budget_left(study: optuna.Study, spec: StudySpec, now: float) -> str | None:
@@ -225,7 +219,7 @@ def budget_left(study: optuna.Study, spec: StudySpec, now: float) -> str | None:
     ``now`` is the database clock. Device time is the sum over the study's trials of their
     ``device_seconds`` (training wall time on their device), running trials counted so far.
     """
-    deadline = study.user_attrs.get(DEADLINE_ATTR)
+    deadline = study.user_attrs.get(attrs.DEADLINE)
     if deadline is not None and now >= float(deadline):
         return f"timeout of {spec.search.timeout_minutes:g} minutes reached"
     if spec.search.gpu_hours > 0:
@@ -240,7 +234,7 @@ def device_seconds(study: optuna.Study) -> float:
 
     total = 0.0
     for t in study.get_trials(deepcopy=False):
-        total += float(t.user_attrs.get(DEVICE_SECONDS, 0.0))
+        total += float(t.user_attrs.get(attrs.DEVICE_SECONDS, 0.0))
         if t.state == optuna.trial.TrialState.RUNNING and t.datetime_start is not None:
             # The attempt in progress has not recorded its time yet.
             total += max(0.0, (dt.datetime.now() - t.datetime_start).total_seconds())

@@ -11,7 +11,9 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.search.spec import StudySpec
-from hpsearch.storage import checkpoints as retention, lost, registry
+from hpsearch.storage import attrs, checkpoints as retention, lost, registry
+
+SHOWN = (attrs.BEST_STEP, attrs.BEST_CHECKPOINT, attrs.HOST, attrs.DEVICE, attrs.WORKER, attrs.SPEED, attrs.FAIL_REASON)
 
 
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
@@ -29,7 +31,6 @@ def best_trial(study: optuna.Study) -> FrozenTrial | None:
 
 
 def trial_dict(trial: FrozenTrial, now: dt.datetime | None = None) -> dict[str, Any]:
-    attrs = trial.user_attrs
     start, end = trial.datetime_start, trial.datetime_complete or now or dt.datetime.now()
     return {
         "number": trial.number,
@@ -38,13 +39,8 @@ def trial_dict(trial: FrozenTrial, now: dt.datetime | None = None) -> dict[str, 
         "params": trial.params,
         "step": max(trial.intermediate_values, default=None),
         "duration_s": max(0.0, (end - start).total_seconds()) if start else None,
-        "best_step": attrs.get("best_step"),
-        "best_checkpoint": attrs.get("best_checkpoint"),
-        "host": attrs.get("host"),
-        "device": attrs.get("device"),
-        "worker": attrs.get("worker"),
-        "train_samples_per_second": attrs.get("train_samples_per_second"),
-        "fail_reason": attrs.get("fail_reason"),
+        # The trial's attributes that status and best show, under their own keys.
+        **{key: trial.user_attrs.get(key) for key in SHOWN},
     }
 
 
@@ -75,9 +71,9 @@ BY_PRUNER = "by the pruner"
 def reason(trial: dict[str, Any]) -> str:
     """Why a trial ended as it did, in a few words ("" for complete and running trials)."""
     if trial["state"] == "PRUNED":
-        return REASONS.get(trial["fail_reason"] or "", trial["fail_reason"] or BY_PRUNER)
+        return REASONS.get(trial[attrs.FAIL_REASON] or "", trial[attrs.FAIL_REASON] or BY_PRUNER)
     if trial["state"] == "FAIL":
-        return str(trial["fail_reason"] or "no reason recorded")
+        return str(trial[attrs.FAIL_REASON] or "no reason recorded")
     return ""
 
 
@@ -97,7 +93,7 @@ def why_no_best(study: optuna.Study, spec: StudySpec) -> list[str]:
     point = _best_point(trials, spec.direction == "minimize")
     if point is not None:
         trial, step, value = point
-        kept = trial.user_attrs.get(retention.BEST_CHECKPOINT_ATTR)
+        kept = trial.user_attrs.get(attrs.BEST_CHECKPOINT)
         where = f"checkpoint {kept}" if kept and not retention.is_deleted(kept) else "no checkpoint kept"
         lines.append(
             f"best point reached: trial {trial.number}, {spec.search.metric} {value:.4f} at step {step} ({where})"
@@ -152,7 +148,7 @@ def failed_only(s: dict[str, Any]) -> str | None:
     st = s["states"]
     if not st["fail"] or st["complete"] or st["pruned"] or st["running"] or st["waiting"]:
         return None
-    reasons = Counter(t["fail_reason"] or "no reason recorded" for t in s["trials"] if t["state"] == "FAIL")
+    reasons = Counter(t[attrs.FAIL_REASON] or "no reason recorded" for t in s["trials"] if t["state"] == "FAIL")
     reason, count = reasons.most_common(1)[0]
     return f"every trial failed ({st['fail']}); {count} with: {reason}"
 
@@ -201,10 +197,10 @@ def format_best(s: dict[str, Any]) -> str:
             return "best: no complete trial yet"
         first, *rest = s["no_best"]
         return "\n".join([f"best: none; {first}", *(f"  {line}" for line in rest)])
-    lines = [f"best: trial {best['number']}  {metric} {best['value']:.4f} at step {best['best_step']}"]
+    lines = [f"best: trial {best['number']}  {metric} {best['value']:.4f} at step {best[attrs.BEST_STEP]}"]
     lines += [f"  {k} = {_fmt(v)}" for k, v in sorted(best["params"].items())]
-    lines.append(f"  checkpoint: {best['best_checkpoint']}")
-    host = best.get("host")
+    lines.append(f"  checkpoint: {best[attrs.BEST_CHECKPOINT]}")
+    host = best.get(attrs.HOST)
     if host and host != registry.this_host():
         lines.append(f"  warning: the checkpoint lives on host {host}, not on this host")
     return "\n".join(lines)
@@ -247,7 +243,7 @@ def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
                 str(t["step"]) if t["step"] is not None else "-",
                 *(_fmt(t["params"][n]) if n in t["params"] else "-" for n in names),
                 _duration(t["duration_s"]),
-                t["worker"] or "-",
+                t[attrs.WORKER] or "-",
                 _short(reason(t), 60),
             ]
         )

@@ -25,11 +25,12 @@ from hpsearch.search.early_stop import EarlyStop, PruningGate
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import StudySpec, resolved, split_params
-from hpsearch.storage import budget, checkpoints as retention, lost, registry
+from hpsearch.search.trial_attrs import AttrReporter
+from hpsearch.storage import attrs, budget, checkpoints as retention, lost, registry
 from hpsearch.storage.db import PATIENT_RETRY
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage
-from hpsearch.storage.trialdir import TrialDir, TrialDirError
+from hpsearch.storage.trialdir import LOG, TrialDir, TrialDirError
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class WorkerArgs:
     as ``Device.child_ids`` names them."""
 
 
-class TrialReporter:
+class TrialReporter(AttrReporter):
     """The trainer's Reporter, backed by an Optuna trial."""
 
     def __init__(self, trial: optuna.Trial) -> None:
@@ -70,8 +71,8 @@ class TrialReporter:
         self.last_ok = time.monotonic()
         return prune
 
-    def set_attrs(self, attrs: dict[str, Any]) -> None:
-        for key, value in attrs.items():
+    def set_attrs(self, values: dict[str, Any]) -> None:
+        for key, value in values.items():
             self.trial.set_user_attr(key, value)
         self.last_ok = time.monotonic()
 
@@ -329,10 +330,10 @@ class Worker:
         state = folder.state
         reporter.set_attrs(
             {
-                "device": self._device_name(),
-                "host": registry.this_host(),
-                "worker": self.args.name,
-                retry.RESUME_CHECKPOINT: str(state.resolve()),
+                attrs.DEVICE: self._device_name(),
+                attrs.HOST: registry.this_host(),
+                attrs.WORKER: self.args.name,
+                attrs.RESUME_CHECKPOINT: str(state.resolve()),
             }
         )
         resume = retry.take_over(self.storage, self.args.study, trial, folder)
@@ -392,13 +393,13 @@ class Worker:
         # Device time of this attempt (x its devices), added to earlier attempts' (the gpu_hours
         # budget); recorded before the trial is told, since a finished trial takes no more attributes.
         spent = (time.monotonic() - started) * self.world.size
-        trial.set_user_attr(studies.DEVICE_SECONDS, round(trial.user_attrs.get(studies.DEVICE_SECONDS, 0.0) + spent, 3))
+        trial.set_user_attr(attrs.DEVICE_SECONDS, round(trial.user_attrs.get(attrs.DEVICE_SECONDS, 0.0) + spent, 3))
         ended = "failed" if failure is not None else result.status  # an error is not retried
         if ended in ("pruned", "failed"):
             # Never in the top k: only complete trials compete for a kept checkpoint.
             folder.remove(folder.best)
-            if trial.user_attrs.get(retention.BEST_CHECKPOINT_ATTR):
-                trial.set_user_attr(retention.BEST_CHECKPOINT_ATTR, f"{retention.DELETED_PREFIX} (trial {ended})")
+            if trial.user_attrs.get(attrs.BEST_CHECKPOINT):
+                trial.set_user_attr(attrs.BEST_CHECKPOINT, f"{retention.DELETED_PREFIX} (trial {ended})")
         if ended != "interrupted":
             # The resumable state is only for a retry of an interrupted attempt.
             folder.remove(folder.resume)
@@ -418,7 +419,7 @@ class Worker:
             )
         elif result.status == "pruned":
             if result.fail_reason:
-                trial.set_user_attr(retry.FAIL_REASON, result.fail_reason)
+                trial.set_user_attr(attrs.FAIL_REASON, result.fail_reason)
             self._tell(trial, state=TrialState.PRUNED)
             log.info(
                 "trial %d pruned at step %d%s",
@@ -452,8 +453,8 @@ class Worker:
         # (see trainer/courier.py), but so may a run that ended and waited for its record.
         spent = (reporter.last_ok - started) * self.world.size
         try:
-            before = float(trial.user_attrs.get(studies.DEVICE_SECONDS, 0.0))
-            trial.set_user_attr(studies.DEVICE_SECONDS, round(before + max(0.0, spent), 3))
+            before = float(trial.user_attrs.get(attrs.DEVICE_SECONDS, 0.0))
+            trial.set_user_attr(attrs.DEVICE_SECONDS, round(before + max(0.0, spent), 3))
             retry.hand_back(
                 self.storage,
                 self.study,
@@ -482,7 +483,7 @@ class Worker:
 
     def _retain(self) -> None:
         """Keep only the best checkpoints of the study's top trials (see storage/checkpoints.py)."""
-        search, attr = self.spec.search, retention.BEST_CHECKPOINT_ATTR
+        search, attr = self.spec.search, attrs.BEST_CHECKPOINT
         candidates = [
             retention.candidate(t._trial_id, t.number, float(t.value), self.root, t.user_attrs)
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
@@ -520,7 +521,7 @@ class Worker:
             log.info("trial %d was the last point of the grid", trial.number)
 
     def _fail(self, trial: optuna.Trial, reason: str) -> None:
-        trial.set_user_attr(retry.FAIL_REASON, reason)
+        trial.set_user_attr(attrs.FAIL_REASON, reason)
         self._tell(trial, state=TrialState.FAIL)
 
     def _device_name(self) -> str:
@@ -544,7 +545,7 @@ class Worker:
 
 
 def _trial_log(out_dir: Path) -> logging.Handler:
-    handler = logging.FileHandler(out_dir / "train.log")
+    handler = logging.FileHandler(out_dir / LOG)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger().addHandler(handler)
     return handler

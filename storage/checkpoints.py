@@ -26,13 +26,12 @@ from typing import Any
 
 from sqlalchemy import column, table, update
 
+from hpsearch.storage import attrs
 from hpsearch.storage.db import Database
 from hpsearch.storage.trialdir import TrialDir
 
 log = logging.getLogger(__name__)
 DELETED_PREFIX = "deleted"
-BEST_CHECKPOINT_ATTR = "best_checkpoint"
-LOSS_ATTR = "best_val_loss"  # the validation loss at the trial's best point, as the trainer records it
 # Optuna's own table of trial user attributes: a finished trial's attributes cannot be changed
 # through Optuna's API (it refuses to update finished trials), so the one we own is rewritten here.
 _USER_ATTRS = table("trial_user_attributes", column("trial_id"), column("key"), column("value_json"))
@@ -48,7 +47,7 @@ def rank(value: float, loss: float | None, number: int, *, minimize: bool) -> tu
 
 def recorded_loss(user_attrs: dict[str, Any]) -> float | None:
     """The best point's validation loss from a trial's attributes (None for a trial without one)."""
-    loss = user_attrs.get(LOSS_ATTR)
+    loss = user_attrs.get(attrs.BEST_LOSS)
     return float(loss) if isinstance(loss, int | float) else None
 
 
@@ -165,7 +164,7 @@ def mark_deleted(db: Database, trial_id: int, note: str) -> None:
     db.run(
         lambda s: s.execute(
             update(_USER_ATTRS)
-            .where(_USER_ATTRS.c.trial_id == trial_id, _USER_ATTRS.c.key == BEST_CHECKPOINT_ATTR)
+            .where(_USER_ATTRS.c.trial_id == trial_id, _USER_ATTRS.c.key == attrs.BEST_CHECKPOINT)
             .values(value_json=json.dumps(note))
         ),
         what="mark a deleted checkpoint",

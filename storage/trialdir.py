@@ -30,6 +30,7 @@ PREFIX = "trial-"
 BEST = "best"
 RESUME = "resume"
 RESUME_FILE = "state.pt"
+LOG = "train.log"  # the log of every attempt at the trial (search/worker.py writes it)
 _LOCK = ".hpsearch.lock"
 """Held shared by an export while it copies ``best/``, exclusively by retention to delete it."""
 

@@ -11,13 +11,14 @@ import optuna
 import pytest
 import torch
 
+from hpsearch.search.trial_attrs import NullReporter
 from hpsearch.trainer.batches import IGNORE_INDEX, collate, even_shards
 from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
-from hpsearch.trainer.report import NullReporter, TrainResult
+from hpsearch.trainer.report import TrainResult
 from tests.conftest import hpsearch, lm_spec_text, start_study
 from tests.support.tiny import write_lm_split
 

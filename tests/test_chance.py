@@ -11,12 +11,13 @@ import optuna
 import pytest
 
 from hpsearch.search.early_stop import ChanceLevel, EarlyStop, PruningGate
+from hpsearch.search.trial_attrs import NullReporter
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.evaluate import Metrics
 from hpsearch.trainer.loop import fit
 from hpsearch.trainer.model import load_tokenizer
-from hpsearch.trainer.report import NullReporter, TrainResult
+from hpsearch.trainer.report import TrainResult
 from tests.conftest import hpsearch, spec_text
 from tests.support.tiny import tiny_run
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import optuna
 import torch
 
+from hpsearch.search.trial_attrs import NullReporter
 from hpsearch.trainer import distributed
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.distributed import World
 from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
-from hpsearch.trainer.report import NullReporter
 from tests.conftest import hpsearch, lm_spec_text
 from tests.support.tiny import build_tiny_gpt2
 

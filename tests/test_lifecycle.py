@@ -12,6 +12,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from hpsearch.storage import attrs
 from tests.conftest import spec_text
 from tests.test_faults import _sa_url, _slow_spec, _spawned_workers, _start, _wait_for_report
 
@@ -410,7 +411,6 @@ def test_an_enqueued_trial_that_ends_with_one_grid_point_left_is_no_reaped_trial
 def test_a_retry_runs_after_the_timeout_when_its_trial_started_before(
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str
 ) -> None:
-    from hpsearch.search import study as studies
     from hpsearch.search.lifeline import StopFlag
     from hpsearch.search.worker import Worker, WorkerArgs
     from hpsearch.storage.open import open_storage
@@ -423,7 +423,7 @@ def test_a_retry_runs_after_the_timeout_when_its_trial_started_before(
     try:
         # The timeout runs out while trial 0's retry waits (e.g. its worker crashed).
         study = optuna.load_study(study_name="late", storage=storage.optuna)
-        study.set_user_attr(studies.DEADLINE_ATTR, storage.db.now() - 1)
+        study.set_user_attr(attrs.DEADLINE, storage.db.now() - 1)
         args = WorkerArgs(
             study="late", storage_url=sqlite_url, device="cpu", name="t/cpu:0/1", output_dir=str(tmp_path / "runs")
         )
@@ -466,7 +466,7 @@ def test_past_the_deadline_only_a_retry_is_taken_from_the_queue() -> None:
 
     study = optuna.create_study()
     study.enqueue_trial({"x": 1.0})  # a [[search.enqueue]] configuration, never started
-    study.enqueue_trial({"x": 2.0}, user_attrs={retry.RETRY_OF: 0})
+    study.enqueue_trial({"x": 2.0}, user_attrs={attrs.RETRY_OF: 0})
     taken = retry.pop_retry(study)
     assert taken is not None and taken.number == 1
     assert retry.pop_retry(study) is None, "no retry left: nothing else may start"

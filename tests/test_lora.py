@@ -12,12 +12,12 @@ import optuna
 import pytest
 import torch
 
+from hpsearch.search.trial_attrs import NullReporter
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.evaluate import evaluate
 from hpsearch.trainer.loop import Run, fit, flops_per_token
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
-from hpsearch.trainer.report import NullReporter
 from tests.conftest import hpsearch, lm_spec_text, spec_text, start_study
 
 LORA = '[adapter]\nmethod = "lora"\nr = 4\nalpha = 8\ndropout = 0.0\n'

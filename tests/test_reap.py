@@ -20,7 +20,7 @@ from optuna.trial import TrialState
 
 from hpsearch.search import reap, retry, study as studies
 from hpsearch.search.spec import load_file
-from hpsearch.storage import budget, registry, worker_views
+from hpsearch.storage import attrs, budget, registry, worker_views
 from hpsearch.storage.open import open_storage
 
 
@@ -237,7 +237,7 @@ def test_a_reap_pass_survives_a_trial_finished_under_it(
             # injected where the race would put it).
             if storage.optuna.get_trial(trial_id).number == slow:
                 study.tell(slow, 0.5)
-                storage.optuna.set_trial_user_attr(trial_id, retry.FAIL_REASON, reap.WORKER_LOST)
+                storage.optuna.set_trial_user_attr(trial_id, attrs.FAIL_REASON, reap.WORKER_LOST)
             return hand_back(storage, study, trial_id, **kwargs)
 
         monkeypatch.setattr(retry, "hand_back", finished_meanwhile)

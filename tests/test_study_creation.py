@@ -15,7 +15,7 @@ from optuna.trial import TrialState
 
 from hpsearch.search import study as studies
 from hpsearch.search.spec import load_file
-from hpsearch.storage import budget, urls, worker_views
+from hpsearch.storage import attrs, budget, urls, worker_views
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.tables import StudyCreation
 from tests.conftest import Cli, hpsearch
@@ -70,7 +70,7 @@ def test_racing_starts_create_the_study_once_and_queue_its_enqueue_once(storage_
         assert sorted(t.system_attrs["fixed_params"]["learning_rate"] for t in queued) == [1e-3, 2e-3], (
             f"round {n}: queued twice"
         )
-        assert study.user_attrs[studies.SPEC_ATTR] == load_file(spec).to_dict()
+        assert study.user_attrs[attrs.SPEC] == load_file(spec).to_dict()
 
 
 def test_of_racing_starts_with_different_specs_one_is_refused_with_the_difference(
@@ -89,7 +89,7 @@ def test_of_racing_starts_with_different_specs_one_is_refused_with_the_differenc
         assert "\n" not in refusal.strip()
         winner = low if outcomes[0] == "ok" else high
         study = optuna.load_study(study_name=name, storage=urls.normalize(storage_url))
-        assert study.user_attrs[studies.SPEC_ATTR] == load_file(winner).to_dict(), "the creator's spec stays"
+        assert study.user_attrs[attrs.SPEC] == load_file(winner).to_dict(), "the creator's spec stays"
         assert len(study.get_trials(deepcopy=False)) == 2
 
 
@@ -151,7 +151,7 @@ def test_a_start_cut_short_while_creating_is_created_again(storage_url: str, spe
         assert studies.check_spec_before_create(storage, "s", spec) == (True, None), "neither new nor foreign"
         study = studies.create_or_resume(storage, "s", spec)
         assert len(study.get_trials(deepcopy=False)) == 2, "queued once, as a new study"
-        assert study.user_attrs[studies.SPEC_ATTR] == spec.to_dict()
+        assert study.user_attrs[attrs.SPEC] == spec.to_dict()
         assert storage.db.run(lambda s: s.get(StudyCreation, "s"), what="read") is None
     finally:
         storage.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpsearch.search.trial_attrs import AttrReporter
 from hpsearch.trainer import loop, step as trainer_step
 from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE, load_resume
 from hpsearch.trainer.config import DataConfig, TrainConfig
@@ -222,7 +223,7 @@ def test_resumable_state_is_written_at_most_every_resume_every_minutes(
     assert (tmp_path / "r" / RESUME / RESUME_FILE).exists() is expected
 
 
-class _HangingReporter:
+class _HangingReporter(AttrReporter):
     """A search whose storage went silent: report() blocks until the test lets it through
     (or fail, with ``fail``); the rest answers at once."""
 
@@ -277,7 +278,8 @@ def test_training_goes_on_while_the_search_does_not_answer(
 
 
 def test_a_failed_report_saves_the_state_and_a_good_one_does_not() -> None:
-    from hpsearch.trainer.report import NullReporter, StateSavingReporter
+    from hpsearch.search.trial_attrs import NullReporter
+    from hpsearch.trainer.report import StateSavingReporter
 
     saved: list[int] = []
     failing = _HangingReporter()
@@ -351,7 +353,8 @@ def test_a_stop_while_the_search_hangs_saves_at_once_and_abandons_the_call_at_th
 def test_an_immediate_reporter_is_called_at_once_on_the_runs_own_thread() -> None:
     import threading
 
-    from hpsearch.trainer.report import NullReporter, StateSavingReporter
+    from hpsearch.search.trial_attrs import NullReporter
+    from hpsearch.trainer.report import StateSavingReporter
 
     class Where(NullReporter):
         """Like benchmarks/checkpoint_choice.py's scorer: it must see the model as it is at the call."""

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpsearch.search.trial_attrs import NullReporter
 from hpsearch.trainer.batches import micro_batches
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.loop import COMPILE_BACKEND_ENV, Run, fit, flops_per_token
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 from hpsearch.trainer.optim import build_optimizer
-from hpsearch.trainer.report import NullReporter
 from hpsearch.trainer.stats import PEAK_ENV, Throughput, mfu, peak_tflops
 from tests.support.tiny import tiny_run
 

@@ -26,9 +26,9 @@ from hpsearch.trainer.distributed import World, parameter_digest
 from hpsearch.trainer.evaluate import Metrics, Point
 from hpsearch.trainer.model import enable_gradient_checkpointing
 from hpsearch.trainer.optim import build_optimizer, build_scheduler, plan_steps
-from hpsearch.trainer.report import RESUME_CHECKPOINT_ATTR, Reporter, StateSavingReporter, TrainResult
+from hpsearch.trainer.report import Reporter, StateSavingReporter, TrainResult
 from hpsearch.trainer.state import Trainable, TrainState
-from hpsearch.trainer.stats import Throughput
+from hpsearch.trainer.stats import Figures, Throughput
 from hpsearch.trainer.step import COMPILE_BACKEND_ENV, Batches, compile_model, flops_per_token, train_step, validate
 
 __all__ = ["COMPILE_BACKEND_ENV", "Run", "compile_model", "fit", "flops_per_token"]
@@ -152,16 +152,14 @@ def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResu
         state.best = point
         if world.is_main:
             path = ckpt.save_best(run.model, run.tokenizer, run.out_dir, _meta(run, metrics, state.step))
-            loop.reporter.set_attrs(
-                {"best_checkpoint": str(path.resolve()), "best_step": state.step, **best_attrs(metrics)}
-            )
+            loop.reporter.best_saved(path.resolve(), state.step, metrics.values())
     if world.is_main:
         # The resumable state (weights + optimizer moments, ~3x the model) is costly to write,
         # so it is refreshed at most every resume_every_minutes.
         due = time.monotonic() - loop.last_resume >= run.cfg.resume_every_minutes * 60
         if state.step < loop.total_steps and due:
             # Recorded so that a retry on another worker can find it (see search/reap.py).
-            loop.reporter.set_attrs({RESUME_CHECKPOINT_ATTR: str(_save_state(loop, state).resolve())})
+            loop.reporter.state_saved(_save_state(loop, state).resolve())
             loop.last_resume = time.monotonic()
         loop.reporter.report(point.value, state.step, metrics)
     # Only rank 0 talks to the search; its answer is every rank's.
@@ -199,8 +197,10 @@ def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
         vars(cfg),
     )
     state = parts.restore(run.resume_from, run.metric, micro)
-    if state.attrs and world.is_main:
-        reporter.set_attrs(state.attrs)
+    if state.resumed_from is not None and world.is_main:
+        reporter.resumed(state.resumed_from)
+        if state.best is not None and state.best_values is not None:
+            reporter.best_saved((run.out_dir / ckpt.BEST).resolve(), state.best.step, state.best_values)
     loop = Loop(
         run,
         world.wrap(compiled, device),
@@ -232,30 +232,31 @@ def _finish(loop: Loop, state: TrainState, result: TrainResult, first_step: floa
     if state.best is not None:
         result.best_value, result.best_step = state.best.value, state.best.step
         result.best_checkpoint = str((run.out_dir / ckpt.BEST).resolve())
-    result.attrs = {
-        **_ranks_attrs(world, loop.speed, run.model),
-        "precision": loop.precision,
-        "micro_batch_size": state.micro,
-        "accumulation_steps": loop.batches.per_step // world.size,
-        "compiled": run.cfg.compile,
-        # An adapter trains a fraction of a percent of the model: the figure says how much.
-        "trainable_parameters": adapters.trainable_parameters(run.model),
-    }
-    if first_step is not None:
-        result.attrs["first_step_seconds"] = round(first_step, 3)
+    digests = _rank_digests(world, loop.speed, run.model)
+    result.figures = Figures(
+        loop.speed.speed(),
+        loop.precision,
+        state.micro,
+        loop.batches.per_step // world.size,
+        run.cfg.compile,
+        adapters.trainable_parameters(run.model),
+        None if first_step is None else round(first_step, 3),
+        world.size if digests else None,
+        digests,
+    )
     if world.is_main:
-        loop.reporter.set_attrs(result.attrs)
+        loop.reporter.measured(result.figures)
         # Reports went out in the background (see courier.py); the search must have them all
         # before the worker tells it how the run ended.
         loop.reporter.flush()
     return result
 
 
-def _ranks_attrs(world: World, speed: Throughput, model: torch.nn.Module) -> dict[str, Any]:
-    """Throughput over every rank and, with several, each rank's parameter digest: equal
-    digests are the evidence that data parallelism kept the ranks' parameters identical."""
+def _rank_digests(world: World, speed: Throughput, model: torch.nn.Module) -> list[str] | None:
+    """With several ranks, each rank's parameter digest (equal digests are the evidence that data
+    parallelism kept the ranks' parameters identical), and ``speed`` summed over every rank."""
     if world.size == 1:
-        return speed.attrs()
+        return None
     digest = parameter_digest(model)
     counts = world.gather((speed.examples, speed.tokens, speed.padded, digest))
     speed.examples, speed.tokens, speed.padded = (sum(c[k] for c in counts) for k in range(3))
@@ -263,7 +264,7 @@ def _ranks_attrs(world: World, speed: Throughput, model: torch.nn.Module) -> dic
     log.info("rank %d of %d: parameter digest %s", world.rank, world.size, digest)
     if len(set(digests)) > 1:
         log.error("the ranks' parameters differ (digests %s)", digests)
-    return {**speed.attrs(), "devices": world.size, "rank_parameter_digests": digests}
+    return digests
 
 
 def _meta(run: Run, metrics: Metrics, step: int) -> dict[str, Any]:
@@ -273,8 +274,3 @@ def _meta(run: Run, metrics: Metrics, step: int) -> dict[str, Any]:
         # An adapter folder has no config.json to hold them: a merged export names its labels from here.
         meta["id2label"] = {str(k): v for k, v in run.data.labels.id2label().items()}
     return meta
-
-
-def best_attrs(metrics: Metrics) -> dict[str, float]:
-    """best_val_loss and best_val_accuracy / best_val_f1, or best_val_perplexity for a causal LM."""
-    return {f"best_val_{k}": v for k, v in metrics.values().items()}

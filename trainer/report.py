@@ -5,19 +5,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields, is_dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from hpsearch.trainer.courier import Courier
 
 if TYPE_CHECKING:
     from hpsearch.trainer.evaluate import Metrics
+    from hpsearch.trainer.stats import Figures, Speed
 
 log = logging.getLogger(__name__)
 
 
 class Reporter(Protocol):
-    """What the trainer needs from a search: Optuna's trial, reduced to three calls."""
+    """What the trainer needs from a search: Optuna's trial, reduced to a few calls that say what
+    happened. Where the search records it is its own business (search/trial_attrs.py)."""
 
     def report(self, value: float, step: int, metrics: Metrics | None = None) -> None:
         """Record the objective at optimizer step ``step``, with every metric of that point."""
@@ -26,28 +29,18 @@ class Reporter(Protocol):
         """Whether the search wants this run stopped after the last report (its pruner, or its
         own early-stopping rules: see search/early_stop.py)."""
 
-    def set_attrs(self, attrs: dict[str, Any]) -> None:
-        """Attach facts (checkpoint path, throughput, ...) to the run."""
+    def best_saved(self, path: Path, step: int, values: dict[str, float]) -> None:
+        """A new best model is at ``path`` (absolute): that of step ``step``, with these
+        validation metrics by name (``Metrics.values()``); also said on resume, of the one kept."""
 
+    def state_saved(self, path: Path) -> None:
+        """The resumable state is at ``path`` (absolute), for whoever retries the run."""
 
-class NullReporter:
-    """Runs a fine-tune outside any search: records values, never prunes."""
+    def resumed(self, step: int) -> None:
+        """The run continues from a resumable state of optimizer step ``step``."""
 
-    immediate = True
-    """Called directly, not through a courier thread: its calls never wait (see StateSavingReporter)."""
-
-    def __init__(self) -> None:
-        self.values: dict[int, float] = {}
-        self.attrs: dict[str, Any] = {}
-
-    def report(self, value: float, step: int, metrics: Metrics | None = None) -> None:
-        self.values[step] = value
-
-    def should_prune(self) -> bool:
-        return False
-
-    def set_attrs(self, attrs: dict[str, Any]) -> None:
-        self.attrs.update(attrs)
+    def measured(self, figures: Figures) -> None:
+        """What the run measured of itself (speed, precision, micro-batch size...), once, at its end."""
 
 
 class StateSavingReporter:
@@ -60,7 +53,8 @@ class StateSavingReporter:
     trains on and is asked again at its next validation point, when what it missed has arrived.
     ``flush`` waits until every call has arrived: the run's end must be on record before its
     trial is told. A reporter whose ``immediate`` attribute is true is called directly instead
-    (``NullReporter``: nothing to wait for, and a subclass may look at the model as it is).
+    (search/trial_attrs.py ``NullReporter``: nothing to wait for, and a subclass may look at the
+    model as it is).
 
     A call fails when the storage stayed away longer than its retries (or a shutdown cut them
     short): the run's next call saves the state and raises the error. The run ends there and
@@ -89,12 +83,23 @@ class StateSavingReporter:
         self._state_saved = False  # by this reporter: once per run, for a failure or a stop
 
     def report(self, value: float, step: int, metrics: Metrics | None = None) -> None:
-        self._raise_failure()
-        self.courier.send(self.inner.report, value, step, metrics)
+        self._send(self.inner.report, value, step, metrics)
 
-    def set_attrs(self, attrs: dict[str, Any]) -> None:
+    def best_saved(self, path: Path, step: int, values: dict[str, float]) -> None:
+        self._send(self.inner.best_saved, path, step, dict(values))
+
+    def state_saved(self, path: Path) -> None:
+        self._send(self.inner.state_saved, path)
+
+    def resumed(self, step: int) -> None:
+        self._send(self.inner.resumed, step)
+
+    def measured(self, figures: Figures) -> None:
+        self._send(self.inner.measured, figures)
+
+    def _send(self, fn: Callable[..., object], *args: object) -> None:
         self._raise_failure()
-        self.courier.send(self.inner.set_attrs, dict(attrs))
+        self.courier.send(fn, *args)
 
     def should_prune(self) -> bool:
         self._raise_failure()
@@ -140,9 +145,6 @@ class CallAbandoned(Exception):
     """A reporter call still hanging when a stopping run could wait no longer."""
 
 
-RESUME_CHECKPOINT_ATTR = "resume_checkpoint"
-"""The attribute holding the path of a run's latest resumable state, for whoever retries it."""
-
 Status = Literal["complete", "pruned", "failed", "interrupted"]
 
 
@@ -154,4 +156,21 @@ class TrainResult:
     best_checkpoint: str | None = None
     steps: int = 0
     fail_reason: str | None = None
-    attrs: dict[str, Any] = field(default_factory=dict)
+    figures: Figures | None = None
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        """The figures by name, as a trial stores them."""
+        return measured(self.figures) if self.figures else {}
+
+
+def measured(figures: Figures | Speed) -> dict[str, Any]:
+    """Every figure by its field name (``speed``'s flattened in), without those not measured (None)."""
+    out: dict[str, Any] = {}
+    for f in fields(figures):
+        value = getattr(figures, f.name)
+        if is_dataclass(value) and not isinstance(value, type):
+            out.update(measured(value))
+        elif value is not None:
+            out[f.name] = value
+    return out

@@ -25,8 +25,10 @@ class TrainState:
     best: Point | None = None
     micro: int = 1
     """The micro-batch size: halved when a step runs out of memory, and kept so on resume."""
-    attrs: dict[str, Any] | None = None
-    """The trial attributes a resumed run re-records (resumed_from_step, its best point)."""
+    resumed_from: int | None = None
+    """The step of the resumable state the run continues from; None for a fresh run."""
+    best_values: dict[str, float] | None = None
+    """The validation metrics of ``best`` by name, when it was restored from the best model's meta."""
 
 
 @dataclass
@@ -83,12 +85,12 @@ class Trainable:
         if isinstance(saved_micro, int):
             micro = min(micro, saved_micro)
         log.info("resumed from %s at optimizer step %d", path, saved["step"])
-        best, best_attrs = restored_best(self.out_dir, metric, saved["best_step"])
-        return TrainState(saved["step"], best, micro, {"resumed_from_step": saved["step"], **best_attrs})
+        best, values = restored_best(self.out_dir, metric, saved["best_step"])
+        return TrainState(saved["step"], best, micro, saved["step"], values)
 
 
-def restored_best(out_dir: Path, metric: str, saved_step: int | None) -> tuple[Point | None, dict[str, Any]]:
-    """The best point a resumed run starts from, and its trial attributes: the one whose model
+def restored_best(out_dir: Path, metric: str, saved_step: int | None) -> tuple[Point | None, dict[str, float] | None]:
+    """The best point a resumed run starts from, and its validation metrics: the one whose model
     is in the run's folder (moved there from the interrupted attempt's), read from the model's
     own meta, not from the resumable state. The state may be older than the last best model
     (it is written at most every resume_every_minutes), and a best point whose model is gone
@@ -99,11 +101,7 @@ def restored_best(out_dir: Path, metric: str, saved_step: int | None) -> tuple[P
     if meta is None or not isinstance(value, int | float) or not isinstance(step, int):
         if saved_step is not None:
             log.warning("the best model of step %d is not in %s: the best point starts over", saved_step, out_dir)
-        return None, {}
+        return None, None
     loss = meta.get("val_loss")
-    attrs = {
-        "best_checkpoint": str((out_dir / ckpt.BEST).resolve()),
-        "best_step": step,
-        **{f"best_{k}": v for k, v in meta.items() if k.startswith("val_")},  # as best_attrs() names them
-    }
-    return Point(float(value), float(loss) if isinstance(loss, int | float) else math.inf, step), attrs
+    values = {k.removeprefix("val_"): v for k, v in meta.items() if k.startswith("val_")}  # as _meta() wrote them
+    return Point(float(value), float(loss) if isinstance(loss, int | float) else math.inf, step), values

@@ -6,9 +6,12 @@ import os
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from hpsearch.trainer.report import measured
 
 # Dense (no sparsity) bf16 tensor-core peak, TFLOP/s, from the vendors' data sheets; the first
 # name fragment found in torch.cuda.get_device_name() wins, so longer names come first.
@@ -96,23 +99,55 @@ class Throughput:
         self.tokens += tokens
         self.padded += tokens if padded is None else padded
 
-    def attrs(self) -> dict[str, Any]:
+    def speed(self) -> Speed:
         secs = max(self.seconds, 1e-9)
-        out: dict[str, Any] = {
-            "train_samples_per_second": round(self.examples / secs, 2),
-            "train_tokens_per_second": round(self.tokens / secs, 1),
-            "train_seconds": round(self.seconds, 3),  # ms: short trials on fast devices last under a second
-            "train_samples": self.examples,
-            "train_tokens": self.tokens,
-            # Tokens processed per real token: 1.0 means no padding at all.
-            "train_padding_ratio": round(self.padded / max(self.tokens, 1), 3),
-            "peak_memory_mb": round(peak_memory_mb(self.device), 1),
-        }
+        mfu_: float | None = None
         if self.device.type == "cuda" and self.flops_per_token and self.seconds > 0:
             peak = peak_tflops(torch.cuda.get_device_name(self.device))
             if peak:
-                out["mfu"] = round(mfu(self.flops_per_token, self.tokens, self.seconds, peak * 1e12), 4)
-        return out
+                mfu_ = round(mfu(self.flops_per_token, self.tokens, self.seconds, peak * 1e12), 4)
+        return Speed(
+            round(self.examples / secs, 2),
+            round(self.tokens / secs, 1),
+            round(self.seconds, 3),
+            self.examples,
+            self.tokens,
+            round(self.padded / max(self.tokens, 1), 3),
+            round(peak_memory_mb(self.device), 1),
+            mfu_,
+        )
+
+    def attrs(self) -> dict[str, Any]:
+        return measured(self.speed())
+
+
+@dataclass(frozen=True)
+class Speed:
+    """A run's throughput and memory over its training time."""
+
+    train_samples_per_second: float
+    train_tokens_per_second: float
+    train_seconds: float  # ms: short trials on fast devices last under a second
+    train_samples: int
+    train_tokens: int
+    train_padding_ratio: float  # tokens processed per real token: 1.0 means no padding at all
+    peak_memory_mb: float
+    mfu: float | None = None  # CUDA only: model FLOPs utilisation
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What a run measured of itself, reported once at its end (``Reporter.measured``)."""
+
+    speed: Speed
+    precision: str
+    micro_batch_size: int
+    accumulation_steps: int
+    compiled: bool
+    trainable_parameters: int  # an adapter trains a fraction of a percent of the model: this says how much
+    first_step_seconds: float | None = None  # how long the trial took to get going (model copy, data, resume)
+    devices: int | None = None  # data-parallel ranks, when more than one
+    rank_parameter_digests: list[str] | None = None  # equal digests: the ranks' parameters stayed identical
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -9,11 +9,12 @@ from typing import Any
 import torch
 
 from hpsearch.search.presets import demo_data, tiny_gpt2
+from hpsearch.search.trial_attrs import NullReporter
 from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.dataset import Prepared
 from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache
-from hpsearch.trainer.report import NullReporter, TrainResult
+from hpsearch.trainer.report import TrainResult
 
 Trained = tuple[torch.nn.Module, TrainResult, NullReporter]
 

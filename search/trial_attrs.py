@@ -1,0 +1,53 @@
+"""What the trainer reports, written as trial attributes under storage/attrs.py's keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpsearch.storage import attrs
+from hpsearch.trainer.report import measured
+
+if TYPE_CHECKING:
+    from hpsearch.trainer.evaluate import Metrics
+    from hpsearch.trainer.stats import Figures
+
+
+class AttrReporter:
+    """The trainer's ``Reporter`` events as attributes, handed to ``set_attrs`` (a subclass's)."""
+
+    def set_attrs(self, values: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def best_saved(self, path: Path, step: int, values: dict[str, float]) -> None:
+        best = {attrs.BEST_VAL + name: value for name, value in values.items()}
+        self.set_attrs({attrs.BEST_CHECKPOINT: str(path), attrs.BEST_STEP: step, **best})
+
+    def state_saved(self, path: Path) -> None:
+        self.set_attrs({attrs.RESUME_CHECKPOINT: str(path)})
+
+    def resumed(self, step: int) -> None:
+        self.set_attrs({attrs.RESUMED_FROM_STEP: step})
+
+    def measured(self, figures: Figures) -> None:
+        self.set_attrs(measured(figures))  # each under its field name (storage/attrs.py says so)
+
+
+class NullReporter(AttrReporter):
+    """Runs a fine-tune outside any search: records values and attributes as a trial would, never prunes."""
+
+    immediate = True
+    """Called directly, not through a courier thread: its calls never wait (see StateSavingReporter)."""
+
+    def __init__(self) -> None:
+        self.values: dict[int, float] = {}
+        self.attrs: dict[str, Any] = {}
+
+    def report(self, value: float, step: int, metrics: Metrics | None = None) -> None:
+        self.values[step] = value
+
+    def should_prune(self) -> bool:
+        return False
+
+    def set_attrs(self, values: dict[str, Any]) -> None:
+        self.attrs.update(values)

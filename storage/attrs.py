@@ -1,0 +1,39 @@
+"""Every user-attribute key of a study and of its trials: the study's persistent schema.
+
+Tests, the dashboard, ``hpsearch status``/``best``, exports and the benchmarks read these, so a
+key is renamed here or nowhere. The trainer writes none: it reports what happened (trainer/
+report.py), and search/trial_attrs.py writes it under these keys. A run's figures (speed,
+precision, micro-batch size, ...) are stored under the field names of trainer/report.py
+``Figures`` and stats.py ``Speed``: identifiers there, not literal keys.
+"""
+
+from __future__ import annotations
+
+# -- the study's (search/study.py writes them when it creates or resumes the study)
+SPEC = "hpsearch_spec"  # the study's spec as a dict: what every worker trains
+N_TRIALS = "hpsearch_n_trials"  # the trial budget, as `start --n-trials` last set it
+DEADLINE = "hpsearch_deadline"  # database-clock time (s) after which no new trial starts, or None
+UID = "hpsearch_uid"  # a random id per study, also in its folder's marker (rundir.py): whose folder is whose
+SPEC_TABLE = "spec: "  # + a spec table's name ("search.space"): that table in one line, for the dashboard
+
+# -- a trial's, written by the worker that runs it (search/worker.py)
+ENQUEUED = "enqueued"  # True on a trial the spec fixed the parameters of (search/study.py)
+DEVICE = "device"  # the device it ran on, as "cuda:1 (NVIDIA H200)" or "cpu"
+HOST = "host"  # the host it ran on: its checkpoints are on that host's disk
+WORKER = "worker"  # the worker's name, host/device/pid
+DEVICE_SECONDS = "device_seconds"  # device time of all its attempts together (x devices): the gpu_hours budget
+FAIL_REASON = "fail_reason"  # why it failed or was pruned other than by the pruner ("oom", "worker_lost", ...)
+
+# -- a trial's, from what the trainer reported (search/trial_attrs.py)
+BEST_CHECKPOINT = "best_checkpoint"  # path of its best model, trial-N/best; "deleted (...)" once retention removed it
+BEST_STEP = "best_step"  # the optimizer step of its best validation point
+BEST_VAL = "best_val_"  # + a validation metric's name (loss, accuracy, f1, perplexity): its value at the best point
+BEST_LOSS = BEST_VAL + "loss"  # breaks ties of the objective (storage/checkpoints.py rank)
+RESUME_CHECKPOINT = "resume_checkpoint"  # path of its latest resumable state, trial-N/resume/state.pt
+RESUMED_FROM_STEP = "resumed_from_step"  # the step a retry's training resumed at
+SPEED = "train_samples_per_second"  # the one figure (``Speed`` field) that status shows
+
+# -- a retry's, written by search/retry.py hand_back as it queues one
+RETRY_OF = "retry_of"  # the number of the trial it retries
+RETRY_COUNT = "retry_count"  # how many times that trial has been retried, this one included
+RESUME_FROM = "resume_from"  # the failed attempt's resumable state to continue from, or ""
