@@ -17,13 +17,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from hpsearch.search.errors import UsageError
+
 log = logging.getLogger("hpsearch")
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 TOKEN_CACHE = "token-cache"
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -238,7 +236,7 @@ def _is_user_error(exc: BaseException) -> bool:
 
 def cmd_start(args: argparse.Namespace) -> int:
     from hpsearch.search import devices, study as studies
-    from hpsearch.search.spec import MAX_TRIALS
+    from hpsearch.search.search_config import MAX_TRIALS
     from hpsearch.storage import rundir, urls
     from hpsearch.storage.errors import StudyNotFoundError
     from hpsearch.storage.open import open_storage
@@ -484,7 +482,7 @@ def _format(s: dict[str, Any], *, as_json: bool, best_only: bool, every: bool = 
 
 def _spec_for_start(args: argparse.Namespace, url: str) -> Any:
     """--config, else ./STUDY.toml, else the stored spec of an existing study, else a preset."""
-    from hpsearch.search import spec as specs, study as studies
+    from hpsearch.search import presets, spec as specs, study as studies
     from hpsearch.storage.errors import StudyNotFoundError
     from hpsearch.storage.open import open_storage
 
@@ -504,12 +502,12 @@ def _spec_for_start(args: argparse.Namespace, url: str) -> Any:
             pass
         finally:
             storage.close()
-    preset = specs.preset_file(args.study)
+    preset = presets.preset_file(args.study)
     if preset is not None:
         return specs.load_file(preset)
     raise UsageError(
         f"study {args.study!r} does not exist and has no spec; pass --config FILE, put {args.study}.toml "
-        f"here, or use a preset ({', '.join(specs.PRESETS)})"
+        f"here, or use a preset ({', '.join(presets.PRESETS)})"
     )
 
 
@@ -518,7 +516,7 @@ def _check_inputs(spec: Any, output_dir: Path, device_list: list[Any]) -> None:
     before storage is touched), and check the precision against the devices, so bad input is
     one clear line, not N failed trials."""
     from hpsearch.search.devices import check_precision
-    from hpsearch.search.spec import resolved
+    from hpsearch.search.presets import resolved
     from hpsearch.trainer.config import ConfigError
     from hpsearch.trainer.dataset import prepare, read_splits
     from hpsearch.trainer.model import check_model, check_reachable, load_tokenizer
