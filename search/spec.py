@@ -1,8 +1,7 @@
 """The study spec: a TOML file (or a built-in preset) that says what to train and what to search.
 
-The spec is stored with the study, so a worker that knows only the study name and the
-storage URL can run its trials. Its [search] table is ``search_config.py``, its
-[search.space] ``space.py``; this module puts the tables together and checks them as a whole.
+Stored with the study, so a worker that knows only the study name and the storage URL can run its
+trials. Its [search] table is search_config.py, [search.space] space.py; here they meet and are checked.
 """
 
 from __future__ import annotations
@@ -126,15 +125,15 @@ class StudySpec:
         checked: dict[str, list[Any]] = {}
         for name, param in self.space.items():
             if name.startswith(ADAPTER_PREFIX):
-                checked[name] = self._check_adapter_param(param)
-                continue
-            if name in UNSEARCHABLE:
+                self._check_adapter_param(param)
+            elif name in UNSEARCHABLE:
                 raise SpecError(f"search.space.{name}: cannot be searched: {UNSEARCHABLE[name]}")
-            if name not in train_keys:
+            elif name not in train_keys:
                 raise SpecError(
                     f"search.space.{name}: not a [train] key; searchable keys: {', '.join(sorted(train_keys))}"
                 )
-            check_type_fits(param, hints[name])
+            else:
+                check_type_fits(param, hints[name])
             # Every checked value must make a valid trial, or trials would fail at run time.
             checked[name] = param.checked_values()
             for value in checked[name]:
@@ -188,8 +187,8 @@ class StudySpec:
                 'set method = "lora" in [adapter]'
             )
 
-    def _check_adapter_param(self, param: Param) -> list[Any]:
-        """An "adapter.KEY" parameter: a known key, of its type, each checked value a valid adapter."""
+    def _check_adapter_param(self, param: Param) -> None:
+        """An "adapter.KEY" parameter: a known key, of its type (its values are checked as [train]'s are)."""
         key = param.name[len(ADAPTER_PREFIX) :]
         keys = {f.name for f in fields(AdapterConfig)}
         if key not in keys:
@@ -197,10 +196,6 @@ class StudySpec:
             raise SpecError(f"search.space.{param.name}: not an [adapter] key; searchable adapter keys: {known}")
         hint = typing.get_type_hints(AdapterConfig)[key]
         check_type_fits(param, hint, table="adapter")
-        values = param.checked_values()
-        for value in values:
-            self._check_trial({param.name: value}, f"search.space.{param.name}: value {value!r}")
-        return values
 
     def _validate_sampler(self) -> None:
         sampler = self.search.sampler
