@@ -19,7 +19,7 @@ else:  # the same parser, as a backport
     import tomli as tomllib
 
 from hpsearch.search.errors import SpecError
-from hpsearch.search.presets import BUILTIN_MODELS, BUILTIN_SCHEME, model_relative_to, relative_to
+from hpsearch.search.presets import BUILTIN_MODELS, BUILTIN_SCHEME, relative_to
 from hpsearch.search.search_config import SearchConfig
 from hpsearch.search.space import (
     ADAPTER_PREFIX,
@@ -92,7 +92,7 @@ class StudySpec:
             data = replace(
                 data, train=relative_to(data.train, base_dir), validation=relative_to(data.validation, base_dir)
             )
-            model = replace(model, name=model_relative_to(model.name, base_dir))
+            model = replace(model, name=relative_to(model.name, base_dir, hub=True))
         if adapter.enabled and "learning_rate" not in raw.get("train", {}):
             train = replace(train, learning_rate=LORA_LEARNING_RATE)
         spec = cls(model, data, train, search, space, enqueue, adapter)

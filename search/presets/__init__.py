@@ -27,21 +27,15 @@ def preset_file(name: str) -> Path | None:
     return Path(str(resources.files("hpsearch.search.presets") / f"{name}.toml"))
 
 
-def relative_to(value: str, base_dir: Path) -> str:
-    """A path in a spec, relative to the spec's folder; pkg:// and builtin:// stay as they are."""
+def relative_to(value: str, base_dir: Path, *, hub: bool = False) -> str:
+    """A path in a spec, relative to the spec's folder; pkg:// and builtin:// stay as they are. With
+    ``hub`` (a model), a name that is not ./, ~ or a folder there may be a hub id ("org/model")."""
     if not value or value.startswith((PKG_SCHEME, BUILTIN_SCHEME)):
+        return value
+    if hub and not (value.startswith((".", "~")) or (base_dir / value).exists()):
         return value
     path = Path(value).expanduser()
     return str(path if path.is_absolute() else (base_dir / path).resolve())
-
-
-def model_relative_to(name: str, base_dir: Path) -> str:
-    # Relative folders resolve against the spec; anything else may be a hub id ("org/model").
-    if not name:
-        return name
-    if name.startswith((".", "~")) or (base_dir / name).exists():
-        return relative_to(name, base_dir)
-    return name
 
 
 def locate(value: str) -> str:
