@@ -1,6 +1,8 @@
 """The `hpsearch` command line: its parser, and how a command's end becomes an exit code.
 Each command is a small ``cmd_<command>`` that returns an exit code, like optuna's CLI: start and
-worker run a search (``cli_run.py``); status, best, reap and dashboard a study (``cli_study.py``)."""
+worker run a search (``cli_run.py``); status, best, reap and dashboard a study (``cli_study.py``).
+The lazy imports are all here, all so that `hpsearch --help` answers at once: a command's module
+(optuna, SQLAlchemy, torch) when it runs, optuna in setup_logging, the error classes in main."""
 
 from __future__ import annotations
 
@@ -18,8 +20,7 @@ from hpsearch.search.exit_codes import ExitCode
 
 
 def _command(module: str, name: str) -> Callable[[argparse.Namespace], int]:
-    """``cmd_<name>`` of search/<module>.py, imported only when it runs, so that `hpsearch --help`
-    answers at once: the commands' modules import optuna, SQLAlchemy, torch and transformers."""
+    """``cmd_<name>`` of search/<module>.py, imported when it runs."""
 
     def command(args: argparse.Namespace) -> int:
         code: int = getattr(importlib.import_module(f"hpsearch.search.{module}"), f"cmd_{name}")(args)
@@ -205,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return ExitCode.signalled(signal.SIGINT)
     except Exception as exc:
-        from hpsearch.search.errors import USER_ERRORS  # the trainer's modules: not for --help
+        from hpsearch.search.errors import USER_ERRORS
         from hpsearch.storage.errors import StorageError
 
         if not isinstance(exc, (*USER_ERRORS, StorageError)):
