@@ -41,7 +41,8 @@ import optuna
 
 from hpsearch.search import study as studies
 from hpsearch.search.early_stop import ChanceLevel, PruningGate
-from hpsearch.search.spec import PRUNERS, SAMPLERS, StudySpec
+from hpsearch.search.search_config import PRUNERS, SAMPLERS
+from hpsearch.search.spec import StudySpec
 from hpsearch.trainer.evaluate import Metrics
 
 STEPS, EVAL_EVERY, BATCH = 128, 16, 16

@@ -59,7 +59,7 @@ class Side:
 
 
 def main() -> None:
-    from hpsearch.search.spec import SAMPLERS
+    from hpsearch.search.search_config import SAMPLERS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(

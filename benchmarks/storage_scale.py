@@ -50,7 +50,7 @@ import psycopg2
 from optuna.trial import TrialState
 from sqlalchemy import func, select
 
-from hpsearch.search import spec as specs, study as studies
+from hpsearch.search import presets, spec as specs, study as studies
 from hpsearch.search.worker import TrialReporter
 from hpsearch.storage import budget, registry
 from hpsearch.storage.open import open_storage
@@ -203,7 +203,7 @@ def hpsearch_worker(url: str, study: str, index: int, go: Any, results: Any, hea
     try:
         storage = open_storage(url, create=False)
         try:
-            spec = specs.resolved(studies.stored_spec(storage, study))
+            spec = presets.resolved(studies.stored_spec(storage, study))
             name = f"bench-host-{index // 8}/cpu:{index % 8}/{os.getpid()}"
             study_obj = optuna.load_study(
                 study_name=study,
@@ -478,7 +478,7 @@ def main() -> int:
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
     optuna.logging.set_verbosity(optuna.logging.ERROR)
 
-    preset = specs.preset_file("bert-lr")
+    preset = presets.preset_file("bert-lr")
     assert preset is not None
     spec = specs.load_file(preset)
     with throwaway_cluster(args.port, args.pg_os_user) as cluster:

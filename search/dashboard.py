@@ -28,7 +28,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 import optuna
 
 from hpsearch.search import dashboard_guard as guard, note, study as studies
-from hpsearch.search.spec import SpecError
+from hpsearch.search.errors import SpecError
 from hpsearch.storage import urls
 from hpsearch.storage.open import Storage, open_storage, require_study
 

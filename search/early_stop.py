@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from hpsearch.trainer.report import Reporter
 
 if TYPE_CHECKING:
-    from hpsearch.search.spec import SearchConfig
+    from hpsearch.search.search_config import SearchConfig
     from hpsearch.trainer.evaluate import Metrics
     from hpsearch.trainer.stats import Figures
 

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from hpsearch.search.spec import SpecError
+from hpsearch.search.errors import SpecError
 from hpsearch.storage import attrs, registry, rundir, trialdir
 from hpsearch.storage.checkpoints import is_deleted
 from hpsearch.trainer.errors import ModelError

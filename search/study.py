@@ -13,7 +13,9 @@ import sqlalchemy
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from hpsearch.search.spec import Param, SpecError, StudySpec, difference
+from hpsearch.search.errors import SpecError
+from hpsearch.search.space import Param
+from hpsearch.search.spec import StudySpec, difference
 from hpsearch.storage import attrs, budget, registry
 from hpsearch.storage.open import Storage, require_study
 from hpsearch.storage.tables import StudyCreation

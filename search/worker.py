@@ -23,8 +23,10 @@ from hpsearch.search import cli, leftovers, lifeline, ranks, reap, retry, study 
 from hpsearch.search.devices import torch_device
 from hpsearch.search.early_stop import EarlyStop, PruningGate
 from hpsearch.search.exit_codes import ExitCode
+from hpsearch.search.presets import resolved
 from hpsearch.search.reap import Reaper
-from hpsearch.search.spec import StudySpec, resolved, split_params
+from hpsearch.search.space import split_params
+from hpsearch.search.spec import StudySpec
 from hpsearch.search.trial_attrs import AttrReporter
 from hpsearch.storage import attrs, budget, checkpoints as retention, lost, registry
 from hpsearch.storage.db import PATIENT_RETRY

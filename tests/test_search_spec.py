@@ -8,8 +8,9 @@ import optuna
 import pytest
 
 from hpsearch.search import study as studies
+from hpsearch.search.errors import SpecError
 from hpsearch.search.quasi import QuasiRandomSampler
-from hpsearch.search.spec import SpecError, StudySpec, tomllib
+from hpsearch.search.spec import StudySpec, tomllib
 from tests.conftest import hpsearch, spec_text
 
 SPACE = (

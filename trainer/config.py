@@ -7,7 +7,6 @@ knows nothing of studies or search spaces.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import types
 import typing
@@ -290,24 +289,6 @@ def describe(hint: Any) -> str:
     if origin in (Union, types.UnionType):
         return " or ".join(describe(a) for a in get_args(hint))
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
-
-
-def field_doc(cls: type, name: str) -> str:
-    """The docstring written under a dataclass field (for --help and error hints)."""
-    import ast
-    import inspect
-
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    for node, nxt in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and getattr(node.target, "id", None) == name
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-        ):
-            return str(nxt.value.value)
-    return ""
 
 
 __all__ = [

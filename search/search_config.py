@@ -1,0 +1,99 @@
+"""The [search] table of a spec: the sampler, the pruner and the budget, each key with its limits."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from hpsearch.search.errors import SpecError
+
+MAX_TRIALS = 100_000
+"""The most trials a study may ask for: far beyond any search that ends (at a minute a trial,
+ten weeks on one device); a larger number is a typo (2**70) that would start one that never does."""
+LIMITS = {
+    "max_retries": (100, ""),
+    "timeout_minutes": (527_040.0, " (366 days)"),
+    "gpu_hours": (1_000_000.0, ""),
+    "keep_top_k": (MAX_TRIALS, ""),
+    "max_disk_gb": (1_000_000.0, " (a petabyte)"),
+    "pruner_startup_trials": (MAX_TRIALS, ""),
+}
+"""Upper bounds of the other budget-like keys, each with how it reads."""
+
+SAMPLERS = ("tpe", "random", "gp", "cmaes", "grid", "qmc")
+PRUNERS = ("none", "median", "percentile", "asha", "hyperband")
+
+
+@dataclass
+class SearchConfig:
+    n_trials: int = 20
+    """Trials to finish, counted across every worker of the study."""
+    sampler: Literal["tpe", "random", "gp", "cmaes", "grid", "qmc"] = "qmc"
+    """How parameters are proposed: qmc (scrambled Sobol, one sequence across all workers),
+    tpe (multivariate, constant liar for parallel workers), random, gp (Gaussian process),
+    cmaes (CMA-ES; floats and ints only), grid (every parameter needs choices or a step).
+    qmc is the default: with asha, at 12 to 48 trials, it found models as good as TPE's
+    for 10-15% fewer training samples (benchmarks/README.md)."""
+    pruner: Literal["none", "median", "percentile", "asha", "hyperband"] = "asha"
+    """How hopeless trials are stopped early (resource unit: optimizer steps)."""
+    metric: Literal["loss", "accuracy", "f1"] = "loss"
+    """Objective on the validation split: loss (minimised), accuracy or macro F1 (maximised)."""
+    seed: int = 0
+    """Seed of the sampler; each worker derives its own from it."""
+    max_retries: int = 2
+    """Times a trial whose worker crashed or was stopped is retried (resuming its checkpoint)."""
+    pruner_warmup_steps: int = 0
+    """median/percentile: optimizer steps before a trial may be pruned."""
+    pruner_startup_trials: int = 2
+    """median/percentile: finished trials needed before any trial is pruned."""
+    pruner_percentile: float = 25.0
+    """percentile: a trial is pruned below this percentile of the others at the same step."""
+    pruner_min_resource: int = 0
+    """asha/hyperband: optimizer steps of the first rung (0 = train.eval_every, the first
+    validation point)."""
+    pruner_reduction_factor: int = 3
+    """asha/hyperband: 1 in this many trials is promoted to the next rung."""
+    patient_pruning: bool = True
+    """Any pruner: it is not asked about points that say little of a trial's hyperparameters
+    (see search/early_stop.py): before the trial's own learning-rate warm-up has ended, and, with
+    an accuracy or F1 metric, in its first fifth while its loss has left the label prior's but
+    its accuracy has not. Such points are still reported. asha/hyperband file a trial's first
+    judged value under every rung it has passed."""
+    prune_at_chance: int = 2
+    """Classification, any pruner but none: stop a trial once this many validation points in
+    a row, after its warm-up and its first fifth of steps, were no better than predicting
+    the label prior (validation loss at least the labels' entropy and accuracy within a
+    standard error of the majority rate): a learning rate that does not learn or that
+    diverged (0 = never)."""
+    timeout_minutes: float = 0.0
+    """Stop starting new trials after this many minutes of the study (0 = no limit)."""
+    gpu_hours: float = 0.0
+    """Stop starting new trials once the study's trials used this much device time, summed
+    over every worker (0 = no limit)."""
+    keep_top_k: int = 3
+    """Keep the best checkpoints of this many top trials, study-wide; others are deleted."""
+    max_disk_gb: float = 0.0
+    """Cap on the kept best checkpoints (GB); the worst are deleted first (0 = no cap)."""
+
+    def validate(self, where: str = "search") -> None:
+        def rule(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise SpecError(f"{where}.{name}: {getattr(self, name)!r} {msg}")
+
+        rule(self.n_trials >= 1, "n_trials", "must be >= 1")
+        rule(self.n_trials <= MAX_TRIALS, "n_trials", f"must be at most {MAX_TRIALS:,}, a search that can end")
+        rule(self.max_retries >= 0, "max_retries", "must be >= 0")
+        rule(self.pruner_warmup_steps >= 0, "pruner_warmup_steps", "must be >= 0")
+        rule(self.pruner_startup_trials >= 0, "pruner_startup_trials", "must be >= 0")
+        rule(0 < self.pruner_percentile < 100, "pruner_percentile", "must be between 0 and 100 (exclusive)")
+        rule(self.pruner_min_resource >= 0, "pruner_min_resource", "must be >= 0 (0 = train.eval_every)")
+        rule(self.pruner_reduction_factor >= 2, "pruner_reduction_factor", "must be >= 2")
+        rule(self.prune_at_chance >= 0, "prune_at_chance", "must be >= 0 (0 = never)")
+        rule(self.keep_top_k >= 1, "keep_top_k", "must be >= 1 (the best trial's checkpoint is always kept)")
+        for name in ("timeout_minutes", "gpu_hours", "max_disk_gb"):
+            # inf passes ">= 0" and breaks arithmetic later (int(inf) in retention): 0 means no limit.
+            value = getattr(self, name)
+            rule(math.isfinite(value) and value >= 0, name, "must be a finite number >= 0 (0 = no limit)")
+        for name, (most, words) in LIMITS.items():
+            rule(getattr(self, name) <= most, name, f"must be at most {int(most):,}{words}")
