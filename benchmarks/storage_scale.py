@@ -51,7 +51,7 @@ from optuna.trial import TrialState
 from sqlalchemy import func, select
 
 from hpsearch.search import presets, spec as specs, study as studies
-from hpsearch.search.worker import TrialReporter
+from hpsearch.search.attempt import TrialReporter
 from hpsearch.storage import budget, registry
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.tables import BudgetSlot

@@ -20,9 +20,10 @@ from typing import Any
 
 import optuna
 
-from hpsearch.search import lifeline, progress, retry, study as studies, worker
+from hpsearch.search import lifeline, outcome, progress, study as studies, worker
 from hpsearch.search.devices import Device, only_gpu, threads_per_worker
 from hpsearch.search.exit_codes import ExitCode
+from hpsearch.search.outcome import Outcome
 from hpsearch.storage import lost, registry
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import open_storage
@@ -152,7 +153,7 @@ class Supervisor:
             self.storage_lost = True
             return
         log.error("worker %s died unexpectedly (%s)%s", child.name, how, during)
-        self._record_crash(child, f"worker_crash ({how})")
+        self._record_crash(child, how)
         if self.stopping:
             return
         now = time.monotonic()
@@ -170,10 +171,10 @@ class Supervisor:
             return
         self._spawn(child.device, child.crashes)
 
-    def _record_crash(self, child: Child, reason: str) -> None:
+    def _record_crash(self, child: Child, how: str) -> None:
         """End the dead child's registry row and hand its trial back for a retry."""
         try:
-            self._hand_back_dead(child, reason)
+            self._hand_back_dead(child, how)
         except StorageError as err:
             # Its registry row then stays open: the trial is reaped once its heartbeat is
             # stale and the storage answers again.
@@ -183,7 +184,7 @@ class Supervisor:
                 err,
             )
 
-    def _hand_back_dead(self, child: Child, reason: str) -> None:
+    def _hand_back_dead(self, child: Child, how: str) -> None:
         storage = open_storage(self.storage_url, create=False)
         try:
             # Ended here, not left to turn "lost": other workers would wait for it to be reaped.
@@ -199,18 +200,20 @@ class Supervisor:
             spec = studies.stored_spec(storage, self.study)
             study = optuna.load_study(study_name=self.study, storage=storage.optuna)
             frozen = storage.optuna.get_trial(trial_id)
-            resume = TrialDir(self.output_dir / self.study, frozen.number).state
             # The attempt used its devices from its start (this host's clock wrote it) until now.
-            started = frozen.datetime_start or datetime.datetime.now()
-            spent = (datetime.datetime.now() - started).total_seconds() * len(child.device.child_ids())
-            retry.hand_back(
+            now = datetime.datetime.now()
+            started = (frozen.datetime_start or now).timestamp()
+            spent = outcome.device_seconds(started, now.timestamp(), len(child.device.child_ids()))
+            folder = TrialDir(self.output_dir / self.study, frozen.number)
+            outcome.finish(
                 storage,
                 study,
                 trial_id,
-                reason=reason,
-                resume_from=resume,
+                Outcome.CRASHED,
                 max_retries=spec.search.max_retries,
-                device_seconds=max(0.0, spent),
+                folder=folder,
+                detail=how,
+                spent=spent,
             )
         finally:
             # The parent holds no connection while its children train.

@@ -62,7 +62,7 @@ def sweep(db: Database, study: optuna.Study, root: Path, *, max_retries: int) ->
             gone.append(path)
             log.info("removed %s (trial %d is %s)", path, trial.number, trial.state.name.lower())
             if path.name == BEST and trial.user_attrs.get(attrs.BEST_CHECKPOINT):
-                note = f"{retention.DELETED_PREFIX} (trial {trial.state.name.lower()}; was {path})"
+                note = retention.deleted_note(f"trial {trial.state.name.lower()}", path)
                 retention.mark_deleted(db, trial._trial_id, note)
     return gone
 

@@ -16,13 +16,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import retry
-from hpsearch.storage import attrs, budget, lost, registry
+from hpsearch.search import outcome
+from hpsearch.search.outcome import Outcome
+from hpsearch.storage import budget, lost, registry
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage
 
@@ -206,36 +206,19 @@ def _unbound(storage: Storage, study_name: str, running: list[optuna.trial.Froze
 def _fail_for_retry(
     storage: Storage, study: optuna.Study, number: int, max_retries: int, *, device_seconds: float | None = None
 ) -> bool | None:
-    """Hand a running trial back for a retry; None if it is not running (nothing to do).
+    """Hand a running trial back for a retry; None if it is not running (its supervisor already
+    handed it back, or it finished in time: nothing to do).
 
     A trial may finish while the reaper works on it (its worker was slow, not gone, and told
     its result between our read and our write): that is no error, and the pass goes on."""
+    study_id = storage.optuna.get_study_id_from_name(study.study_name)
+    trial_id = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, number)
     try:
-        return _hand_back_running(storage, study, number, max_retries, device_seconds)
+        # No folder: the resumable state it recorded may be on another host (take_over checks it).
+        return outcome.finish(storage, study, trial_id, Outcome.LOST, max_retries=max_retries, spent=device_seconds)
     except RuntimeError as err:  # optuna's UpdateFinishedTrialError among them
         log.warning("trial %d finished while being reaped; leaving it as it is (%s)", number, err)
         return None
-
-
-def _hand_back_running(
-    storage: Storage, study: optuna.Study, number: int, max_retries: int, device_seconds: float | None
-) -> bool | None:
-    study_id = storage.optuna.get_study_id_from_name(study.study_name)
-    trial_id = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, number)
-    trial = storage.optuna.get_trial(trial_id)
-    if trial.state != TrialState.RUNNING:
-        return None  # its supervisor already handed it back, or it finished in time
-    resume = trial.user_attrs.get(attrs.RESUME_CHECKPOINT)
-    return retry.hand_back(
-        storage,
-        study,
-        trial_id,
-        reason=WORKER_LOST,
-        resume_from=Path(resume) if resume else None,
-        max_retries=max_retries,
-        local=False,
-        device_seconds=device_seconds,
-    )
 
 
 class Reaper:

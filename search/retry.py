@@ -1,6 +1,6 @@
 """Handing a trial back: record why it stopped and queue the same parameters again.
 
-Used by the worker (graceful stop), the supervisor (crashed child) and the reaper (lost host).
+Called by outcome.py ``finish`` for every ending its table retries (a stop, a crash, a lost host...).
 Retries are explicit and counted: a trial is retried at most ``max_retries`` times.
 """
 
@@ -29,16 +29,12 @@ def hand_back(
     resume_from: Path | None,
     max_retries: int,
     local: bool = True,
-    device_seconds: float | None = None,
 ) -> bool:
     """Mark the trial failed and, retries permitting, queue it again; True if queued.
 
     ``local=False`` when the resumable state may live on another host (the reaper): its path
     is recorded as it is, and the retrying worker resumes from it if it can reach it and it is
     the failed trial's own state in its study folder (``take_over`` checks).
-
-    ``device_seconds``: the attempt's device time, for whoever hands back an attempt that
-    could not record its own (a crashed or lost worker); it counts against ``gpu_hours``.
 
     The retry is enqueued before the budget slot is released, so whichever worker claims
     the slot next pops exactly this retry from Optuna's queue.
@@ -47,8 +43,6 @@ def hand_back(
     if frozen.state.is_finished():
         return False
     storage.optuna.set_trial_user_attr(trial_id, attrs.FAIL_REASON, reason)
-    if device_seconds is not None and attrs.DEVICE_SECONDS not in frozen.user_attrs:
-        storage.optuna.set_trial_user_attr(trial_id, attrs.DEVICE_SECONDS, round(device_seconds, 3))
     try:
         storage.optuna.set_trial_state_values(trial_id, TrialState.FAIL)
     except RuntimeError:
@@ -165,5 +159,6 @@ def _mark_moved(storage: Storage, study_name: str, trial: optuna.Trial, was: Pat
         return
     study_id = storage.optuna.get_study_id_from_name(study_name)
     failed = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, of)
-    note = f"{retention.DELETED_PREFIX} (taken over by its retry, trial {trial.number}; was {was})"
-    retention.mark_deleted(storage.db, failed, note)
+    retention.mark_deleted(
+        storage.db, failed, retention.deleted_note(f"taken over by its retry, trial {trial.number}", was)
+    )

@@ -7,10 +7,8 @@ pre-trained weights once and keeps them for every trial it runs.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
-import traceback
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -19,20 +17,17 @@ from typing import Any, NoReturn
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import cli, leftovers, lifeline, ranks, reap, retry, study as studies
+from hpsearch.search import attempt, cli, leftovers, lifeline, outcome, ranks, reap, retry, study as studies
 from hpsearch.search.devices import torch_device
-from hpsearch.search.early_stop import EarlyStop, PruningGate
 from hpsearch.search.exit_codes import ExitCode
+from hpsearch.search.outcome import Outcome
 from hpsearch.search.presets import resolved
 from hpsearch.search.reap import Reaper
-from hpsearch.search.space import split_params
 from hpsearch.search.spec import StudySpec
-from hpsearch.search.trial_attrs import AttrReporter
 from hpsearch.storage import attrs, budget, checkpoints as retention, lost, registry
 from hpsearch.storage.db import PATIENT_RETRY
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage
-from hpsearch.storage.trialdir import LOG, TrialDir, TrialDirError
 
 log = logging.getLogger(__name__)
 
@@ -53,30 +48,6 @@ class WorkerArgs:
     peer_devices: tuple[str, ...] = ()
     """The other devices of this worker's group (train.devices_per_trial > 1), one peer rank each,
     as ``Device.child_ids`` names them."""
-
-
-class TrialReporter(AttrReporter):
-    """The trainer's Reporter, backed by an Optuna trial."""
-
-    def __init__(self, trial: optuna.Trial) -> None:
-        self.trial = trial
-        self.last_ok = time.monotonic()
-        """When a call last reached the storage: the device time of an attempt that storage
-        failed is counted up to here, not through the minutes of retrying."""
-
-    def report(self, value: float, step: int, metrics: object = None) -> None:
-        self.trial.report(value, step)
-        self.last_ok = time.monotonic()
-
-    def should_prune(self) -> bool:
-        prune = self.trial.should_prune()
-        self.last_ok = time.monotonic()
-        return prune
-
-    def set_attrs(self, values: dict[str, Any]) -> None:
-        for key, value in values.items():
-            self.trial.set_user_attr(key, value)
-        self.last_ok = time.monotonic()
 
 
 def main(args: WorkerArgs, conn: Connection | None = None) -> None:
@@ -269,14 +240,7 @@ class Worker:
 
     def _hand_back_unstarted(self, trial: optuna.Trial) -> None:
         try:
-            retry.hand_back(
-                self.storage,
-                self.study,
-                trial._trial_id,
-                reason="not_started",
-                resume_from=None,
-                max_retries=self.spec.search.max_retries,
-            )
+            self.end_attempt(trial, Outcome.NOT_STARTED)
         except StorageError as err:
             # Left RUNNING: the orphan sweep of the next worker to start fails and retries it.
             log.warning("could not hand trial %d back: %s", trial.number, err)
@@ -312,178 +276,30 @@ class Worker:
         return self.storage.optuna.get_trial(trial._trial_id).state.is_finished()
 
     def run_trial(self, trial: optuna.Trial) -> None:
-        from hpsearch.trainer.checkpoint import CheckpointError
-        from hpsearch.trainer.loop import Run, fit
+        attempt.run(self, trial)
 
-        params = studies.suggest(trial, self.spec)
-        train_params, adapter_params = split_params(params)  # "adapter.r" -> [adapter] r
-        cfg = replace(self.spec.train, **train_params)
-        adapter = replace(self.spec.adapter, **adapter_params)
-        folder = TrialDir(self.root, trial.number)
-        try:
-            out_dir = folder.make()
-        except TrialDirError as exc:
-            log.error("trial %d cannot start: %s", trial.number, exc)
-            self._fail(trial, f"trial_dir_refused ({exc})"[:500])
-            return
-        reporter = TrialReporter(trial)
-        # Where the resumable state goes, on record before the first one is written: a stop
-        # during a database outage saves one that no later call could name (see reap.py).
-        state = folder.state
-        reporter.set_attrs(
-            {
-                attrs.DEVICE: self._device_name(),
-                attrs.HOST: registry.this_host(),
-                attrs.WORKER: self.args.name,
-                attrs.RESUME_CHECKPOINT: str(state.resolve()),
-            }
-        )
-        resume = retry.take_over(self.storage, self.args.study, trial, folder)
-        handler = _trial_log(out_dir)
-        log.info("trial %d starts: %s", trial.number, params)
-        started = time.monotonic()  # first_step_seconds and device time count from here
-        model: Any = None
-        try:
-            if self.peers is not None:
-                # First, so the peers prepare their copy while this rank prepares its own.
-                spec = self.spec
-                resume_from = str(resume) if resume else None
-                job = ranks.TrialJob(
-                    trial.number, spec.model, spec.data, cfg, spec.search.metric, str(out_dir), resume_from
-                )
-                self.peers.run(job)
-            data = self.data()
-            model = self.models.trial_model(self.spec.model.name, data.labels, cfg.seed, adapter)
-            run = Run(
-                model=model,
-                tokenizer=self.tokenizer,
-                data=data,
-                cfg=cfg,
-                metric=self.spec.search.metric,
-                device=self.device,
-                out_dir=out_dir,
-                resume_from=resume,
-                should_stop=self.stop,
-                stop_waiting=self.stop.storage_patience_over,
-                meta={"study": self.args.study, "trial": trial.number, "params": params},
-                started=started,
-                world=self.world,
-            )
-            gate = PruningGate.of_search(data, cfg, self.spec.search)
-            early = EarlyStop(reporter, gate)
-            result = fit(run, early)
-            result.fail_reason = result.fail_reason or early.reason
-        except CheckpointError as exc:
-            log.error("trial %d failed: %s", trial.number, exc)
-            failure: str | None = exc.reason
-        except Exception as exc:
-            if lifeline.is_storage_failure(exc):
-                # The database, not the trial: keep its checkpoints and hand it back.
-                log.error("trial %d: the storage failed: %s", trial.number, lifeline.describe(exc))
-                self._hand_back_after_storage_failure(trial, state, reporter, started, exc)
-                return
-            log.error("trial %d failed:\n%s", trial.number, traceback.format_exc())
-            failure = f"{type(exc).__name__}: {exc}"[:500]
-        else:
-            failure = None
-        finally:
-            if model is not None:
-                # The shared base gets its adapter taken off, ready for the next trial's.
-                self.models.release(model)
-            logging.getLogger().removeHandler(handler)
-            handler.close()
-        # Device time of this attempt (x its devices), added to earlier attempts' (the gpu_hours
-        # budget); recorded before the trial is told, since a finished trial takes no more attributes.
-        spent = (time.monotonic() - started) * self.world.size
-        trial.set_user_attr(attrs.DEVICE_SECONDS, round(trial.user_attrs.get(attrs.DEVICE_SECONDS, 0.0) + spent, 3))
-        ended = "failed" if failure is not None else result.status  # an error is not retried
-        if ended in ("pruned", "failed"):
-            # Never in the top k: only complete trials compete for a kept checkpoint.
-            folder.remove(folder.best)
-            if trial.user_attrs.get(attrs.BEST_CHECKPOINT):
-                trial.set_user_attr(attrs.BEST_CHECKPOINT, f"{retention.DELETED_PREFIX} (trial {ended})")
-        if ended != "interrupted":
-            # The resumable state is only for a retry of an interrupted attempt.
-            folder.remove(folder.resume)
-        if failure is not None:
-            self._fail(trial, failure)
-            if self.world.size > 1:
-                raise ranks.GroupRestart(f"trial {trial.number} failed on a {self.world.size}-device group")
-            return
-        if result.status == "complete" and result.best_value is not None:
-            self._tell(trial, result.best_value)
-            log.info(
-                "trial %d complete: %s = %.4f at step %s",
-                trial.number,
-                self.spec.search.metric,
-                result.best_value,
-                result.best_step,
-            )
-        elif result.status == "pruned":
-            if result.fail_reason:
-                trial.set_user_attr(attrs.FAIL_REASON, result.fail_reason)
-            self._tell(trial, state=TrialState.PRUNED)
-            log.info(
-                "trial %d pruned at step %d%s",
-                trial.number,
-                result.steps,
-                f" ({result.fail_reason})" if result.fail_reason else "",
-            )
-        elif result.status == "interrupted":
-            retry.hand_back(
-                self.storage,
-                self.study,
-                trial._trial_id,
-                reason="interrupted",
-                resume_from=state,
-                max_retries=self.spec.search.max_retries,
-            )
-        else:
-            self._fail(trial, result.fail_reason or "no validation point reached")
-        if result.status != "interrupted":
-            self._retain()
-
-    def _hand_back_after_storage_failure(
-        self, trial: optuna.Trial, state: Path, reporter: TrialReporter, started: float, exc: Exception
-    ) -> None:
-        """Queue a retry that resumes from the trial's resumable state, like a crash.
-
-        The retry waits until the storage answers again (each call retries patiently); if it
-        does not, ``StorageLost`` ends the worker and the trial is reaped later.
-        """
-        # Counted up to the storage's last answer: training may have gone on through the outage
-        # (see trainer/courier.py), but so may a run that ended and waited for its record.
-        spent = (reporter.last_ok - started) * self.world.size
-        try:
-            before = float(trial.user_attrs.get(attrs.DEVICE_SECONDS, 0.0))
-            trial.set_user_attr(attrs.DEVICE_SECONDS, round(before + max(0.0, spent), 3))
-            retry.hand_back(
-                self.storage,
-                self.study,
-                trial._trial_id,
-                reason=f"storage_error ({type(exc).__name__})",
-                resume_from=state,
-                max_retries=self.spec.search.max_retries,
-            )
-        except Exception as err:
-            if not lifeline.is_storage_failure(err):
-                raise
-            raise lifeline.StorageLost.during(trial.number, err) from err
-        if self.world.size > 1:
-            raise ranks.GroupRestart(f"trial {trial.number} lost its storage on a {self.world.size}-device group")
+    def end_attempt(self, trial: optuna.Trial, ended: Outcome, **how: Any) -> bool | None:
+        """End this worker's attempt (see outcome.py); None if someone else ended it meanwhile."""
+        retries = self.spec.search.max_retries
+        done = outcome.finish(self.storage, self.study, trial._trial_id, ended, max_retries=retries, **how)
+        if done is None:
+            # Our heartbeat went stale (a long network cut) and a reaper failed the trial and
+            # queued a retry; the retry owns it now, so this attempt's result is dropped.
+            log.warning("trial %d was reaped while it ran here; dropping this attempt", trial.number)
+        return done
 
     def _tidy(self, *, retain: bool = False) -> None:
         """Delete what no trial needs from this host's folders (see leftovers.py), and, with
         ``retain``, the checkpoints that fell out of the top k (maybe while this host was away)."""
         try:
             if retain:
-                self._retain()
+                self.retain()
             leftovers.sweep(self.storage.db, self.study, self.root, max_retries=self.spec.search.max_retries)
         except (StorageError, OSError) as err:
             # A later trial's sweep tries again; tidying is never worth a failed worker.
             log.warning("could not sweep %s: %s", self.root, err)
 
-    def _retain(self) -> None:
+    def retain(self) -> None:
         """Keep only the best checkpoints of the study's top trials (see storage/checkpoints.py)."""
         search, attr = self.spec.search, attrs.BEST_CHECKPOINT
         candidates = [
@@ -501,40 +317,6 @@ class Worker:
             max_disk_gb=search.max_disk_gb,
         )
 
-    def _tell(self, trial: optuna.Trial, value: float | None = None, state: TrialState | None = None) -> None:
-        """``study.tell``, taking the grid sampler's end of the grid for what it is.
-
-        Once every grid point has run, optuna's GridSampler calls ``study.stop()`` from
-        ``after_trial``, which raises RuntimeError outside ``study.optimize``; and with one
-        point left, it reads the trial's grid index, which a retry or an enqueued trial (fixed
-        parameters) lacks: KeyError. The trial is stored all the same (tell writes its state in
-        a ``finally``), so neither is a failure: without this they passed for "the trial was
-        reaped" and retention was skipped.
-        """
-        try:
-            self.study.tell(trial, value, state=state)
-        except (RuntimeError, KeyError):
-            if not isinstance(self.study.sampler, optuna.samplers.GridSampler):
-                raise
-            stored = self.storage.optuna.get_trial(trial._trial_id).state
-            if stored != (state or TrialState.COMPLETE):
-                raise
-            # The budget, not the sampler, ends the search: a failed point's retry may wait.
-            log.info("trial %d was the last point of the grid", trial.number)
-
-    def _fail(self, trial: optuna.Trial, reason: str) -> None:
-        trial.set_user_attr(attrs.FAIL_REASON, reason)
-        self._tell(trial, state=TrialState.FAIL)
-
-    def _device_name(self) -> str:
-        if self.world.size > 1:
-            return self.args.device_label
-        if self.device.type == "cuda":
-            import torch
-
-            return f"cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', '0')} ({torch.cuda.get_device_name(0)})"
-        return "cpu"
-
     def _notify(self, *message: Any) -> None:
         if self.conn is None:
             return
@@ -544,10 +326,3 @@ class Worker:
             if not self.stop():
                 # Off Linux there is no parent-death signal; this is the same graceful stop.
                 self.stop.request(signal.SIGTERM, "the supervisor is gone")
-
-
-def _trial_log(out_dir: Path) -> logging.Handler:
-    handler = logging.FileHandler(out_dir / LOG)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger().addHandler(handler)
-    return handler

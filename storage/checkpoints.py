@@ -71,7 +71,12 @@ class Deletion:
     @property
     def note(self) -> str:
         """What the trial's ``best_checkpoint`` attribute says afterwards."""
-        return f"{DELETED_PREFIX} ({self.reason}; was {self.candidate.path})"
+        return deleted_note(self.reason, self.candidate.path)
+
+
+def deleted_note(why: str, was: Path | None = None) -> str:
+    """What a trial's ``best_checkpoint`` says once its best model is gone (and where it was)."""
+    return f"{DELETED_PREFIX} ({why}; was {was})" if was else f"{DELETED_PREFIX} ({why})"
 
 
 def is_deleted(value: object) -> bool:

@@ -174,7 +174,7 @@ def test_a_storage_failure_inside_a_trial_hands_it_back_with_its_checkpoints(
 ) -> None:
     from optuna.exceptions import StorageInternalError
 
-    from hpsearch.search.worker import TrialReporter
+    from hpsearch.search.attempt import TrialReporter
 
     real_report = TrialReporter.report
     outage = {"left": 1}
@@ -209,13 +209,13 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
 ) -> None:
     from optuna.exceptions import StorageInternalError
 
-    from hpsearch.search import lifeline, reap, worker
+    from hpsearch.search import attempt, lifeline, reap, worker
     from hpsearch.storage.errors import StorageError
     from hpsearch.storage.open import open_storage
 
-    real_report, real_hand_back = worker.TrialReporter.report, worker.retry.hand_back
+    real_report, real_hand_back = attempt.TrialReporter.report, worker.retry.hand_back
 
-    def report(self: worker.TrialReporter, value: float, step: int, metrics: object = None) -> None:
+    def report(self: attempt.TrialReporter, value: float, step: int, metrics: object = None) -> None:
         if step == 10:
             raise StorageInternalError("An exception is raised during the commit (injected outage)")
         real_report(self, value, step)
@@ -223,7 +223,7 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
     def hand_back(*args: object, **kwargs: object) -> bool:
         raise StorageError("cannot reach the database (injected outage)")
 
-    monkeypatch.setattr(worker.TrialReporter, "report", report)
+    monkeypatch.setattr(attempt.TrialReporter, "report", report)
     monkeypatch.setattr(worker.retry, "hand_back", hand_back)
     spec = _spec(tmp_path, tiny_model, demo_files)
     with pytest.raises(lifeline.StorageLost):
@@ -232,7 +232,7 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
     assert trial.state == TrialState.RUNNING, "not failed: nothing could be told"
     assert (tmp_path / "runs" / "db" / "trial-0" / "resume" / "state.pt").exists()
     # The storage is back: the trial is reaped like any lost one and its retry resumes.
-    monkeypatch.setattr(worker.TrialReporter, "report", real_report)
+    monkeypatch.setattr(attempt.TrialReporter, "report", real_report)
     monkeypatch.setattr(worker.retry, "hand_back", real_hand_back)
     storage = open_storage(sqlite_url, create=False)
     try:

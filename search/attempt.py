@@ -1,0 +1,203 @@
+"""One attempt of a trial on a worker: train it with the trainer's ``fit``, then end it.
+
+How it ended (complete, pruned, failed, interrupted, storage lost) is the worker's to name;
+what that means for the trial is outcome.py's table.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import optuna
+
+from hpsearch.search import lifeline, ranks, retry, study as studies
+from hpsearch.search.early_stop import EarlyStop, PruningGate
+from hpsearch.search.outcome import Outcome, device_seconds
+from hpsearch.search.space import split_params
+from hpsearch.search.trial_attrs import AttrReporter
+from hpsearch.storage import attrs, registry
+from hpsearch.storage.trialdir import LOG, TrialDir, TrialDirError
+
+if TYPE_CHECKING:
+    from hpsearch.search.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+class TrialReporter(AttrReporter):
+    """The trainer's Reporter, backed by an Optuna trial."""
+
+    def __init__(self, trial: optuna.Trial) -> None:
+        self.trial = trial
+        self.last_ok = time.monotonic()
+        """When a call last reached the storage: the device time of an attempt that storage
+        failed is counted up to here, not through the minutes of retrying."""
+
+    def report(self, value: float, step: int, metrics: object = None) -> None:
+        self.trial.report(value, step)
+        self.last_ok = time.monotonic()
+
+    def should_prune(self) -> bool:
+        prune = self.trial.should_prune()
+        self.last_ok = time.monotonic()
+        return prune
+
+    def set_attrs(self, values: dict[str, Any]) -> None:
+        for key, value in values.items():
+            self.trial.set_user_attr(key, value)
+        self.last_ok = time.monotonic()
+
+
+def run(w: Worker, trial: optuna.Trial) -> None:
+    """Train one attempt of ``trial`` on worker ``w``'s device and end it (see outcome.py)."""
+    from hpsearch.trainer.checkpoint import CheckpointError
+    from hpsearch.trainer.loop import Run, fit
+
+    params = studies.suggest(trial, w.spec)
+    train_params, adapter_params = split_params(params)  # "adapter.r" -> [adapter] r
+    cfg = replace(w.spec.train, **train_params)
+    adapter = replace(w.spec.adapter, **adapter_params)
+    folder = TrialDir(w.root, trial.number)
+    try:
+        out_dir = folder.make()
+    except TrialDirError as exc:
+        log.error("trial %d cannot start: %s", trial.number, exc)
+        w.end_attempt(trial, Outcome.FAILED, detail=f"trial_dir_refused ({exc})")
+        return
+    reporter = TrialReporter(trial)
+    # Where the resumable state goes, on record before the first one is written: a stop
+    # during a database outage saves one that no later call could name (see reap.py).
+    state = folder.state
+    reporter.set_attrs(
+        {
+            attrs.DEVICE: _device_name(w),
+            attrs.HOST: registry.this_host(),
+            attrs.WORKER: w.args.name,
+            attrs.RESUME_CHECKPOINT: str(state.resolve()),
+        }
+    )
+    resume = retry.take_over(w.storage, w.args.study, trial, folder)
+    handler = _trial_log(out_dir)
+    log.info("trial %d starts: %s", trial.number, params)
+    started = time.monotonic()  # first_step_seconds and device time count from here
+    model: Any = None
+    try:
+        if w.peers is not None:
+            # First, so the peers prepare their copy while this rank prepares its own.
+            spec = w.spec
+            resume_from = str(resume) if resume else None
+            job = ranks.TrialJob(
+                trial.number, spec.model, spec.data, cfg, spec.search.metric, str(out_dir), resume_from
+            )
+            w.peers.run(job)
+        data = w.data()
+        model = w.models.trial_model(w.spec.model.name, data.labels, cfg.seed, adapter)
+        run = Run(
+            model=model,
+            tokenizer=w.tokenizer,
+            data=data,
+            cfg=cfg,
+            metric=w.spec.search.metric,
+            device=w.device,
+            out_dir=out_dir,
+            resume_from=resume,
+            should_stop=w.stop,
+            stop_waiting=w.stop.storage_patience_over,
+            meta={"study": w.args.study, "trial": trial.number, "params": params},
+            started=started,
+            world=w.world,
+        )
+        gate = PruningGate.of_search(data, cfg, w.spec.search)
+        early = EarlyStop(reporter, gate)
+        result = fit(run, early)
+        result.fail_reason = result.fail_reason or early.reason
+    except CheckpointError as exc:
+        log.error("trial %d failed: %s", trial.number, exc)
+        failure: str | None = exc.reason
+    except Exception as exc:
+        if lifeline.is_storage_failure(exc):
+            # The database, not the trial: keep its checkpoints and hand it back.
+            log.error("trial %d: the storage failed: %s", trial.number, lifeline.describe(exc))
+            _hand_back_after_storage_failure(w, trial, folder, reporter, started, exc)
+            return
+        log.error("trial %d failed:\n%s", trial.number, traceback.format_exc())
+        failure = f"{type(exc).__name__}: {exc}"
+    else:
+        failure = None
+    finally:
+        if model is not None:
+            # The shared base gets its adapter taken off, ready for the next trial's.
+            w.models.release(model)
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    # Device time of this attempt (x its devices), added to earlier attempts' (the gpu_hours budget).
+    spent = device_seconds(started, time.monotonic(), w.world.size)
+    if failure is not None:
+        w.end_attempt(trial, Outcome.FAILED, folder=folder, detail=failure, spent=spent)
+        if w.world.size > 1:
+            raise ranks.GroupRestart(f"trial {trial.number} failed on a {w.world.size}-device group")
+        return
+    if result.status == "complete" and result.best_value is not None:
+        ended, detail = Outcome.COMPLETE, None
+    elif result.status in ("pruned", "interrupted"):
+        ended, detail = Outcome(result.status), result.fail_reason
+    else:
+        ended, detail = Outcome.FAILED, result.fail_reason or "no validation point reached"
+    if w.end_attempt(trial, ended, folder=folder, detail=detail, value=result.best_value, spent=spent) is None:
+        return
+    if ended is Outcome.COMPLETE:
+        log.info(
+            "trial %d complete: %s = %.4f at step %s",
+            trial.number,
+            w.spec.search.metric,
+            result.best_value,
+            result.best_step,
+        )
+    elif ended is Outcome.PRUNED:
+        log.info("trial %d pruned at step %d%s", trial.number, result.steps, f" ({detail})" if detail else "")
+    if ended is not Outcome.INTERRUPTED:
+        w.retain()
+
+
+def _hand_back_after_storage_failure(
+    w: Worker, trial: optuna.Trial, folder: TrialDir, reporter: TrialReporter, started: float, exc: Exception
+) -> None:
+    """Queue a retry that resumes from the trial's resumable state, like a crash.
+
+    The retry waits until the storage answers again (each call retries patiently); if it
+    does not, ``StorageLost`` ends the worker and the trial is reaped later.
+    """
+    # Counted up to the storage's last answer: training may have gone on through the outage
+    # (see trainer/courier.py), but so may a run that ended and waited for its record.
+    spent = device_seconds(started, reporter.last_ok, w.world.size)
+    try:
+        w.end_attempt(trial, Outcome.STORAGE_LOST, folder=folder, detail=type(exc).__name__, spent=spent)
+    except Exception as err:
+        if not lifeline.is_storage_failure(err):
+            raise
+        raise lifeline.StorageLost.during(trial.number, err) from err
+    if w.world.size > 1:
+        raise ranks.GroupRestart(f"trial {trial.number} lost its storage on a {w.world.size}-device group")
+
+
+def _device_name(w: Worker) -> str:
+    if w.world.size > 1:
+        return w.args.device_label
+    if w.device.type == "cuda":
+        import torch
+
+        return f"cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', '0')} ({torch.cuda.get_device_name(0)})"
+    return "cpu"
+
+
+def _trial_log(out_dir: Path) -> logging.Handler:
+    handler = logging.FileHandler(out_dir / LOG)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+    return handler
