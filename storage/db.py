@@ -47,8 +47,7 @@ class RetryPolicy:
     base_delay_s: float = 0.2
     max_delay_s: float = 30.0
     give_up: Callable[[], bool] | None = None
-    """Asked before each retry: True ends the retries early (the process is shutting down and
-    has somewhere better to be than waiting for the database)."""
+    """Asked before each retry: True ends the retries early (the process is shutting down)."""
 
     def delays(self) -> Iterator[float]:
         for attempt in range(self.attempts - 1):
