@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import csv
 import ctypes
+import logging
 import os
 import platform
 import statistics
@@ -106,6 +107,19 @@ def first_rows(source: Path, target: Path, rows: int) -> Path:
         lines = [next(f) for _ in range(rows + 1)]  # header + rows
     target.write_text("".join(lines), encoding="utf-8")
     return target
+
+
+def prepare(args: argparse.Namespace, work: Path) -> Setup | None:
+    """The trial every side runs, from ``arguments``' options: MiniLM on the first ``--rows`` rows of
+    SST-2 (copied under ``work``), evaluated on glue_dev; None (said on stderr) without the data."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    paths = sst2(args.data_dir)
+    if paths is None:
+        return None
+    source, dev = paths
+    model = minilm(args.threads)
+    train = first_rows(source, work / "train.tsv", args.rows)
+    return Setup(model, train, dev, args.rows, args.max_length, args.batch_size, args.learning_rate, args.epochs, work)
 
 
 def minilm(threads: int | None) -> str:

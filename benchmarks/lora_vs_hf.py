@@ -28,7 +28,6 @@ precision each side used, and the ratios Trainer / hpsearch LoRA.
 
 from __future__ import annotations
 
-import logging
 import statistics
 import sys
 import tempfile
@@ -40,16 +39,13 @@ from _common import (
     LORA_DEFAULTS,
     HpsearchSide,
     Outcome,
-    Setup,
     Side,
     TrainerSide,
     alternate,
     arguments,
     by_side,
     describe_machine,
-    first_rows,
-    minilm,
-    sst2,
+    prepare,
     summary,
 )
 
@@ -64,21 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dropout", type=float, default=LORA_DEFAULTS["dropout"])
     p.add_argument("--only", choices=SIDES, nargs="+", default=None, help="run these sides only")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    paths = sst2(args.data_dir)
-    if paths is None:
-        return 2
-    source, dev = paths
-    model = minilm(args.threads)
     lora = {"r": args.r, "alpha": args.alpha, "dropout": args.dropout, "target_modules": "all-linear"}
     with tempfile.TemporaryDirectory(prefix="lora-vs-hf-") as tmp:
-        work = Path(tmp)
-        train = first_rows(source, work / "train.tsv", args.rows)
-        s = Setup(model, train, dev, args.rows, args.max_length, args.batch_size, args.learning_rate, args.epochs, work)
+        s = prepare(args, Path(tmp))
+        if s is None:
+            return 2
         setup = replace(s, lora=lora)
         print(describe_machine())
         print(
-            f"MiniLM, {args.rows} rows of {source}, eval {dev}, max_length {args.max_length}, "
+            f"MiniLM, {args.rows} rows of {args.data_dir / 'sst2' / 'train.tsv'}, eval {s.dev}, "
+            f"max_length {args.max_length}, "
             f"batch {args.batch_size}, {args.epochs} epoch(s), linear decay, clipping 1.0; "
             f"LoRA r {args.r}, alpha {args.alpha:g}, dropout {args.dropout}, all-linear, lr {args.learning_rate}; "
             f"full fine-tune lr {args.full_learning_rate}"

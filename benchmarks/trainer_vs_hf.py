@@ -26,22 +26,18 @@ each, and the ratios. The machinery is shared with lora_vs_hf.py (_common.py).
 
 from __future__ import annotations
 
-import logging
 import sys
 import tempfile
 from pathlib import Path
 
 from _common import (
     HpsearchSide,
-    Setup,
     Side,
     TrainerSide,
     alternate,
     arguments,
     describe_machine,
-    first_rows,
-    minilm,
-    sst2,
+    prepare,
     summary,
 )
 
@@ -50,21 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     p = arguments(__doc__.split("\n\n")[0], learning_rate=1e-4)
     p.add_argument("--only", choices=("hpsearch", "transformers"), default=None, help="run one side only")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    paths = sst2(args.data_dir)
-    if paths is None:
-        return 2
-    source, dev = paths
-    model = minilm(args.threads)
     with tempfile.TemporaryDirectory(prefix="trainer-vs-hf-") as tmp:
-        work = Path(tmp)
-        train = first_rows(source, work / "train.tsv", args.rows)
-        setup = Setup(
-            model, train, dev, args.rows, args.max_length, args.batch_size, args.learning_rate, args.epochs, work
-        )
+        setup = prepare(args, Path(tmp))
+        if setup is None:
+            return 2
         print(describe_machine())
         print(
-            f"MiniLM, {args.rows} rows of {source}, eval {dev}, max_length {args.max_length}, "
+            f"MiniLM, {args.rows} rows of {args.data_dir / 'sst2' / 'train.tsv'}, eval {setup.dev}, "
+            f"max_length {args.max_length}, "
             f"batch {args.batch_size}, lr {args.learning_rate}, {args.epochs} epoch(s), linear decay"
         )
         sides: dict[str, Side] = {"hpsearch": HpsearchSide(setup), "transformers": TrainerSide(setup)}
