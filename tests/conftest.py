@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import optuna
 import pytest
 
 from tests.support.tiny import build_tiny_bert, build_tiny_gpt2, write_demo_split, write_lm_split
@@ -200,6 +201,14 @@ def start_study(study: str, spec: Path, url: str, root: Path) -> subprocess.Comp
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def one_trial(study: str, spec: Path, url: str, root: Path) -> optuna.trial.FrozenTrial:
+    """`start_study` of a spec that runs one trial; that trial, complete."""
+    start_study(study, spec, url, root)
+    (trial,) = optuna.load_study(study_name=study, storage=url).trials
+    assert trial.state == optuna.trial.TrialState.COMPLETE
+    return trial
 
 
 class CliResult:

@@ -7,7 +7,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import optuna
 import pytest
 import torch
 
@@ -19,7 +18,7 @@ from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 from hpsearch.trainer.report import TrainResult
-from tests.conftest import hpsearch, lm_spec_text, start_study
+from tests.conftest import hpsearch, lm_spec_text, one_trial
 from tests.support.tiny import write_lm_split
 
 
@@ -73,9 +72,7 @@ def test_causal_lm_trial_from_the_cli_learns_and_its_checkpoint_generates(
     enqueue = "[[search.enqueue]]\nlearning_rate = 1e-2"
     spec.write_text(lm_spec_text(tiny_gpt2, *pair_files, search=enqueue).replace("eval_every = 4", "eval_every = 2"))
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    start_study("lm", spec, url, tmp_path)
-    (trial,) = optuna.load_study(study_name="lm", storage=url).trials
-    assert trial.state == optuna.trial.TrialState.COMPLETE
+    trial = one_trial("lm", spec, url, tmp_path)
     values = [trial.intermediate_values[s] for s in sorted(trial.intermediate_values)]
     assert sorted(trial.intermediate_values) == [2, 4, 6]  # 96 / 16 = 6 steps
     assert values[-1] < values[0] - 0.5, f"the validation loss must fall: {values}"

@@ -6,14 +6,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-import optuna
 import pytest
 
 from hpsearch.search.presets import tiny_llama_chat
 from hpsearch.trainer.batches import IGNORE_INDEX, collate
 from hpsearch.trainer.config import DataConfig
 from hpsearch.trainer.dataset import prepare
-from tests.conftest import assert_refused, lm_spec_text, start_study
+from tests.conftest import assert_refused, lm_spec_text, one_trial
 from tests.support.chat_templates import LLAMA3, QWEN25, SPECIALS
 
 CONVERSATION = [
@@ -168,9 +167,7 @@ def test_lora_chat_trial_from_the_cli_saves_an_adapter_that_peft_loads(tmp_path:
     adapter = '[adapter]\nmethod = "lora"\nr = 4\nalpha = 8\ndropout = 0.0\n'
     spec.write_text(adapter + lm_spec_text(tiny_llama, train, dev, search="[[search.enqueue]]\nlearning_rate = 1e-2"))
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    start_study("chat", spec, url, tmp_path)
-    (trial,) = optuna.load_study(study_name="chat", storage=url).trials
-    assert trial.state == optuna.trial.TrialState.COMPLETE
+    trial = one_trial("chat", spec, url, tmp_path)
     values = [trial.intermediate_values[s] for s in sorted(trial.intermediate_values)]
     assert values[-1] < values[0], f"the validation loss on the assistant's tokens must fall: {values}"
     folder = Path(trial.user_attrs["best_checkpoint"])

@@ -18,7 +18,7 @@ from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.evaluate import evaluate
 from hpsearch.trainer.loop import Run, fit, flops_per_token
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
-from tests.conftest import hpsearch, lm_spec_text, spec_text, start_study
+from tests.conftest import hpsearch, lm_spec_text, one_trial, spec_text, start_study
 
 LORA = '[adapter]\nmethod = "lora"\nr = 4\nalpha = 8\ndropout = 0.0\n'
 
@@ -154,9 +154,7 @@ def test_lora_causal_lm_trial_from_the_cli(tmp_path: Path, tiny_gpt2: Path, lm_f
     text = lm_spec_text(tiny_gpt2, *lm_files, search="[[search.enqueue]]\nlearning_rate = 1e-2")
     spec.write_text(with_adapter(text, LORA + 'target_modules = ["c_attn", "c_fc"]\n'))
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    start_study("lm", spec, url, tmp_path)
-    (trial,) = optuna.load_study(study_name="lm", storage=url).trials
-    assert trial.state == optuna.trial.TrialState.COMPLETE
+    trial = one_trial("lm", spec, url, tmp_path)
     values = [trial.intermediate_values[s] for s in sorted(trial.intermediate_values)]
     assert values[-1] < values[0], f"the validation loss must fall: {values}"
     folder = Path(trial.user_attrs["best_checkpoint"])
