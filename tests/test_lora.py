@@ -370,3 +370,39 @@ def test_qlora_loads_the_base_as_nf4_with_bf16_compute() -> None:
     assert four.bnb_4bit_compute_dtype == torch.bfloat16
     assert adapters.quantization_config(ModelConfig(name="m", quantization="8bit")).load_in_8bit
     assert adapters.quantization_config(ModelConfig(name="m")) is None
+
+
+@pytest.mark.parametrize("p", [0.05, 0.3])
+def test_lora_dropout_on_a_cpu_keeps_each_element_with_1_minus_p_and_scales_the_survivors(p: float) -> None:
+    from hpsearch.trainer.adapters import MaskDropout
+
+    drop = MaskDropout(p)
+    x = torch.ones(64, 128, 96, requires_grad=True)
+    torch.manual_seed(0)
+    y = drop(x)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - (1 - p)) < 0.005
+    assert torch.allclose(y[kept], torch.full_like(y[kept], 1 / (1 - p)))
+    assert abs(y.mean().item() - 1.0) < 0.01  # inverted dropout: the expectation is the input
+    y.sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, y.detach())  # the gradient is masked and scaled alike
+    # Rows are independent: no two neighbouring 16-bit chunks of one draw share their fate.
+    flat = kept.flatten().float()
+    assert abs((flat[0::4] * flat[1::4]).mean().item() - (1 - p) ** 2) < 0.005
+    torch.manual_seed(0)
+    assert torch.equal(drop(x), y)  # seeded like every other draw of the trial
+    assert torch.equal(drop.eval()(x), x)
+    half = drop.train()(torch.ones(4096, dtype=torch.bfloat16))
+    assert set(half.unique().tolist()) <= {0.0, torch.tensor(1 / (1 - p), dtype=torch.bfloat16).item()}
+
+
+def test_a_lora_model_draws_its_dropout_masks_with_the_cheaper_dropout(tiny_model: Path) -> None:
+    from hpsearch.trainer.adapters import MaskDropout, attach
+    from hpsearch.trainer.config import AdapterConfig
+
+    cache = PretrainedCache()
+    base = cache._base(str(tiny_model), 2)
+    model = attach(base, AdapterConfig(method="lora", r=4, alpha=8, dropout=0.1), "classification", 0)
+    drops = [m for m in model.modules() if isinstance(m, MaskDropout)]
+    assert drops and all(d.p == pytest.approx(0.1, abs=1e-5) for d in drops)
+    assert not any(type(m) is torch.nn.Dropout for n, m in model.named_modules() if "lora_dropout" in n)

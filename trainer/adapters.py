@@ -48,8 +48,53 @@ def attach(base: torch.nn.Module, cfg: AdapterConfig, task: str, seed: int) -> t
     # makes a trial's adapter the same wherever and whenever it runs.
     torch.manual_seed(seed)
     model = get_peft_model(base, config)
+    _cheaper_dropout(model)
     log.info("LoRA r=%d alpha=%g: %d trainable parameters", cfg.r, cfg.alpha, trainable_parameters(model))
     return model
+
+
+class MaskDropout(torch.nn.Module):
+    """Inverted dropout whose mask on a CPU comes from 16-bit random integers.
+
+    peft draws a fresh dropout mask for every adapted layer (q, k and v each draw one over the
+    same input), and torch's CPU ``bernoulli_`` draws one 32-bit number per element: in a LoRA
+    step on a CPU that was 18% of the time. Here one 64-bit draw gives four elements their
+    16-bit numbers, and a compare makes the mask: the same distribution (each element kept
+    independently, p resolved to 1/65536, the survivors scaled by 1/(1-p)) for 2-3x less work.
+    CUDA's fused dropout kernel is already cheap, and stays.
+    """
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        dropped = round(p * 65536)
+        self.p = dropped / 65536
+        self._threshold = dropped - 32768  # an int16 below it is dropped
+        self._scale = 1.0 / (1.0 - self.p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if x.device.type != "cpu":
+            return torch.nn.functional.dropout(x, self.p, training=True)
+        n = x.numel()
+        words = torch.randint(-(2**63), 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64)
+        keep = words.view(torch.int16)[:n].view(x.shape) >= self._threshold
+        if x.dtype != torch.float32:  # a 16-bit mask would round 1/(1-p): scale x, not the mask
+            return x * keep * self._scale
+        return x * (keep.to(x.dtype) * self._scale)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p:g}"
+
+
+def _cheaper_dropout(model: torch.nn.Module) -> None:
+    """Swap peft's ``nn.Dropout`` in every LoRA layer for :class:`MaskDropout` (same p)."""
+    for module in model.modules():
+        drops = getattr(module, "lora_dropout", None)
+        if isinstance(drops, torch.nn.ModuleDict):
+            for name, drop in drops.items():
+                if isinstance(drop, torch.nn.Dropout):
+                    drops[name] = MaskDropout(drop.p)
 
 
 def detach(model: torch.nn.Module) -> torch.nn.Module:
