@@ -32,6 +32,8 @@ import torch
 
 from hpsearch.search.spec import load_file
 from hpsearch.search.trial_attrs import NullReporter
+from hpsearch.storage.trialdir import BEST, CURVES, RESUME, RESUME_FILE
+from hpsearch.trainer.checkpoint import RunFiles
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
@@ -110,7 +112,15 @@ def main() -> None:
             model = PretrainedCache().trial_model(spec.model.name, data.labels, cfg.seed)
             scorer = PointScorer(model, tok, glue_rows, args.max_length)
             out = work_dir / f"config-{i}"
-            run_ = Run(model=model, tokenizer=tok, data=data, cfg=cfg, metric="accuracy", device=CPU, out_dir=out)
+            run_ = Run(
+                model=model,
+                tokenizer=tok,
+                data=data,
+                cfg=cfg,
+                metric="accuracy",
+                device=CPU,
+                files=RunFiles(out / BEST, out / RESUME / RESUME_FILE, out / CURVES),
+            )
             result = fit(run_, scorer)
             assert result.best_step is not None
             steps = {rule: kept_step(scorer.values, rule, result.best_step) for rule in RULES}

@@ -22,7 +22,7 @@ from hpsearch.search.outcome import Outcome, device_seconds
 from hpsearch.search.space import split_params
 from hpsearch.search.trial_attrs import AttrReporter
 from hpsearch.storage import attrs, registry
-from hpsearch.storage.trialdir import LOG, TrialDir, TrialDirError
+from hpsearch.storage.trialdir import TrialDir, TrialDirError
 
 if TYPE_CHECKING:
     from hpsearch.search.worker import Worker
@@ -56,7 +56,7 @@ class TrialReporter(AttrReporter):
 
 def run(w: Worker, trial: optuna.Trial) -> None:
     """Train one attempt of ``trial`` on worker ``w``'s device and end it (see outcome.py)."""
-    from hpsearch.trainer.checkpoint import CheckpointError
+    from hpsearch.trainer.checkpoint import CheckpointError, RunFiles
     from hpsearch.trainer.loop import Run, fit
 
     params = studies.suggest(trial, w.spec)
@@ -65,11 +65,12 @@ def run(w: Worker, trial: optuna.Trial) -> None:
     adapter = replace(w.spec.adapter, **adapter_params)
     folder = TrialDir(w.root, trial.number)
     try:
-        out_dir = folder.make()
+        folder.make()
     except TrialDirError as exc:
         log.error("trial %d cannot start: %s", trial.number, exc)
         w.end_attempt(trial, Outcome.FAILED, detail=f"trial_dir_refused ({exc})")
         return
+    files = RunFiles(best=folder.best, state=folder.state, curves=folder.curves)
     reporter = TrialReporter(trial)
     # Where the resumable state goes, on record before the first one is written: a stop
     # during a database outage saves one that no later call could name (see reap.py).
@@ -83,7 +84,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
         }
     )
     resume = retry.take_over(w.storage, w.args.study, trial, folder)
-    handler = _trial_log(out_dir)
+    handler = _trial_log(folder.log)
     log.info("trial %d starts: %s", trial.number, params)
     started = time.monotonic()  # first_step_seconds and device time count from here
     model: Any = None
@@ -92,9 +93,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
             # First, so the peers prepare their copy while this rank prepares its own.
             spec = w.spec
             resume_from = str(resume) if resume else None
-            job = ranks.TrialJob(
-                trial.number, spec.model, spec.data, cfg, spec.search.metric, str(out_dir), resume_from
-            )
+            job = ranks.TrialJob(trial.number, spec.model, spec.data, cfg, spec.search.metric, files, resume_from)
             w.peers.run(job)
         data = w.data()
         model = w.models.trial_model(w.spec.model.name, data.labels, cfg.seed, adapter)
@@ -105,7 +104,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
             cfg=cfg,
             metric=w.spec.search.metric,
             device=w.device,
-            out_dir=out_dir,
+            files=files,
             resume_from=resume,
             should_stop=w.stop,
             stop_waiting=w.stop.storage_patience_over,
@@ -196,8 +195,8 @@ def _device_name(w: Worker) -> str:
     return "cpu"
 
 
-def _trial_log(out_dir: Path) -> logging.Handler:
-    handler = logging.FileHandler(out_dir / LOG)
+def _trial_log(path: Path) -> logging.Handler:
+    handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger().addHandler(handler)
     return handler

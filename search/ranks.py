@@ -29,13 +29,16 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpsearch.search import cli
 from hpsearch.search.devices import only_gpu, torch_device
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.trial_attrs import NullReporter
 from hpsearch.trainer.config import DataConfig, ModelConfig, TrainConfig
+
+if TYPE_CHECKING:
+    from hpsearch.trainer.checkpoint import RunFiles
 
 log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 30.0
@@ -54,7 +57,7 @@ class TrialJob:
     data: DataConfig
     cfg: TrainConfig
     metric: str
-    out_dir: str
+    files: RunFiles
     resume_from: str | None
 
 
@@ -191,7 +194,7 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
             cfg=job.cfg,
             metric=job.metric,
             device=device,
-            out_dir=Path(job.out_dir),
+            files=job.files,
             resume_from=Path(job.resume_from) if job.resume_from else None,
             world=world,
         )

@@ -30,6 +30,7 @@ PREFIX = "trial-"
 BEST = "best"
 RESUME = "resume"
 RESUME_FILE = "state.pt"
+CURVES = "tensorboard"
 LOG = "train.log"  # the log of every attempt at the trial (search/worker.py writes it)
 _LOCK = ".hpsearch.lock"
 """Held shared by an export while it copies ``best/``, exclusively by retention to delete it."""
@@ -60,6 +61,16 @@ class TrialDir:
     @property
     def state(self) -> Path:
         return self.resume / RESUME_FILE
+
+    @property
+    def log(self) -> Path:
+        """The log of every attempt at the trial."""
+        return self.path / LOG
+
+    @property
+    def curves(self) -> Path:
+        """The TensorBoard event files of every attempt at the trial."""
+        return self.path / CURVES
 
     @classmethod
     def named(cls, root: Path, folder_name: str) -> TrialDir | None:

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from hpsearch.search.trial_attrs import NullReporter
+from hpsearch.storage.trialdir import RESUME, RESUME_FILE
 from hpsearch.trainer.batches import IGNORE_INDEX, collate, even_shards
-from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 from hpsearch.trainer.report import TrainResult
 from tests.conftest import hpsearch, lm_spec_text, one_trial
-from tests.support.tiny import write_lm_split
+from tests.support.tiny import files_in, write_lm_split
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,13 @@ def test_causal_lm_checkpoint_and_resume_with_gradient_checkpointing(
         model = PretrainedCache().fresh_causal_lm(str(tiny_gpt2))
         reporter = NullReporter()
         run = Run(
-            model=model, tokenizer=tok, data=data, cfg=cfg, metric="loss", device=torch.device("cpu"), out_dir=out
+            model=model,
+            tokenizer=tok,
+            data=data,
+            cfg=cfg,
+            metric="loss",
+            device=torch.device("cpu"),
+            files=files_in(out),
         )
         for key, value in kw.items():
             setattr(run, key, value)

@@ -17,7 +17,7 @@ from hpsearch.trainer.distributed import World
 from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 from tests.conftest import hpsearch, lm_spec_text
-from tests.support.tiny import build_tiny_gpt2
+from tests.support.tiny import build_tiny_gpt2, files_in
 
 CPU = torch.device("cpu")
 # 192 examples, global batch 16 = micro-batch 4 x 2 ranks x 2 accumulation steps.
@@ -30,7 +30,16 @@ def _fit(model_dir: str, train: str, dev: str, out: Path, world: World) -> dict[
     tokenizer = load_tokenizer(model_dir)
     data = prepare(DataConfig(train=train, validation=dev), tokenizer, 48, None, task="causal-lm")
     model = PretrainedCache().fresh_causal_lm(model_dir)
-    run = Run(model=model, tokenizer=tokenizer, data=data, cfg=CFG, metric="loss", device=CPU, out_dir=out, world=world)
+    run = Run(
+        model=model,
+        tokenizer=tokenizer,
+        data=data,
+        cfg=CFG,
+        metric="loss",
+        device=CPU,
+        files=files_in(out),
+        world=world,
+    )
     result = fit(run, NullReporter())
     assert result.status == "complete" and result.steps == 5
     return {k: v.clone() for k, v in model.state_dict().items()}

@@ -147,7 +147,7 @@ from hpsearch.trainer.curves import Curves
 from hpsearch.trainer.stats import Throughput
 speed = Throughput(torch.device("cpu"))
 speed.add(examples=32, tokens=500); speed.seconds = 2.0
-c = Curves(Path({str(tmp_path)!r}), torch.device("cpu"))
+c = Curves(Path({str(tmp_path)!r}, "tensorboard"), torch.device("cpu"))
 c.train(7, loss=0.5, lr=1e-4, speed=speed)
 print(sorted(p.name[:20] for p in Path({str(tmp_path)!r}, "tensorboard").iterdir()))
 """
@@ -166,7 +166,7 @@ def test_unwritable_curve_folder_does_not_stop_training(tmp_path: Path) -> None:
     from hpsearch.trainer.stats import Throughput
 
     (tmp_path / "tensorboard").write_text("a file where the folder should be")
-    curves = Curves(tmp_path, torch.device("cpu"))
+    curves = Curves(tmp_path / "tensorboard", torch.device("cpu"))
     curves.train(1, loss=1.0, lr=1e-3, speed=Throughput(torch.device("cpu")))
     assert curves.path is None
 

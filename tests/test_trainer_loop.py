@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from hpsearch.search.trial_attrs import AttrReporter
+from hpsearch.storage.trialdir import RESUME, RESUME_FILE
 from hpsearch.trainer import loop, step as trainer_step
-from hpsearch.trainer.checkpoint import RESUME, RESUME_FILE, load_resume
+from hpsearch.trainer.checkpoint import load_resume
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer

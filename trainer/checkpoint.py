@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,21 @@ import torch
 
 from hpsearch.trainer.model import unwrap
 
-BEST = "best"
-RESUME = "resume"
-RESUME_FILE = "state.pt"
 META = "hpsearch.json"
 """Beside the best model: the study, trial, step, validation metrics and training config."""
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """Where one run writes. The owner of the run's folder hands them over (for a trial,
+    storage/trialdir.py's ``TrialDir``), so the trainer names no file or folder of its own."""
+
+    best: Path
+    """The best model's folder, replaced whole at each new best point."""
+    state: Path
+    """The resumable state's file; its folder is replaced whole at each save."""
+    curves: Path
+    """The folder of the TensorBoard event files."""
 
 
 class CheckpointError(OSError):
@@ -30,9 +41,8 @@ class CheckpointError(OSError):
         self.reason = reason
 
 
-def save_best(model: torch.nn.Module, tokenizer: Any, out_dir: Path, meta: dict[str, Any]) -> Path:
-    """Save model + tokenizer loadable with ``from_pretrained``; replaces the previous best."""
-    target = out_dir / BEST
+def save_best(model: torch.nn.Module, tokenizer: Any, target: Path, meta: dict[str, Any]) -> Path:
+    """Save model + tokenizer to ``target``, loadable with ``from_pretrained``; replaces the previous best."""
 
     def write(tmp: Path) -> None:
         unwrap(model).save_pretrained(tmp, safe_serialization=True)
@@ -43,21 +53,20 @@ def save_best(model: torch.nn.Module, tokenizer: Any, out_dir: Path, meta: dict[
     return target
 
 
-def best_meta(out_dir: Path) -> dict[str, Any] | None:
-    """The meta of the best model under ``out_dir``, or None if there is none (or it is unreadable)."""
+def best_meta(best: Path) -> dict[str, Any] | None:
+    """The meta of the best model in ``best``, or None if there is none (or it is unreadable)."""
     try:
-        meta = json.loads((out_dir / BEST / META).read_text())
+        meta = json.loads((best / META).read_text())
     except (OSError, ValueError):
         return None
     return meta if isinstance(meta, dict) else None
 
 
-def save_resume(out_dir: Path, state: dict[str, Any]) -> Path:
+def save_resume(path: Path, state: dict[str, Any]) -> Path:
     """Everything needed to continue exactly: weights, optimizer, scheduler, scaler, RNG, position."""
-    target = out_dir / RESUME
     state = {**state, "rng": rng_state()}
-    _atomic_dir(target, lambda tmp: torch.save(state, tmp / RESUME_FILE))
-    return target / RESUME_FILE
+    _atomic_dir(path.parent, lambda tmp: torch.save(state, tmp / path.name))
+    return path
 
 
 def load_resume(path: Path) -> dict[str, Any]:

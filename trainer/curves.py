@@ -18,16 +18,14 @@ import torch
 from hpsearch.trainer.stats import Throughput, peak_memory_mb
 
 log = logging.getLogger(__name__)
-FOLDER = "tensorboard"
-"""Sub-folder of the trial's output directory that holds its event files."""
 
 
 class Curves:
-    """Writes one trial's curves to ``<out_dir>/tensorboard/events.out.tfevents.*``."""
+    """Writes one trial's curves to ``<folder>/events.out.tfevents.*``."""
 
-    def __init__(self, out_dir: Path, device: torch.device, *, enabled: bool = True) -> None:
+    def __init__(self, folder: Path, device: torch.device, *, enabled: bool = True) -> None:
         self.device = device
-        self.path: Path | None = out_dir / FOLDER
+        self.path: Path | None = folder
         """The event files' folder; None once disabled (or on data-parallel ranks other than 0)."""
         self._writer: Any = None
         self._last_examples = 0

@@ -45,7 +45,7 @@ class Run:
     cfg: TrainConfig
     metric: str  # "loss" (minimise), "accuracy" or "f1" (maximise)
     device: torch.device
-    out_dir: Path
+    files: ckpt.RunFiles
     resume_from: Path | None = None
     should_stop: Callable[[], bool] = lambda: False
     stop_waiting: Callable[[], bool] = lambda: False
@@ -151,7 +151,7 @@ def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResu
     if point.beats(state.best, run.metric):
         state.best = point
         if world.is_main:
-            path = ckpt.save_best(run.model, run.tokenizer, run.out_dir, _meta(run, metrics, state.step))
+            path = ckpt.save_best(run.model, run.tokenizer, run.files.best, _meta(run, metrics, state.step))
             loop.reporter.best_saved(path.resolve(), state.step, metrics.values())
     if world.is_main:
         # The resumable state (weights + optimizer moments, ~3x the model) is costly to write,
@@ -193,14 +193,14 @@ def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
         optimizer,
         build_scheduler(optimizer, cfg, total_steps),
         prec.grad_scaler(precision, device),
-        run.out_dir,
+        run.files,
         vars(cfg),
     )
     state = parts.restore(run.resume_from, run.metric, micro)
     if state.resumed_from is not None and world.is_main:
         reporter.resumed(state.resumed_from)
         if state.best is not None and state.best_values is not None:
-            reporter.best_saved((run.out_dir / ckpt.BEST).resolve(), state.best.step, state.best_values)
+            reporter.best_saved(run.files.best.resolve(), state.best.step, state.best_values)
     loop = Loop(
         run,
         world.wrap(compiled, device),
@@ -210,7 +210,7 @@ def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
         total_steps,
         Batches(run.data, cfg, state.micro, world, steps_per_epoch),
         Throughput(device, flops_per_token=flops_per_token(run.model)),
-        Curves(run.out_dir, device, enabled=world.is_main),  # TensorBoard files under the trial's folder
+        Curves(run.files.curves, device, enabled=world.is_main),
         torch.zeros((), device=device),
     )
     loop.reporter = StateSavingReporter(reporter, lambda: _save_state(loop, state), run.should_stop, run.stop_waiting)
@@ -231,7 +231,7 @@ def _finish(loop: Loop, state: TrainState, result: TrainResult, first_step: floa
     result.steps = state.step
     if state.best is not None:
         result.best_value, result.best_step = state.best.value, state.best.step
-        result.best_checkpoint = str((run.out_dir / ckpt.BEST).resolve())
+        result.best_checkpoint = str(run.files.best.resolve())
     digests = _rank_digests(world, loop.speed, run.model)
     result.figures = Figures(
         loop.speed.speed(),

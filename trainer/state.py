@@ -39,7 +39,7 @@ class Trainable:
     optimizer: Any
     scheduler: Any
     scaler: Any
-    out_dir: Path
+    files: ckpt.RunFiles
     config: dict[str, Any]
 
     def save(self, state: TrainState) -> Path:
@@ -47,7 +47,7 @@ class Trainable:
         # The plain module: no DDP / compile prefixes. Of an adapter, only what it trains.
         model = adapters.trainable_state(self.model) if adapters.is_adapter(self.model) else self.model.state_dict()
         return ckpt.save_resume(
-            self.out_dir,
+            self.files.state,
             {
                 "model": model,
                 "optimizer": self.optimizer.state_dict(),
@@ -85,22 +85,22 @@ class Trainable:
         if isinstance(saved_micro, int):
             micro = min(micro, saved_micro)
         log.info("resumed from %s at optimizer step %d", path, saved["step"])
-        best, values = restored_best(self.out_dir, metric, saved["best_step"])
+        best, values = restored_best(self.files.best, metric, saved["best_step"])
         return TrainState(saved["step"], best, micro, saved["step"], values)
 
 
-def restored_best(out_dir: Path, metric: str, saved_step: int | None) -> tuple[Point | None, dict[str, float] | None]:
+def restored_best(best: Path, metric: str, saved_step: int | None) -> tuple[Point | None, dict[str, float] | None]:
     """The best point a resumed run starts from, and its validation metrics: the one whose model
     is in the run's folder (moved there from the interrupted attempt's), read from the model's
     own meta, not from the resumable state. The state may be older than the last best model
     (it is written at most every resume_every_minutes), and a best point whose model is gone
     would leave the trial with a value no checkpoint has: then the best starts over."""
-    meta = ckpt.best_meta(out_dir)
+    meta = ckpt.best_meta(best)
     value = meta.get(f"val_{metric}") if meta else None
     step = meta.get("step") if meta else None
     if meta is None or not isinstance(value, int | float) or not isinstance(step, int):
         if saved_step is not None:
-            log.warning("the best model of step %d is not in %s: the best point starts over", saved_step, out_dir)
+            log.warning("the best model of step %d is not in %s: the best point starts over", saved_step, best)
         return None, None
     loss = meta.get("val_loss")
     values = {k.removeprefix("val_"): v for k, v in meta.items() if k.startswith("val_")}  # as _meta() wrote them

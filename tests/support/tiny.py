@@ -10,6 +10,8 @@ import torch
 
 from hpsearch.search.presets import demo_data, tiny_gpt2
 from hpsearch.search.trial_attrs import NullReporter
+from hpsearch.storage.trialdir import BEST, CURVES, RESUME, RESUME_FILE
+from hpsearch.trainer.checkpoint import RunFiles
 from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.dataset import Prepared
 from hpsearch.trainer.loop import Run, fit
@@ -77,6 +79,11 @@ def write_lm_split(path: Path, n: int, seed: int, *, pairs: bool = False) -> Pat
     return path
 
 
+def files_in(out: Path) -> RunFiles:
+    """A run's files laid out in ``out`` as in a trial's folder (``out/best``, ``out/resume/state.pt``, ...)."""
+    return RunFiles(best=out / BEST, state=out / RESUME / RESUME_FILE, curves=out / CURVES)
+
+
 def tiny_run(model_dir: Path, prepared: tuple[Any, Prepared], cfg: TrainConfig, out: Path, **run: Any) -> Run:
     """The trainer's Run for a fresh model from ``model_dir`` on CPU, minimising the loss
     unless ``run`` says otherwise; ``run`` sets further fields (metric, resume_from, should_stop, ...)."""
@@ -89,7 +96,7 @@ def tiny_run(model_dir: Path, prepared: tuple[Any, Prepared], cfg: TrainConfig, 
         data=data,
         cfg=cfg,
         device=torch.device("cpu"),
-        out_dir=out,
+        files=files_in(out),
         **{"metric": "loss", **run},
     )
 
