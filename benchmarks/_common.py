@@ -304,8 +304,8 @@ class HpsearchSide:
 
     def __init__(self, s: Setup, name: str = "hpsearch") -> None:
         from hpsearch.search import study as studies
-        from hpsearch.search.lifeline import StopFlag
         from hpsearch.search.spec import StudySpec
+        from hpsearch.search.stop_signals import StopFlag
         from hpsearch.search.worker import Worker, WorkerArgs
         from hpsearch.storage.open import open_storage
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from hpsearch.search import lifeline, ranks, retry, study as studies
+from hpsearch.search import ranks, retry, stop_signals, study as studies
 from hpsearch.search.early_stop import EarlyStop, PruningGate
 from hpsearch.search.outcome import Outcome, device_seconds
 from hpsearch.search.space import split_params
@@ -121,9 +121,9 @@ def run(w: Worker, trial: optuna.Trial) -> None:
         log.error("trial %d failed: %s", trial.number, exc)
         failure: str | None = exc.reason
     except Exception as exc:
-        if lifeline.is_storage_failure(exc):
+        if stop_signals.is_storage_failure(exc):
             # The database, not the trial: keep its checkpoints and hand it back.
-            log.error("trial %d: the storage failed: %s", trial.number, lifeline.describe(exc))
+            log.error("trial %d: the storage failed: %s", trial.number, stop_signals.describe(exc))
             _hand_back_after_storage_failure(w, trial, folder, reporter, started, exc)
             return
         log.error("trial %d failed:\n%s", trial.number, traceback.format_exc())
@@ -179,9 +179,9 @@ def _hand_back_after_storage_failure(
     try:
         w.end_attempt(trial, Outcome.STORAGE_LOST, folder=folder, detail=type(exc).__name__, spent=spent)
     except Exception as err:
-        if not lifeline.is_storage_failure(err):
+        if not stop_signals.is_storage_failure(err):
             raise
-        raise lifeline.StorageLost.during(trial.number, err) from err
+        raise stop_signals.StorageLost.during(trial.number, err) from err
     if w.world.size > 1:
         raise ranks.GroupRestart(f"trial {trial.number} lost its storage on a {w.world.size}-device group")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import optuna
 
-from hpsearch.search import lifeline, outcome, progress, study as studies, worker
+from hpsearch.search import outcome, progress, stop_signals, study as studies, worker
 from hpsearch.search.devices import Device, only_gpu, threads_per_worker
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.outcome import Outcome
@@ -227,7 +227,7 @@ class Supervisor:
             for child in self.children.values():
                 if child.process.is_alive() and signum == signal.SIGTERM:
                     # Ctrl-C reaches the whole process group already; SIGTERM maybe only us.
-                    os.kill(child.process.pid, lifeline.STOP_REQUEST)
+                    os.kill(child.process.pid, stop_signals.STOP_REQUEST)
         else:
             for child in self.children.values():
                 if child.process.is_alive():

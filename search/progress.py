@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import lifeline, note, study as studies, summary
+from hpsearch.search import note, stop_signals, study as studies, summary
 from hpsearch.search.devices import Device
 from hpsearch.search.spec import StudySpec
 from hpsearch.storage import attrs
@@ -137,7 +137,7 @@ class Poller(threading.Thread):
                 log.warning(
                     "progress: cannot read study %s (%s); will retry",
                     self.study_name,
-                    lifeline.describe(exc),
+                    stop_signals.describe(exc),
                 )
             self._failing = True
             return None

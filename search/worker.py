@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import attempt, cli, leftovers, lifeline, outcome, ranks, reap, retry, study as studies
+from hpsearch.search import attempt, cli, leftovers, outcome, ranks, reap, retry, stop_signals, study as studies
 from hpsearch.search.devices import torch_device
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.outcome import Outcome
@@ -53,9 +53,9 @@ class WorkerArgs:
 def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     """Entry point of the spawned worker process."""
     cli.setup_logging(args.log_level, args.name)
-    stop = lifeline.StopFlag()
+    stop = stop_signals.StopFlag()
     stop.install()
-    if not lifeline.die_with_parent():
+    if not stop_signals.die_with_parent():
         log.warning("the supervisor that started this worker is gone; exiting")
         raise SystemExit(ExitCode.signalled(signal.SIGTERM))
     import torch
@@ -76,8 +76,8 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     world = peers.start(torch_device(args.device)) if peers else World()
     patience = replace(PATIENT_RETRY, give_up=stop.storage_patience_over)
     try:
-        storage = lifeline.open_patiently(args.storage_url, patience, stop)
-    except lifeline.StorageLost as exc:
+        storage = stop_signals.open_patiently(args.storage_url, patience, stop)
+    except stop_signals.StorageLost as exc:
         _exit(ExitCode.STORAGE_LOST, f"{exc}; exiting", peers)
     if storage is None:
         _exit(128 + stop.signum, "stopped before the storage answered", peers)
@@ -92,13 +92,13 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     except ranks.GroupRestart as exc:
         _exit(ExitCode.GROUP_RESTART, f"{exc}; restarting the device group", peers)
     except Exception as exc:
-        if not isinstance(exc, lifeline.StorageLost) and not lifeline.is_storage_failure(exc):
+        if not isinstance(exc, stop_signals.StorageLost) and not stop_signals.is_storage_failure(exc):
             raise
         # Also a storage call outside a trial (reading the spec while loading) that ran out
         # of patience after a stop: one line, not a traceback.
         _exit(
             ExitCode.STORAGE_LOST,
-            f"{lifeline.describe(exc)}; exiting (a held trial is retried once the storage is back)",
+            f"{stop_signals.describe(exc)}; exiting (a held trial is retried once the storage is back)",
             peers,
         )
     finally:
@@ -124,7 +124,7 @@ class Worker:
         self,
         args: WorkerArgs,
         storage: Storage,
-        stop: lifeline.StopFlag,
+        stop: stop_signals.StopFlag,
         conn: Connection | None,
         registration: registry.Registration | None = None,
         world: Any = None,
@@ -203,13 +203,13 @@ class Worker:
             self._begin(trial, slot)
             try:
                 self.run_trial(trial)
-            except (ranks.GroupRestart, lifeline.StorageLost):
+            except (ranks.GroupRestart, stop_signals.StorageLost):
                 # GroupRestart: the failure is recorded; the device group's ranks must start
                 # afresh. StorageLost: nothing can be recorded; the worker exits.
                 raise
             except Exception as exc:
-                if lifeline.is_storage_failure(exc):
-                    raise lifeline.StorageLost.during(trial.number, exc) from exc
+                if stop_signals.is_storage_failure(exc):
+                    raise stop_signals.StorageLost.during(trial.number, exc) from exc
                 if not self._finished_elsewhere(trial):
                     raise
                 # Our heartbeat went stale (a long network cut) and a reaper failed the trial

@@ -336,7 +336,7 @@ def test_sigterm_during_a_database_outage_exits_soon_and_the_retry_resumes_where
 def test_a_worker_that_starts_during_an_outage_waits_for_the_storage_or_a_stop() -> None:
     import threading
 
-    from hpsearch.search.lifeline import StopFlag, open_patiently
+    from hpsearch.search.stop_signals import StopFlag, open_patiently
     from hpsearch.storage.db import PATIENT_RETRY
     from hpsearch.storage.open import open_storage
     from tests.support.pgcluster import Cluster

@@ -137,8 +137,8 @@ def _in_process_worker(
 ) -> None:
     """One worker in this process (faults injected with monkeypatch) runs the study to its end."""
     from hpsearch.search import study as studies
-    from hpsearch.search.lifeline import StopFlag
     from hpsearch.search.spec import load_file
+    from hpsearch.search.stop_signals import StopFlag
     from hpsearch.search.worker import Worker, WorkerArgs
     from hpsearch.storage.open import open_storage
 
@@ -209,7 +209,7 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
 ) -> None:
     from optuna.exceptions import StorageInternalError
 
-    from hpsearch.search import attempt, lifeline, reap, worker
+    from hpsearch.search import attempt, reap, stop_signals, worker
     from hpsearch.storage.errors import StorageError
     from hpsearch.storage.open import open_storage
 
@@ -226,7 +226,7 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
     monkeypatch.setattr(attempt.TrialReporter, "report", report)
     monkeypatch.setattr(worker.retry, "hand_back", hand_back)
     spec = _spec(tmp_path, tiny_model, demo_files)
-    with pytest.raises(lifeline.StorageLost):
+    with pytest.raises(stop_signals.StorageLost):
         _in_process_worker(tmp_path, spec, sqlite_url, "db")
     [trial] = optuna.load_study(study_name="db", storage=sqlite_url).get_trials()
     assert trial.state == TrialState.RUNNING, "not failed: nothing could be told"
@@ -411,7 +411,7 @@ def test_an_enqueued_trial_that_ends_with_one_grid_point_left_is_no_reaped_trial
 def test_a_retry_runs_after_the_timeout_when_its_trial_started_before(
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str
 ) -> None:
-    from hpsearch.search.lifeline import StopFlag
+    from hpsearch.search.stop_signals import StopFlag
     from hpsearch.search.worker import Worker, WorkerArgs
     from hpsearch.storage.open import open_storage
 
