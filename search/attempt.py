@@ -174,7 +174,7 @@ def _hand_back_after_storage_failure(
     does not, ``StorageLost`` ends the worker and the trial is reaped later.
     """
     # Counted up to the storage's last answer: training may have gone on through the outage
-    # (see trainer/courier.py), but so may a run that ended and waited for its record.
+    # (see trainer/report_queue.py), but so may a run that ended and waited for its record.
     spent = device_seconds(started, reporter.last_ok, w.world.size)
     try:
         w.end_attempt(trial, Outcome.STORAGE_LOST, folder=folder, detail=type(exc).__name__, spent=spent)
