@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import attempt, cli, leftovers, outcome, ranks, reap, retry, stop_signals, study as studies
+from hpsearch.search import attempt, cli, outcome, ranks, reap, retry, stop_signals, study as studies, sweep
 from hpsearch.search.devices import torch_device
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.outcome import Outcome
@@ -242,7 +242,7 @@ class Worker:
         try:
             self.end_attempt(trial, Outcome.NOT_STARTED)
         except StorageError as err:
-            # Left RUNNING: the orphan sweep of the next worker to start fails and retries it.
+            # Left RUNNING: the next worker to start finds it orphaned, fails and retries it (reap.py).
             log.warning("could not hand trial %d back: %s", trial.number, err)
 
     def _wait_for_missing_workers(self) -> bool:
@@ -289,12 +289,12 @@ class Worker:
         return done
 
     def _tidy(self, *, retain: bool = False) -> None:
-        """Delete what no trial needs from this host's folders (see leftovers.py), and, with
+        """Delete what no trial needs from this host's folders (see sweep.py), and, with
         ``retain``, the checkpoints that fell out of the top k (maybe while this host was away)."""
         try:
             if retain:
                 self.retain()
-            leftovers.sweep(self.storage.db, self.study, self.root, max_retries=self.spec.search.max_retries)
+            sweep.trial_folders(self.storage.db, self.study, self.root, max_retries=self.spec.search.max_retries)
         except (StorageError, OSError) as err:
             # A later trial's sweep tries again; tidying is never worth a failed worker.
             log.warning("could not sweep %s: %s", self.root, err)

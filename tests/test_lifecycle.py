@@ -1,5 +1,5 @@
 """Lifecycle faults on real processes: a supervisor killed under its workers, orphaned trials,
-storage failures inside a trial, broken resumable state, leftover folders, budgets and retries."""
+storage failures inside a trial, broken resumable state, swept folders, budgets and retries."""
 
 from __future__ import annotations
 

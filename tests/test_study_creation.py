@@ -1,4 +1,4 @@
-"""Creating a study: one creator among racing `start`s, no leftovers of a deleted namesake, no foreign study adopted.
+"""Creating a study: one creator among racing `start`s, nothing left by a deleted namesake, no foreign study adopted.
 
 The racers are real processes released together by a barrier, against SQLite and the real
 PostgreSQL, calling what `hpsearch start` calls (``create_or_resume``).
