@@ -108,7 +108,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
             out_dir=out_dir,
             resume_from=resume,
             should_stop=w.stop,
-            stop_waiting=w.stop.storage_patience_over,
+            stop_waiting=w.stop.outage_retry_over,
             meta={"study": w.args.study, "trial": trial.number, "params": params},
             started=started,
             world=w.world,
@@ -170,7 +170,7 @@ def _hand_back_after_storage_failure(
 ) -> None:
     """Queue a retry that resumes from the trial's resumable state, like a crash.
 
-    The retry waits until the storage answers again (each call retries patiently); if it
+    The retry waits until the storage answers again (each call retries through the outage); if it
     does not, ``StorageLost`` ends the worker and the trial is reaped later.
     """
     # Counted up to the storage's last answer: training may have gone on through the outage

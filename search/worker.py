@@ -25,7 +25,7 @@ from hpsearch.search.presets import resolved
 from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import StudySpec
 from hpsearch.storage import attrs, budget, checkpoints as retention, lost, registry
-from hpsearch.storage.db import PATIENT_RETRY
+from hpsearch.storage.db import OUTAGE_RETRY
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage
 
@@ -74,9 +74,9 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     if args.peer_devices:
         peers = ranks.Peers(args.device, args.peer_devices, args.name, args.output_dir, args.threads)
     world = peers.start(torch_device(args.device)) if peers else World()
-    patience = replace(PATIENT_RETRY, give_up=stop.storage_patience_over)
+    outage_retry = replace(OUTAGE_RETRY, give_up=stop.outage_retry_over)
     try:
-        storage = stop_signals.open_patiently(args.storage_url, patience, stop)
+        storage = stop_signals.open_retrying(args.storage_url, outage_retry, stop)
     except stop_signals.StorageLost as exc:
         _exit(ExitCode.STORAGE_LOST, f"{exc}; exiting", peers)
     if storage is None:
@@ -95,7 +95,7 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         if not isinstance(exc, stop_signals.StorageLost) and not stop_signals.is_storage_failure(exc):
             raise
         # Also a storage call outside a trial (reading the spec while loading) that ran out
-        # of patience after a stop: one line, not a traceback.
+        # of retries after a stop: one line, not a traceback.
         _exit(
             ExitCode.STORAGE_LOST,
             f"{stop_signals.describe(exc)}; exiting (a held trial is retried once the storage is back)",

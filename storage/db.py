@@ -68,7 +68,7 @@ class RetryPolicy:
 
 DEFAULT_RETRY = RetryPolicy()
 # Long enough to ride out a PostgreSQL restart (issue: database outage mid-search).
-PATIENT_RETRY = RetryPolicy(attempts=40, base_delay_s=0.5, max_delay_s=15.0)
+OUTAGE_RETRY = RetryPolicy(attempts=40, base_delay_s=0.5, max_delay_s=15.0)
 
 
 GAVE_UP = "the database stopped answering and this process is stopping"
@@ -144,7 +144,7 @@ logging.getLogger(f"{ThreadSharedPool.__module__}.{ThreadSharedPool.__name__}").
 
 
 def engine_kwargs(url: str, *, pool_size: int = 1) -> dict[str, Any]:
-    """Engine settings for ``url``: few connections, pre-ping, dead-peer detection, lock patience."""
+    """Engine settings for ``url``: few connections, pre-ping, dead-peer detection, lock waits."""
     if urls.is_sqlite(url):
         # Several local worker processes share the file: wait for the write lock instead of
         # failing with "database is locked".

@@ -255,7 +255,7 @@ class _StopAfter:
         self.n -= 1
         return self.n < 0
 
-    def storage_patience_over(self) -> bool:
+    def outage_retry_over(self) -> bool:
         return False  # the storage (SQLite) always answers here
 
 

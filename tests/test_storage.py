@@ -90,11 +90,11 @@ def test_a_shutdown_cuts_the_retries_through_an_outage_short() -> None:
 
     from sqlalchemy.exc import OperationalError
 
-    from hpsearch.storage.db import PATIENT_RETRY, with_retries
+    from hpsearch.storage.db import OUTAGE_RETRY, with_retries
     from hpsearch.storage.errors import StorageError
 
     shutting_down = {"now": False}
-    policy = replace(PATIENT_RETRY, give_up=lambda: shutting_down["now"])
+    policy = replace(OUTAGE_RETRY, give_up=lambda: shutting_down["now"])
     calls = []
 
     def unreachable() -> None:
@@ -106,7 +106,7 @@ def test_a_shutdown_cuts_the_retries_through_an_outage_short() -> None:
     began = time.monotonic()
     with pytest.raises(StorageError, match="retries used up: connection refused"):
         with_retries(unreachable, policy=policy)
-    # Three attempts, then no more (PATIENT_RETRY alone would try 40 times, for minutes).
+    # Three attempts, then no more (OUTAGE_RETRY alone would try 40 times, for minutes).
     assert len(calls) == 3 and time.monotonic() - began < 5
     # A wait already begun ends too: the give-up is checked while it sleeps.
     began = time.monotonic()
