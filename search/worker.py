@@ -24,7 +24,7 @@ from hpsearch.search.outcome import Outcome
 from hpsearch.search.presets import resolved
 from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import StudySpec
-from hpsearch.storage import attrs, budget, checkpoints as retention, lost, registry
+from hpsearch.storage import attrs, checkpoints as retention, lost, registry, slots
 from hpsearch.storage.db import OUTAGE_RETRY
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage
@@ -190,7 +190,7 @@ class Worker:
                     return
                 log.info("%s, but trial(s) %s started before: running their retries", stop_reason, waiting)
             n_trials = studies.n_trials(self.study, self.spec)
-            slot = budget.claim_slot(self.storage.db, self.args.study, n_trials, self.args.name)
+            slot = slots.claim_slot(self.storage.db, self.args.study, n_trials, self.args.name)
             if slot is None:
                 if self._wait_for_missing_workers():
                     continue
@@ -198,7 +198,7 @@ class Worker:
                 return
             trial = retry.pop_retry(self.study) if retries_only else self.study.ask()
             if trial is None:  # another worker took the last retry
-                budget.release_slot(self.storage.db, self.args.study, slot=slot)
+                slots.release_slot(self.storage.db, self.args.study, slot=slot)
                 continue
             self._begin(trial, slot)
             try:
@@ -229,7 +229,7 @@ class Worker:
         with it (no heartbeat covers it): a failure in between hands the trial back here.
         """
         try:
-            budget.bind_slot(self.storage.db, self.args.study, slot, trial.number)
+            slots.bind_slot(self.storage.db, self.args.study, slot, trial.number)
             if self.registration:
                 self.registration.trial_started(trial.number)
         except BaseException:
@@ -256,7 +256,7 @@ class Worker:
         study, retries = self.args.study, self.spec.search.max_retries
         # Stale heartbeat rows are left to the Reaper thread, which knows our connection was healthy.
         reap.reap(self.storage, study, max_retries=retries, orphans=True, stale=False)
-        if budget.used_slots(self.storage.db, study) < studies.n_trials(self.study, self.spec):
+        if slots.used_slots(self.storage.db, study) < studies.n_trials(self.study, self.spec):
             return True
         waiting = lost.stale_trials(self.storage.db, study, missed_beats=1.5)
         if not waiting:

@@ -194,7 +194,7 @@ SERVER_WATCH: dict[str, int] = {
     f"tcp_{key}": LIBPQ_DEFAULTS[key] for key in ("keepalives_idle", "keepalives_interval", "keepalives_count")
 }
 """The server's side of the same rule, set per session. A worker whose instance vanished
-inside a transaction (an uncommitted budget slot, a locked trial row) blocks every worker
+inside a transaction (an uncommitted trial slot, a locked trial row) blocks every worker
 that touches those rows until the server drops its session: by default after two hours of
 silence, with these (and DEAD_PEER_MS) in about 20 s."""
 

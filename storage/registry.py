@@ -151,7 +151,7 @@ def end(db: Database, worker_id: int) -> None:
 
 def forget_study(db: Database, study: str) -> int:
     """Remove every row left under ``study``: a study of that name is being created anew (see
-    ``budget.forget_study``); a deleted study's workers must not count as the new one's."""
+    ``slots.forget_study``); a deleted study's workers must not count as the new one's."""
     return int(
         db.run(
             lambda s: s.execute(delete(WorkerRecord).where(WorkerRecord.study_name == study)).rowcount,

@@ -98,7 +98,7 @@ def test_start_fails_and_retries_an_orphaned_running_trial_before_judging_gpu_ho
 
     from hpsearch.search import study as studies
     from hpsearch.search.spec import load_file
-    from hpsearch.storage import budget
+    from hpsearch.storage import slots
     from hpsearch.storage.open import open_storage
 
     spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=1)
@@ -108,10 +108,10 @@ def test_start_fails_and_retries_an_orphaned_running_trial_before_judging_gpu_ho
     storage = open_storage(sqlite_url, create=True)
     try:
         study = studies.create_or_resume(storage, "f", load_file(spec))
-        slot = budget.claim_slot(storage.db, "f", 1, "gone/cpu:0/1")
+        slot = slots.claim_slot(storage.db, "f", 1, "gone/cpu:0/1")
         assert slot is not None
         trial = study.ask()
-        budget.bind_slot(storage.db, "f", slot, trial.number)
+        slots.bind_slot(storage.db, "f", slot, trial.number)
         storage.db.run(
             lambda s: s.execute(text("UPDATE hpsearch_budget_slots SET claimed_at = claimed_at - 3600")),
             what="age the slot",
