@@ -72,7 +72,7 @@ class Supervisor:
                 ready = wait([*self.children, *(c.conn for c in self.children.values())], timeout=1.0)
                 for obj in ready:
                     if isinstance(obj, int):
-                        self._reap(obj)
+                        self._collect(obj)
                     else:
                         child = next((c for c in self.children.values() if c.conn is obj), None)
                         if child is not None:
@@ -117,7 +117,8 @@ class Supervisor:
         child.trial = (trial_id, number) if kind == "trial" else None
         return True
 
-    def _reap(self, sentinel: int) -> None:
+    def _collect(self, sentinel: int) -> None:
+        """A child process ended: join it, read its last messages, and act on its exit code."""
         child = self.children.pop(sentinel)
         child.process.join()
         # Messages sent just before exit are still in the pipe.

@@ -18,7 +18,7 @@ from tests.test_faults import _sa_url, _slow_spec, _spawned_workers, _start, _wa
 
 
 def _wait_gone(pid: int, timeout: float) -> bool:
-    """True once ``pid`` has exited (an orphan is reaped by init, so /proc says so)."""
+    """True once ``pid`` has exited (init collects an orphan once it exits, so /proc says so)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
