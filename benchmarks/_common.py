@@ -304,8 +304,8 @@ class HpsearchSide:
 
     def __init__(self, s: Setup, name: str = "hpsearch") -> None:
         from hpsearch.search import study as studies
-        from hpsearch.search.lifeline import StopFlag
         from hpsearch.search.spec import StudySpec
+        from hpsearch.search.stop_signals import StopFlag
         from hpsearch.search.worker import Worker, WorkerArgs
         from hpsearch.storage.open import open_storage
 
@@ -349,15 +349,15 @@ class HpsearchSide:
         self.worker = Worker(args, self.storage, StopFlag(), None)
 
     def run(self, repeat: int) -> Outcome:
-        from hpsearch.storage import budget
+        from hpsearch.storage import slots
 
         self.study.enqueue_trial({"seed": repeat})
         t0 = time.perf_counter()
-        # Worker.run's loop body, once: claim a budget slot, ask, train, tell.
-        slot = budget.claim_slot(self.storage.db, self.name, 1000, self.worker.args.name)
+        # Worker.run's loop body, once: claim a trial slot, ask, train, tell.
+        slot = slots.claim_slot(self.storage.db, self.name, 1000, self.worker.args.name)
         assert slot is not None
         trial = self.worker.study.ask()
-        budget.bind_slot(self.storage.db, self.name, slot, trial.number)
+        slots.bind_slot(self.storage.db, self.name, slot, trial.number)
         self.worker.run_trial(trial)
         seconds = time.perf_counter() - t0
         done = self.study.trials[trial.number]

@@ -5,7 +5,7 @@ PostgreSQL server with default settings (max_connections = 100):
 
 * ``optuna``: each process calls ``study.optimize`` on ``RDBStorage(url)``, Optuna's defaults;
 * ``hpsearch``: each process runs a worker's loop through hpsearch's own code: ``open_storage``
-  (one engine, pre-ping, keepalives, retries), the exact budget (``budget.claim_slot``), the
+  (one engine, pre-ping, keepalives, retries), the exact budget (``slots.claim_slot``), the
   worker registry with its heartbeat thread, and the sampler/pruner a study spec asks for.
 
 Both use the same TPE sampler (constant liar) and median pruner and a fast synthetic
@@ -52,9 +52,9 @@ from sqlalchemy import func, select
 
 from hpsearch.search import presets, spec as specs, study as studies
 from hpsearch.search.attempt import TrialReporter
-from hpsearch.storage import budget, registry
+from hpsearch.storage import registry, slots
 from hpsearch.storage.open import open_storage
-from hpsearch.storage.tables import BudgetSlot
+from hpsearch.storage.tables import TrialSlot
 
 log = logging.getLogger("storage_scale")
 STEPS = 10
@@ -214,11 +214,11 @@ def hpsearch_worker(url: str, study: str, index: int, go: Any, results: Any, hea
             with registry.Registration(storage.db, study, name, f"cpu:{index % 8}", interval_s=heartbeat_s) as reg:
                 while True:
                     n_trials = studies.n_trials(study_obj, spec)
-                    slot = budget.claim_slot(storage.db, study, n_trials, name)
+                    slot = slots.claim_slot(storage.db, study, n_trials, name)
                     if slot is None:
                         break
                     trial = study_obj.ask()
-                    budget.bind_slot(storage.db, study, slot, trial.number)
+                    slots.bind_slot(storage.db, study, slot, trial.number)
                     reg.trial_started(trial.number)
                     state, value = run_trial(trial, spec)
                     if state == TrialState.COMPLETE:
@@ -404,10 +404,10 @@ def _count_trials(row: Row, url: str, study: str) -> None:
         row.lost = max(0, row.expected - len(done))
         row.duplicated = max(0, len(done) - row.expected)
         if row.storage == "hpsearch":
-            # Every budget slot is bound to its own trial: a slot run twice would show here.
+            # Every trial slot is bound to its own trial: a slot run twice would show here.
             bound = storage.db.run(
                 lambda s: s.execute(
-                    select(func.count(BudgetSlot.trial_number.distinct())).where(BudgetSlot.study_name == study)
+                    select(func.count(TrialSlot.trial_number.distinct())).where(TrialSlot.study_name == study)
                 ).scalar_one(),
                 what="count bound slots",
             )

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from hpsearch.search import lifeline, ranks, retry, study as studies
+from hpsearch.search import ranks, retry, stop_signals, study as studies
 from hpsearch.search.early_stop import EarlyStop, PruningGate
 from hpsearch.search.outcome import Outcome, device_seconds
 from hpsearch.search.space import split_params
@@ -107,7 +107,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
             files=files,
             resume_from=resume,
             should_stop=w.stop,
-            stop_waiting=w.stop.storage_patience_over,
+            stop_waiting=w.stop.outage_retry_over,
             meta={"study": w.args.study, "trial": trial.number, "params": params},
             started=started,
             world=w.world,
@@ -120,9 +120,9 @@ def run(w: Worker, trial: optuna.Trial) -> None:
         log.error("trial %d failed: %s", trial.number, exc)
         failure: str | None = exc.reason
     except Exception as exc:
-        if lifeline.is_storage_failure(exc):
+        if stop_signals.is_storage_failure(exc):
             # The database, not the trial: keep its checkpoints and hand it back.
-            log.error("trial %d: the storage failed: %s", trial.number, lifeline.describe(exc))
+            log.error("trial %d: the storage failed: %s", trial.number, stop_signals.describe(exc))
             _hand_back_after_storage_failure(w, trial, folder, reporter, started, exc)
             return
         log.error("trial %d failed:\n%s", trial.number, traceback.format_exc())
@@ -169,18 +169,18 @@ def _hand_back_after_storage_failure(
 ) -> None:
     """Queue a retry that resumes from the trial's resumable state, like a crash.
 
-    The retry waits until the storage answers again (each call retries patiently); if it
+    The retry waits until the storage answers again (each call retries through the outage); if it
     does not, ``StorageLost`` ends the worker and the trial is reaped later.
     """
     # Counted up to the storage's last answer: training may have gone on through the outage
-    # (see trainer/courier.py), but so may a run that ended and waited for its record.
+    # (see trainer/report_queue.py), but so may a run that ended and waited for its record.
     spent = device_seconds(started, reporter.last_ok, w.world.size)
     try:
         w.end_attempt(trial, Outcome.STORAGE_LOST, folder=folder, detail=type(exc).__name__, spent=spent)
     except Exception as err:
-        if not lifeline.is_storage_failure(err):
+        if not stop_signals.is_storage_failure(err):
             raise
-        raise lifeline.StorageLost.during(trial.number, err) from err
+        raise stop_signals.StorageLost.during(trial.number, err) from err
     if w.world.size > 1:
         raise ranks.GroupRestart(f"trial {trial.number} lost its storage on a {w.world.size}-device group")
 

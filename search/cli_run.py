@@ -13,7 +13,7 @@ from pathlib import Path
 
 import optuna
 
-from hpsearch.search import devices, lifeline, study as studies, summary
+from hpsearch.search import devices, stop_signals, study as studies, summary
 from hpsearch.search.cli_study import format_status, study_status
 from hpsearch.search.devices import Device, check_precision
 from hpsearch.search.dispatch import Supervisor
@@ -98,7 +98,7 @@ def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Device
         try:
             s = study_status(args.study, url, best_only=False)
         except StorageError as exc:
-            lost = lifeline.describe(exc)
+            lost = stop_signals.describe(exc)
     if lost is not None:
         # The workers are done (or stopped); only the summary is lost. Not the input's fault,
         # so never exit 2, and keep the supervisor's code (128 + signal after a stop).

@@ -20,7 +20,7 @@ from typing import Any
 
 import optuna
 
-from hpsearch.search import lifeline, outcome, progress, study as studies, worker
+from hpsearch.search import outcome, progress, stop_signals, study as studies, worker
 from hpsearch.search.devices import Device, only_gpu, threads_per_worker
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.outcome import Outcome
@@ -72,7 +72,7 @@ class Supervisor:
                 ready = wait([*self.children, *(c.conn for c in self.children.values())], timeout=1.0)
                 for obj in ready:
                     if isinstance(obj, int):
-                        self._reap(obj)
+                        self._collect(obj)
                     else:
                         child = next((c for c in self.children.values() if c.conn is obj), None)
                         if child is not None:
@@ -117,7 +117,8 @@ class Supervisor:
         child.trial = (trial_id, number) if kind == "trial" else None
         return True
 
-    def _reap(self, sentinel: int) -> None:
+    def _collect(self, sentinel: int) -> None:
+        """A child process ended: join it, read its last messages, and act on its exit code."""
         child = self.children.pop(sentinel)
         child.process.join()
         # Messages sent just before exit are still in the pipe.
@@ -227,7 +228,7 @@ class Supervisor:
             for child in self.children.values():
                 if child.process.is_alive() and signum == signal.SIGTERM:
                     # Ctrl-C reaches the whole process group already; SIGTERM maybe only us.
-                    os.kill(child.process.pid, lifeline.STOP_REQUEST)
+                    os.kill(child.process.pid, stop_signals.STOP_REQUEST)
         else:
             for child in self.children.values():
                 if child.process.is_alive():

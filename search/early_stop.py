@@ -30,8 +30,9 @@ the second kind before the step a run at chance is first judged at (warm-up and 
 steps, see ChanceLevel.judged_from). Reports still go to the search at every point.
 
 A run on several ranks is judged on rank 0 alone, whose answer the trainer gives every rank.
-The trainer's calls reach ``EarlyStop`` in order on its courier thread (trainer/report.py), so
-while the database is away a run at chance is stopped once the backlog has gone through.
+The trainer's calls reach ``EarlyStop`` in order on its report queue's thread
+(trainer/report_queue.py), so while the database is away a run at chance is stopped once the
+backlog has gone through.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ class ExitCode(enum.IntEnum):
     GROUP_RESTART = 76
     """A failed trial left a device group's ranks out of step: the supervisor restarts the group."""
     STORAGE_LOST = 77
-    """The worker could not reach the storage for longer than its patience; its trial is retried
+    """The worker could not reach the storage past its outage retries; its trial is retried
     once the storage is back."""
 
     @staticmethod

@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import lifeline, note, study as studies, summary
+from hpsearch.search import note, stop_signals, study as studies, summary
 from hpsearch.search.devices import Device
 from hpsearch.search.spec import StudySpec
 from hpsearch.storage import attrs
@@ -137,7 +137,7 @@ class Poller(threading.Thread):
                 log.warning(
                     "progress: cannot read study %s (%s); will retry",
                     self.study_name,
-                    lifeline.describe(exc),
+                    stop_signals.describe(exc),
                 )
             self._failing = True
             return None
@@ -158,7 +158,7 @@ class Poller(threading.Thread):
                 k: v for k, v in engine_kwargs(url).items() if k not in ("pool_size", "max_overflow", "pool_recycle")
             }
             # No pooled connection stays open between reads: the parent must not hold one
-            # for hours while its children train (connection budget of a shared server).
+            # for hours while its children train (a shared server's connection limit).
             rdb = optuna.storages.RDBStorage(
                 url, engine_kwargs={**kwargs, "poolclass": NullPool}, skip_table_creation=True
             )

@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 
 from hpsearch.search import outcome
 from hpsearch.search.outcome import Outcome
-from hpsearch.storage import budget, lost, registry
+from hpsearch.storage import lost, registry, slots
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage
 
@@ -57,7 +57,7 @@ def reap(
 ) -> list[Reaped]:
     """One pass: fail and retry every trial whose worker is past the grace period.
 
-    ``orphans`` also looks at budget slots whose worker vanished before the registry knew its
+    ``orphans`` also looks at trial slots whose worker vanished before the registry knew its
     trial (a window of milliseconds); that scan reads every slot, so the background reaper
     leaves it to `hpsearch reap` and to workers that find the budget used up. ``stale=False``
     skips the heartbeat rows: only a reaper that knows its own connection was healthy for a
@@ -102,12 +102,12 @@ def _reap(
         if retried is not None:
             log.warning("trial %d: its worker vanished as it asked for the trial; failing it for a retry", number)
             reaped.append(Reaped(number, "unknown", "unknown", grace, retried))
-    for slot, number in budget.orphaned_slots(storage.db, study_name, older_than_s=grace):
+    for slot, number in slots.orphaned_slots(storage.db, study_name, older_than_s=grace):
         if number is not None and number not in running:
             continue  # a finished trial keeps its slot
         if number is None:
-            log.warning("budget slot %d was claimed by a worker that vanished before its trial began", slot)
-            budget.release_slot(storage.db, study_name, slot=slot)
+            log.warning("trial slot %d was claimed by a worker that vanished before its trial began", slot)
+            slots.release_slot(storage.db, study_name, slot=slot)
             continue
         retried = _fail_for_retry(storage, study, number, max_retries)
         if retried is not None:
@@ -186,7 +186,7 @@ def _retry_stale(storage: Storage, study: optuna.Study, s: lost.StaleTrial, max_
 
 
 def _unbound(storage: Storage, study_name: str, running: list[optuna.trial.FrozenTrial], grace: float) -> list[int]:
-    """Running trials that no budget slot and no live registry row name, older than ``grace``.
+    """Running trials that no trial slot and no live registry row name, older than ``grace``.
 
     A worker that dies between ``ask()`` and binding the trial to its slot (milliseconds)
     leaves such a trial. Its age is judged by its start time, which the asking host's clock
@@ -194,7 +194,7 @@ def _unbound(storage: Storage, study_name: str, running: list[optuna.trial.Froze
     """
     if not running:
         return []
-    named = budget.bound_trials(storage.db, study_name) | registry.held_trials(storage.db, study_name)
+    named = slots.bound_trials(storage.db, study_name) | registry.held_trials(storage.db, study_name)
     cutoff = datetime.datetime.now() - datetime.timedelta(seconds=grace)
     return [
         t.number

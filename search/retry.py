@@ -13,7 +13,7 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
-from hpsearch.storage import attrs, budget, checkpoints as retention
+from hpsearch.storage import attrs, checkpoints as retention, slots
 from hpsearch.storage.open import Storage
 from hpsearch.storage.trialdir import BEST, RESUME, TrialDir
 
@@ -36,7 +36,7 @@ def hand_back(
     is recorded as it is, and the retrying worker resumes from it if it can reach it and it is
     the failed trial's own state in its study folder (``take_over`` checks).
 
-    The retry is enqueued before the budget slot is released, so whichever worker claims
+    The retry is enqueued before the trial slot is released, so whichever worker claims
     the slot next pops exactly this retry from Optuna's queue.
     """
     frozen = storage.optuna.get_trial(trial_id)
@@ -62,7 +62,7 @@ def hand_back(
         },
         skip_if_exists=False,
     )
-    budget.release_slot(storage.db, study.study_name, trial_number=frozen.number)
+    slots.release_slot(storage.db, study.study_name, trial_number=frozen.number)
     log.warning(
         "trial %d failed (%s); retry %d/%d queued%s",
         frozen.number,

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from hpsearch.search.errors import SpecError
 from hpsearch.search.space import Param
 from hpsearch.search.spec import StudySpec, difference
-from hpsearch.storage import attrs, budget, registry
+from hpsearch.storage import attrs, registry, slots
 from hpsearch.storage.open import Storage, require_study
 from hpsearch.storage.tables import StudyCreation
 
@@ -61,9 +61,9 @@ def _create(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
         _unmark(storage, name)
         raise SpecError(f"study {name!r} exists but was not created by hpsearch; choose another --study name") from None
     # Rows a deleted study of this name left in our tables would count as the new one's.
-    slots, rows = budget.forget_study(storage.db, name), registry.forget_study(storage.db, name)
-    if slots or rows:
-        log.info("study %s: removed %d budget slots and %d worker rows of a deleted study", name, slots, rows)
+    n_slots, rows = slots.forget_study(storage.db, name), registry.forget_study(storage.db, name)
+    if n_slots or rows:
+        log.info("study %s: removed %d trial slots and %d worker rows of a deleted study", name, n_slots, rows)
     ensure_uid(study)
     # Known-good configurations run first: queued now, the first ask() of any worker gets one.
     for params in spec.enqueue:
@@ -255,11 +255,11 @@ def make_sampler(spec: StudySpec, seed: int) -> optuna.samplers.BaseSampler:
     if kind == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if kind == "qmc":
-        from hpsearch.search.quasi import QuasiRandomSampler
+        from hpsearch.search.sobol import SobolSampler
 
         # One scramble for the whole study (not the worker's seed): workers share the sequence.
         space = {name: distribution(p) for name, p in spec.space.items()}
-        return QuasiRandomSampler(space, spec.search.seed)
+        return SobolSampler(space, spec.search.seed)
     if kind == "grid":
         # GridSampler shuffles the grid with its seed and stores only each trial's index into
         # it: every worker (and a resumed study) must shuffle alike, so the study's seed, not

@@ -37,7 +37,7 @@ class NullReporter(AttrReporter):
     """Runs a fine-tune outside any search: records values and attributes as a trial would, never prunes."""
 
     immediate = True
-    """Called directly, not through a courier thread: its calls never wait (see StateSavingReporter)."""
+    """Called directly, not through a report queue: its calls never wait (see StateSavingReporter)."""
 
     def __init__(self) -> None:
         self.values: dict[int, float] = {}

@@ -17,15 +17,15 @@ from typing import Any, NoReturn
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import attempt, cli, leftovers, lifeline, outcome, ranks, reap, retry, study as studies
+from hpsearch.search import attempt, cli, outcome, ranks, reap, retry, stop_signals, study as studies, sweep
 from hpsearch.search.devices import torch_device
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.outcome import Outcome
 from hpsearch.search.presets import resolved
 from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import StudySpec
-from hpsearch.storage import attrs, budget, checkpoints as retention, lost, registry
-from hpsearch.storage.db import PATIENT_RETRY
+from hpsearch.storage import attrs, checkpoints as retention, lost, registry, slots
+from hpsearch.storage.db import OUTAGE_RETRY
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage
 
@@ -53,9 +53,9 @@ class WorkerArgs:
 def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     """Entry point of the spawned worker process."""
     cli.setup_logging(args.log_level, args.name)
-    stop = lifeline.StopFlag()
+    stop = stop_signals.StopFlag()
     stop.install()
-    if not lifeline.die_with_parent():
+    if not stop_signals.die_with_parent():
         log.warning("the supervisor that started this worker is gone; exiting")
         raise SystemExit(ExitCode.signalled(signal.SIGTERM))
     import torch
@@ -74,10 +74,10 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     if args.peer_devices:
         peers = ranks.Peers(args.device, args.peer_devices, args.name, args.output_dir, args.threads)
     world = peers.start(torch_device(args.device)) if peers else World()
-    patience = replace(PATIENT_RETRY, give_up=stop.storage_patience_over)
+    outage_retry = replace(OUTAGE_RETRY, give_up=stop.outage_retry_over)
     try:
-        storage = lifeline.open_patiently(args.storage_url, patience, stop)
-    except lifeline.StorageLost as exc:
+        storage = stop_signals.open_retrying(args.storage_url, outage_retry, stop)
+    except stop_signals.StorageLost as exc:
         _exit(ExitCode.STORAGE_LOST, f"{exc}; exiting", peers)
     if storage is None:
         _exit(128 + stop.signum, "stopped before the storage answered", peers)
@@ -92,13 +92,13 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     except ranks.GroupRestart as exc:
         _exit(ExitCode.GROUP_RESTART, f"{exc}; restarting the device group", peers)
     except Exception as exc:
-        if not isinstance(exc, lifeline.StorageLost) and not lifeline.is_storage_failure(exc):
+        if not isinstance(exc, stop_signals.StorageLost) and not stop_signals.is_storage_failure(exc):
             raise
         # Also a storage call outside a trial (reading the spec while loading) that ran out
-        # of patience after a stop: one line, not a traceback.
+        # of retries after a stop: one line, not a traceback.
         _exit(
             ExitCode.STORAGE_LOST,
-            f"{lifeline.describe(exc)}; exiting (a held trial is retried once the storage is back)",
+            f"{stop_signals.describe(exc)}; exiting (a held trial is retried once the storage is back)",
             peers,
         )
     finally:
@@ -124,7 +124,7 @@ class Worker:
         self,
         args: WorkerArgs,
         storage: Storage,
-        stop: lifeline.StopFlag,
+        stop: stop_signals.StopFlag,
         conn: Connection | None,
         registration: registry.Registration | None = None,
         world: Any = None,
@@ -190,7 +190,7 @@ class Worker:
                     return
                 log.info("%s, but trial(s) %s started before: running their retries", stop_reason, waiting)
             n_trials = studies.n_trials(self.study, self.spec)
-            slot = budget.claim_slot(self.storage.db, self.args.study, n_trials, self.args.name)
+            slot = slots.claim_slot(self.storage.db, self.args.study, n_trials, self.args.name)
             if slot is None:
                 if self._wait_for_missing_workers():
                     continue
@@ -198,18 +198,18 @@ class Worker:
                 return
             trial = retry.pop_retry(self.study) if retries_only else self.study.ask()
             if trial is None:  # another worker took the last retry
-                budget.release_slot(self.storage.db, self.args.study, slot=slot)
+                slots.release_slot(self.storage.db, self.args.study, slot=slot)
                 continue
             self._begin(trial, slot)
             try:
                 self.run_trial(trial)
-            except (ranks.GroupRestart, lifeline.StorageLost):
+            except (ranks.GroupRestart, stop_signals.StorageLost):
                 # GroupRestart: the failure is recorded; the device group's ranks must start
                 # afresh. StorageLost: nothing can be recorded; the worker exits.
                 raise
             except Exception as exc:
-                if lifeline.is_storage_failure(exc):
-                    raise lifeline.StorageLost.during(trial.number, exc) from exc
+                if stop_signals.is_storage_failure(exc):
+                    raise stop_signals.StorageLost.during(trial.number, exc) from exc
                 if not self._finished_elsewhere(trial):
                     raise
                 # Our heartbeat went stale (a long network cut) and a reaper failed the trial
@@ -229,7 +229,7 @@ class Worker:
         with it (no heartbeat covers it): a failure in between hands the trial back here.
         """
         try:
-            budget.bind_slot(self.storage.db, self.args.study, slot, trial.number)
+            slots.bind_slot(self.storage.db, self.args.study, slot, trial.number)
             if self.registration:
                 self.registration.trial_started(trial.number)
         except BaseException:
@@ -242,7 +242,7 @@ class Worker:
         try:
             self.end_attempt(trial, Outcome.NOT_STARTED)
         except StorageError as err:
-            # Left RUNNING: the orphan sweep of the next worker to start fails and retries it.
+            # Left RUNNING: the next worker to start finds it orphaned, fails and retries it (reap.py).
             log.warning("could not hand trial %d back: %s", trial.number, err)
 
     def _wait_for_missing_workers(self) -> bool:
@@ -256,7 +256,7 @@ class Worker:
         study, retries = self.args.study, self.spec.search.max_retries
         # Stale heartbeat rows are left to the Reaper thread, which knows our connection was healthy.
         reap.reap(self.storage, study, max_retries=retries, orphans=True, stale=False)
-        if budget.used_slots(self.storage.db, study) < studies.n_trials(self.study, self.spec):
+        if slots.used_slots(self.storage.db, study) < studies.n_trials(self.study, self.spec):
             return True
         waiting = lost.stale_trials(self.storage.db, study, missed_beats=1.5)
         if not waiting:
@@ -289,12 +289,12 @@ class Worker:
         return done
 
     def _tidy(self, *, retain: bool = False) -> None:
-        """Delete what no trial needs from this host's folders (see leftovers.py), and, with
+        """Delete what no trial needs from this host's folders (see sweep.py), and, with
         ``retain``, the checkpoints that fell out of the top k (maybe while this host was away)."""
         try:
             if retain:
                 self.retain()
-            leftovers.sweep(self.storage.db, self.study, self.root, max_retries=self.spec.search.max_retries)
+            sweep.trial_folders(self.storage.db, self.study, self.root, max_retries=self.spec.search.max_retries)
         except (StorageError, OSError) as err:
             # A later trial's sweep tries again; tidying is never worth a failed worker.
             log.warning("could not sweep %s: %s", self.root, err)

@@ -68,7 +68,7 @@ class RetryPolicy:
 
 DEFAULT_RETRY = RetryPolicy()
 # Long enough to ride out a PostgreSQL restart (issue: database outage mid-search).
-PATIENT_RETRY = RetryPolicy(attempts=40, base_delay_s=0.5, max_delay_s=15.0)
+OUTAGE_RETRY = RetryPolicy(attempts=40, base_delay_s=0.5, max_delay_s=15.0)
 
 
 GAVE_UP = "the database stopped answering and this process is stopping"
@@ -144,7 +144,7 @@ logging.getLogger(f"{ThreadSharedPool.__module__}.{ThreadSharedPool.__name__}").
 
 
 def engine_kwargs(url: str, *, pool_size: int = 1) -> dict[str, Any]:
-    """Engine settings for ``url``: few connections, pre-ping, dead-peer detection, lock patience."""
+    """Engine settings for ``url``: few connections, pre-ping, dead-peer detection, lock waits."""
     if urls.is_sqlite(url):
         # Several local worker processes share the file: wait for the write lock instead of
         # failing with "database is locked".
@@ -194,7 +194,7 @@ SERVER_WATCH: dict[str, int] = {
     f"tcp_{key}": LIBPQ_DEFAULTS[key] for key in ("keepalives_idle", "keepalives_interval", "keepalives_count")
 }
 """The server's side of the same rule, set per session. A worker whose instance vanished
-inside a transaction (an uncommitted budget slot, a locked trial row) blocks every worker
+inside a transaction (an uncommitted trial slot, a locked trial row) blocks every worker
 that touches those rows until the server drops its session: by default after two hours of
 silence, with these (and DEAD_PEER_MS) in about 20 s."""
 

@@ -32,7 +32,7 @@ from hpsearch.storage.db import (
     with_retries,
 )
 from hpsearch.storage.errors import StorageError, StorageUrlError, StudyNotFoundError
-from hpsearch.storage.patient import PatientRDBStorage
+from hpsearch.storage.retrying import RetryingRDBStorage
 from hpsearch.storage.tables import Base
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ def _open(url: str, normalized: str, kwargs: dict[str, Any], create: bool, displ
     # Optuna's own schema check reads the version inside an open session on a second
     # connection; with 64 workers starting at once that doubles the connections a server
     # must take. The same check, one query after the other, needs one.
-    rdb = PatientRDBStorage(
+    rdb = RetryingRDBStorage(
         normalized,
         engine_kwargs=kwargs,
         skip_compatibility_check=True,

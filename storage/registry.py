@@ -151,7 +151,7 @@ def end(db: Database, worker_id: int) -> None:
 
 def forget_study(db: Database, study: str) -> int:
     """Remove every row left under ``study``: a study of that name is being created anew (see
-    ``budget.forget_study``); a deleted study's workers must not count as the new one's."""
+    ``slots.forget_study``); a deleted study's workers must not count as the new one's."""
     return int(
         db.run(
             lambda s: s.execute(delete(WorkerRecord).where(WorkerRecord.study_name == study)).rowcount,
@@ -206,11 +206,11 @@ class Registration:
         device: str,
         *,
         interval_s: float | None = None,
-        patience_s: float = 5.0,
+        quiet_wait_s: float = 5.0,
     ) -> None:
         self.db, self.study, self.name, self.device = db, study, name, device
         self.interval_s = heartbeat_interval() if interval_s is None else interval_s
-        self.patience_s = patience_s
+        self.quiet_wait_s = quiet_wait_s
         self.id: int | None = None
         self.beats = 0
         self._due = threading.Event()
@@ -246,7 +246,7 @@ class Registration:
         if self._thread is not None:
             # A beat in flight on a dead network path ends only when the connection is
             # declared dead; a stopping worker that gave the database up does not wait for it.
-            wait = 1.0 if self.db.given_up else self.interval_s + self.patience_s + 5
+            wait = 1.0 if self.db.given_up else self.interval_s + self.quiet_wait_s + 5
             self._thread.join(timeout=wait)
         if self._piggyback:
             event.remove(self.db.engine, "checkin", self._on_checkin)
@@ -327,10 +327,10 @@ class Registration:
         """True when the heartbeat should write the beat itself.
 
         That is when the pooled connection stays idle for a few polls in a row (the trainer is
-        busy computing, not storing), or when ``patience_s`` runs out; False when a check-in
+        busy computing, not storing), or when ``quiet_wait_s`` runs out; False when a check-in
         carried the beat meanwhile or the worker is stopping.
         """
-        deadline = time.monotonic() + self.patience_s
+        deadline = time.monotonic() + self.quiet_wait_s
         quiet = 0
         while self._due.is_set() and time.monotonic() < deadline:
             quiet = quiet + 1 if self.db.pooled_connection_idle() else 0

@@ -10,7 +10,7 @@ class Base(DeclarativeBase):
     metadata = MetaData()
 
 
-class BudgetSlot(Base):
+class TrialSlot(Base):
     """One unit of a study's trial budget, claimed before a trial is asked for.
 
     The primary key makes the claim atomic on every backend: two workers that race for the
@@ -18,6 +18,7 @@ class BudgetSlot(Base):
     released (row deleted) only when its trial is handed back for a retry.
     """
 
+    # The table keeps the name it was created with: existing study databases hold it.
     __tablename__ = "hpsearch_budget_slots"
 
     study_name: Mapped[str] = mapped_column(String(512), primary_key=True)

@@ -336,8 +336,8 @@ def test_sigterm_during_a_database_outage_exits_soon_and_the_retry_resumes_where
 def test_a_worker_that_starts_during_an_outage_waits_for_the_storage_or_a_stop() -> None:
     import threading
 
-    from hpsearch.search.lifeline import StopFlag, open_patiently
-    from hpsearch.storage.db import PATIENT_RETRY
+    from hpsearch.search.stop_signals import StopFlag, open_retrying
+    from hpsearch.storage.db import OUTAGE_RETRY
     from hpsearch.storage.open import open_storage
     from tests.support.pgcluster import Cluster
 
@@ -352,7 +352,7 @@ def test_a_worker_that_starts_during_an_outage_waits_for_the_storage_or_a_stop()
         restart = threading.Timer(3.0, cluster.start)
         restart.start()
         began = time.monotonic()
-        storage = open_patiently(cluster.url, PATIENT_RETRY, StopFlag())
+        storage = open_retrying(cluster.url, OUTAGE_RETRY, StopFlag())
         assert storage is not None and time.monotonic() - began > 2
         storage.close()
         # The worker may connect before `pg_ctl -w start` has seen the server up; stopped under
@@ -363,7 +363,7 @@ def test_a_worker_that_starts_during_an_outage_waits_for_the_storage_or_a_stop()
         stop = StopFlag()
         threading.Timer(1.0, stop.request, args=(signal.SIGTERM, "test")).start()
         began = time.monotonic()
-        assert open_patiently(cluster.url, PATIENT_RETRY, stop) is None
+        assert open_retrying(cluster.url, OUTAGE_RETRY, stop) is None
         assert time.monotonic() - began < 10
     finally:
         cluster.destroy()

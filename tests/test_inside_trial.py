@@ -10,8 +10,8 @@ import pytest
 from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.search import study as studies
-from hpsearch.search.lifeline import StopFlag
 from hpsearch.search.spec import load_file
+from hpsearch.search.stop_signals import StopFlag
 from hpsearch.search.worker import Worker, WorkerArgs
 from hpsearch.storage.open import open_storage
 from hpsearch.trainer import checkpoint

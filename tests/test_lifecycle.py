@@ -1,5 +1,5 @@
 """Lifecycle faults on real processes: a supervisor killed under its workers, orphaned trials,
-storage failures inside a trial, broken resumable state, leftover folders, budgets and retries."""
+storage failures inside a trial, broken resumable state, swept folders, budgets and retries."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.test_faults import _sa_url, _slow_spec, _spawned_workers, _start, _wa
 
 
 def _wait_gone(pid: int, timeout: float) -> bool:
-    """True once ``pid`` has exited (an orphan is reaped by init, so /proc says so)."""
+    """True once ``pid`` has exited (init collects an orphan once it exits, so /proc says so)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -98,7 +98,7 @@ def test_start_fails_and_retries_an_orphaned_running_trial_before_judging_gpu_ho
 
     from hpsearch.search import study as studies
     from hpsearch.search.spec import load_file
-    from hpsearch.storage import budget
+    from hpsearch.storage import slots
     from hpsearch.storage.open import open_storage
 
     spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=1)
@@ -108,10 +108,10 @@ def test_start_fails_and_retries_an_orphaned_running_trial_before_judging_gpu_ho
     storage = open_storage(sqlite_url, create=True)
     try:
         study = studies.create_or_resume(storage, "f", load_file(spec))
-        slot = budget.claim_slot(storage.db, "f", 1, "gone/cpu:0/1")
+        slot = slots.claim_slot(storage.db, "f", 1, "gone/cpu:0/1")
         assert slot is not None
         trial = study.ask()
-        budget.bind_slot(storage.db, "f", slot, trial.number)
+        slots.bind_slot(storage.db, "f", slot, trial.number)
         storage.db.run(
             lambda s: s.execute(text("UPDATE hpsearch_budget_slots SET claimed_at = claimed_at - 3600")),
             what="age the slot",
@@ -137,8 +137,8 @@ def _in_process_worker(
 ) -> None:
     """One worker in this process (faults injected with monkeypatch) runs the study to its end."""
     from hpsearch.search import study as studies
-    from hpsearch.search.lifeline import StopFlag
     from hpsearch.search.spec import load_file
+    from hpsearch.search.stop_signals import StopFlag
     from hpsearch.search.worker import Worker, WorkerArgs
     from hpsearch.storage.open import open_storage
 
@@ -209,7 +209,7 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
 ) -> None:
     from optuna.exceptions import StorageInternalError
 
-    from hpsearch.search import attempt, lifeline, reap, worker
+    from hpsearch.search import attempt, reap, stop_signals, worker
     from hpsearch.storage.errors import StorageError
     from hpsearch.storage.open import open_storage
 
@@ -226,7 +226,7 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
     monkeypatch.setattr(attempt.TrialReporter, "report", report)
     monkeypatch.setattr(worker.retry, "hand_back", hand_back)
     spec = _spec(tmp_path, tiny_model, demo_files)
-    with pytest.raises(lifeline.StorageLost):
+    with pytest.raises(stop_signals.StorageLost):
         _in_process_worker(tmp_path, spec, sqlite_url, "db")
     [trial] = optuna.load_study(study_name="db", storage=sqlite_url).get_trials()
     assert trial.state == TrialState.RUNNING, "not failed: nothing could be told"
@@ -255,7 +255,7 @@ class _StopAfter:
         self.n -= 1
         return self.n < 0
 
-    def storage_patience_over(self) -> bool:
+    def outage_retry_over(self) -> bool:
         return False  # the storage (SQLite) always answers here
 
 
@@ -411,7 +411,7 @@ def test_an_enqueued_trial_that_ends_with_one_grid_point_left_is_no_reaped_trial
 def test_a_retry_runs_after_the_timeout_when_its_trial_started_before(
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str
 ) -> None:
-    from hpsearch.search.lifeline import StopFlag
+    from hpsearch.search.stop_signals import StopFlag
     from hpsearch.search.worker import Worker, WorkerArgs
     from hpsearch.storage.open import open_storage
 

@@ -16,7 +16,7 @@ import sqlalchemy
 from hpsearch.search import spec as specs, study as studies
 from hpsearch.storage import registry, worker_views
 from hpsearch.storage.open import open_storage
-from hpsearch.storage.tables import BudgetSlot
+from hpsearch.storage.tables import TrialSlot
 from tests.conftest import hpsearch, spec_text
 from tests.support.tiny import write_demo_split
 
@@ -87,7 +87,7 @@ def test_three_hosts_share_one_study_exactly(tmp_path: Path, tiny_model: Path, p
         workers = worker_views.list_workers(storage.db, "shared")
         with storage.db.session() as s:
             slots = s.execute(
-                sqlalchemy.select(BudgetSlot.slot, BudgetSlot.trial_number).where(BudgetSlot.study_name == "shared")
+                sqlalchemy.select(TrialSlot.slot, TrialSlot.trial_number).where(TrialSlot.study_name == "shared")
             ).all()
     finally:
         storage.close()

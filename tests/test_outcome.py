@@ -15,7 +15,7 @@ from optuna.trial import TrialState
 from hpsearch.search import outcome, study as studies
 from hpsearch.search.outcome import Outcome
 from hpsearch.search.spec import load_file
-from hpsearch.storage import attrs, budget
+from hpsearch.storage import attrs, slots
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.trialdir import TrialDir
 
@@ -38,10 +38,10 @@ def test_finish_does_what_the_table_says(tmp_path: Path, spec_file: Path, sqlite
     storage = open_storage(sqlite_url, create=True)
     try:
         study = studies.create_or_resume(storage, "o", load_file(spec_file))
-        slot = budget.claim_slot(storage.db, "o", 10, "w")
+        slot = slots.claim_slot(storage.db, "o", 10, "w")
         trial = study.ask({"learning_rate": optuna.distributions.FloatDistribution(1e-5, 1e-3)})
         assert slot is not None
-        budget.bind_slot(storage.db, "o", slot, trial.number)
+        slots.bind_slot(storage.db, "o", slot, trial.number)
         folder = TrialDir(tmp_path / "runs" / "o", trial.number)
         folder.make()
         folder.best.mkdir()

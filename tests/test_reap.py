@@ -20,16 +20,16 @@ from optuna.trial import TrialState
 
 from hpsearch.search import reap, retry, study as studies
 from hpsearch.search.spec import load_file
-from hpsearch.storage import attrs, budget, registry, worker_views
+from hpsearch.storage import attrs, registry, slots, worker_views
 from hpsearch.storage.open import open_storage
 
 
 def _running_trial(storage, study: optuna.Study, worker: str) -> int:  # type: ignore[no-untyped-def]
-    """What a worker does before training: claim a budget slot, ask, bind."""
-    slot = budget.claim_slot(storage.db, study.study_name, 10, worker)
+    """What a worker does before training: claim a trial slot, ask, bind."""
+    slot = slots.claim_slot(storage.db, study.study_name, 10, worker)
     assert slot is not None
     trial = study.ask()
-    budget.bind_slot(storage.db, study.study_name, slot, trial.number)
+    slots.bind_slot(storage.db, study.study_name, slot, trial.number)
     return trial.number
 
 
@@ -49,7 +49,7 @@ def test_reap_fails_and_retries_only_trials_whose_worker_is_gone(storage_url: st
         # A worker that vanished between ask and telling the registry, and one that vanished
         # right after claiming a slot.
         orphan_trial = _running_trial(storage, study, "c/cpu:0/1")
-        unbound = budget.claim_slot(storage.db, "r", 10, "d/cpu:0/1")
+        unbound = slots.claim_slot(storage.db, "r", 10, "d/cpu:0/1")
         time.sleep(4.0)
 
         background = reap.reap(storage, "r", max_retries=2)
@@ -67,7 +67,7 @@ def test_reap_fails_and_retries_only_trials_whose_worker_is_gone(storage_url: st
         retries = [t for t in trials.values() if t.state == TrialState.WAITING]
         assert sorted(t.user_attrs["retry_of"] for t in retries) == [lost_trial, orphan_trial]
         # The live trial keeps its slot; the lost, orphaned and unbound ones are free again.
-        assert budget.used_slots(storage.db, "r") == 1
+        assert slots.used_slots(storage.db, "r") == 1
         assert unbound is not None
         [view] = [w for w in worker_views.list_workers(storage.db, "r") if w.name == "a/cpu:0/1"]
         assert view.state == "lost" and view.current_trial is None

@@ -147,7 +147,7 @@ def test_heartbeat_borrows_the_one_pooled_connection(pg_url: str) -> None:
             )
 
     try:
-        with registry.Registration(storage.db, "s", "w", "cuda:0", interval_s=0.05, patience_s=30) as reg:
+        with registry.Registration(storage.db, "s", "w", "cuda:0", interval_s=0.05, quiet_wait_s=30) as reg:
             assert _eventually(lambda: reg.beats >= 1)
             # Take the connection between two beats, as a trainer's storage call would.
             assert _eventually(storage.db.pooled_connection_idle)

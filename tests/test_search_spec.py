@@ -9,7 +9,7 @@ import pytest
 
 from hpsearch.search import study as studies
 from hpsearch.search.errors import SpecError
-from hpsearch.search.quasi import QuasiRandomSampler
+from hpsearch.search.sobol import SobolSampler
 from hpsearch.search.spec import StudySpec, tomllib
 from tests.conftest import hpsearch, spec_text
 
@@ -39,7 +39,7 @@ def test_defaults_are_qmc_and_asha_from_the_first_validation_point() -> None:
     del raw["search"]["pruner"], raw["search"]["sampler"]
     spec = StudySpec.from_dict(raw)
     assert spec.search.pruner == "asha" and spec.search.sampler == "qmc"
-    assert isinstance(studies.make_sampler(spec, 1), QuasiRandomSampler)
+    assert isinstance(studies.make_sampler(spec, 1), SobolSampler)
     assert spec.search.keep_top_k == 3 and spec.search.max_disk_gb == 0
     pruner = studies.make_pruner(spec)
     assert isinstance(pruner, optuna.pruners.SuccessiveHalvingPruner)
@@ -84,7 +84,7 @@ def test_pruner_parameters_reach_optuna(search: str, kind: type, checks: dict[st
         ("random", optuna.samplers.RandomSampler),
         ("gp", optuna.samplers.GPSampler),
         ("grid", optuna.samplers.GridSampler),
-        ("qmc", QuasiRandomSampler),
+        ("qmc", SobolSampler),
     ],
 )
 def test_samplers(sampler: str, kind: type) -> None:

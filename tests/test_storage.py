@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from hpsearch.storage import budget, urls
+from hpsearch.storage import slots, urls
 from hpsearch.storage.errors import StorageUrlError, StudyNotFoundError
 from hpsearch.storage.open import open_storage, require_study
 from tests.support import netns
@@ -48,7 +48,7 @@ def test_budget_is_exact_under_concurrent_claims(storage_url: str) -> None:
         own = open_storage(storage_url, create=False)
         try:
             while True:
-                slot = budget.claim_slot(own.db, "s", 7, f"w{i}")
+                slot = slots.claim_slot(own.db, "s", 7, f"w{i}")
                 with lock:
                     claimed.append(slot)
                 if slot is None:
@@ -63,10 +63,10 @@ def test_budget_is_exact_under_concurrent_claims(storage_url: str) -> None:
         t.join()
     got = [s for s in claimed if s is not None]
     assert sorted(got) == list(range(7)), "every slot claimed exactly once, never more than the budget"
-    assert budget.used_slots(storage.db, "s") == 7
-    budget.bind_slot(storage.db, "s", 3, trial_number=42)
-    budget.release_slot(storage.db, "s", trial_number=42)
-    assert budget.claim_slot(storage.db, "s", 7, "again") == 3
+    assert slots.used_slots(storage.db, "s") == 7
+    slots.bind_slot(storage.db, "s", 3, trial_number=42)
+    slots.release_slot(storage.db, "s", trial_number=42)
+    assert slots.claim_slot(storage.db, "s", 7, "again") == 3
     storage.close()
 
 
@@ -90,11 +90,11 @@ def test_a_shutdown_cuts_the_retries_through_an_outage_short() -> None:
 
     from sqlalchemy.exc import OperationalError
 
-    from hpsearch.storage.db import PATIENT_RETRY, with_retries
+    from hpsearch.storage.db import OUTAGE_RETRY, with_retries
     from hpsearch.storage.errors import StorageError
 
     shutting_down = {"now": False}
-    policy = replace(PATIENT_RETRY, give_up=lambda: shutting_down["now"])
+    policy = replace(OUTAGE_RETRY, give_up=lambda: shutting_down["now"])
     calls = []
 
     def unreachable() -> None:
@@ -106,7 +106,7 @@ def test_a_shutdown_cuts_the_retries_through_an_outage_short() -> None:
     began = time.monotonic()
     with pytest.raises(StorageError, match="retries used up: connection refused"):
         with_retries(unreachable, policy=policy)
-    # Three attempts, then no more (PATIENT_RETRY alone would try 40 times, for minutes).
+    # Three attempts, then no more (OUTAGE_RETRY alone would try 40 times, for minutes).
     assert len(calls) == 3 and time.monotonic() - began < 5
     # A wait already begun ends too: the give-up is checked while it sleeps.
     began = time.monotonic()
@@ -154,7 +154,7 @@ def test_a_host_that_vanishes_mid_transaction_blocks_the_others_for_seconds_not_
 
     import sqlalchemy
 
-    from hpsearch.storage.tables import BudgetSlot
+    from hpsearch.storage.tables import TrialSlot
     from tests.support.pgcluster import Cluster
 
     host = netns.Host()  # PostgreSQL's instance; this process plays a worker's instance
@@ -163,9 +163,9 @@ def test_a_host_that_vanishes_mid_transaction_blocks_the_others_for_seconds_not_
         cluster.start()
         storage = open_storage(cluster.url, create=True)
         conn = storage.optuna.engine.connect()
-        # A worker claims budget slot 0, and its instance vanishes before the commit: not even
+        # A worker claims trial slot 0, and its instance vanishes before the commit: not even
         # its FIN reaches the server, which holds the uncommitted row.
-        conn.execute(sqlalchemy.insert(BudgetSlot).values(study_name="s", slot=0, worker="a", claimed_at=0.0))
+        conn.execute(sqlalchemy.insert(TrialSlot).values(study_name="s", slot=0, worker="a", claimed_at=0.0))
         host.cut(both_ways=True)
         # Another worker (on the server's instance, which still reaches it) claims the same
         # slot: its insert waits for the first one's transaction to end.

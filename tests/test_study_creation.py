@@ -1,4 +1,4 @@
-"""Creating a study: one creator among racing `start`s, no leftovers of a deleted namesake, no foreign study adopted.
+"""Creating a study: one creator among racing `start`s, nothing left by a deleted namesake, no foreign study adopted.
 
 The racers are real processes released together by a barrier, against SQLite and the real
 PostgreSQL, calling what `hpsearch start` calls (``create_or_resume``).
@@ -15,7 +15,7 @@ from optuna.trial import TrialState
 
 from hpsearch.search import study as studies
 from hpsearch.search.spec import load_file
-from hpsearch.storage import attrs, budget, urls, worker_views
+from hpsearch.storage import attrs, slots, urls, worker_views
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.tables import StudyCreation
 from tests.conftest import Cli, hpsearch
@@ -108,10 +108,10 @@ def test_a_deleted_and_recreated_study_runs_its_trials(pg_url: str, spec_file: P
     start(tmp_path / "second")  # another folder: the first one is the deleted study's
     study = optuna.load_study(study_name="s", storage=urls.normalize(pg_url))
     done = [t for t in study.get_trials(deepcopy=False) if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
-    assert len(done) == load_file(spec_file).search.n_trials, "the deleted study's budget slots were counted"
+    assert len(done) == load_file(spec_file).search.n_trials, "the deleted study's trial slots were counted"
     storage = open_storage(pg_url, create=False)
     try:
-        assert budget.used_slots(storage.db, "s") == len(done)
+        assert slots.used_slots(storage.db, "s") == len(done)
         assert [w.state for w in worker_views.list_workers(storage.db, "s")] == ["finished"], "one worker: this start's"
     finally:
         storage.close()

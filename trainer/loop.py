@@ -246,7 +246,7 @@ def _finish(loop: Loop, state: TrainState, result: TrainResult, first_step: floa
     )
     if world.is_main:
         loop.reporter.measured(result.figures)
-        # Reports went out in the background (see courier.py); the search must have them all
+        # Reports went out in the background (see report_queue.py); the search must have them all
         # before the worker tells it how the run ended.
         loop.reporter.flush()
     return result

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from hpsearch.trainer.courier import Courier
+from hpsearch.trainer.report_queue import ReportQueue
 
 if TYPE_CHECKING:
     from hpsearch.trainer.evaluate import Metrics
@@ -47,7 +47,7 @@ class StateSavingReporter:
     """The reporter a run talks to: training does not wait for the search, and the run's
     resumable state is saved when the search cannot be reached.
 
-    Reports and attributes go through a ``Courier``, so a database that restarts or a network
+    Reports and attributes go through a ``ReportQueue``, so a database that restarts or a network
     path that goes silent holds up the search's record, not the GPU. ``should_prune`` waits for
     its answer only while the search keeps up (``ANSWER_S``); a run the search cannot judge
     trains on and is asked again at its next validation point, when what it missed has arrived.
@@ -79,7 +79,7 @@ class StateSavingReporter:
     ) -> None:
         self.inner, self.save_state = inner, save_state
         self.should_stop, self.stop_waiting = should_stop, stop_waiting
-        self.courier = Courier(inline=getattr(inner, "immediate", False))
+        self.report_queue = ReportQueue(inline=getattr(inner, "immediate", False))
         self._state_saved = False  # by this reporter: once per run, for a failure or a stop
 
     def report(self, value: float, step: int, metrics: Metrics | None = None) -> None:
@@ -99,14 +99,14 @@ class StateSavingReporter:
 
     def _send(self, fn: Callable[..., object], *args: object) -> None:
         self._raise_failure()
-        self.courier.send(fn, *args)
+        self.report_queue.send(fn, *args)
 
     def should_prune(self) -> bool:
         self._raise_failure()
-        behind = self.courier.oldest()
+        behind = self.report_queue.oldest()
         if behind is not None and time.monotonic() - behind.sent > self.ANSWER_S:
             return False  # the search is slow or away: train on, and ask at the next point
-        question = self.courier.send(self.inner.should_prune)
+        question = self.report_queue.send(self.inner.should_prune)
         give_up = time.monotonic() + self.ANSWER_S
         while not question.done.wait(self.POLL_S):
             if self.should_stop() or time.monotonic() > give_up:
@@ -116,17 +116,17 @@ class StateSavingReporter:
 
     def flush(self) -> None:
         """Wait until every call has reached the search; raise the first one's error."""
-        last = self.courier.newest()
+        last = self.report_queue.newest()
         while last is not None and not last.done.wait(self.POLL_S):
             if not self._state_saved and self.should_stop():
                 self._save("a stop came while the search did not answer")
             if self._state_saved and self.stop_waiting():
-                hung = self.courier.oldest() or last
+                hung = self.report_queue.oldest() or last
                 raise CallAbandoned(f"the search did not answer {hung.fn.__name__} before the stop's deadline")
         self._raise_failure()
 
     def _raise_failure(self) -> None:
-        error = self.courier.error
+        error = self.report_queue.error
         if error is None:
             return
         if not self._state_saved:

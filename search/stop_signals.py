@@ -84,9 +84,9 @@ def die_with_parent() -> bool:
     return os.getppid() == parent.pid
 
 
-STOP_STORAGE_PATIENCE_S = 20.0
+STOP_OUTAGE_RETRY_S = 20.0
 """After a stop request, how long storage calls still retry through an outage. A shutting-down
-instance has seconds, not the minutes PATIENT_RETRY waits; the resumable state is on disk and
+instance has seconds, not the minutes OUTAGE_RETRY waits; the resumable state is on disk and
 the trial is reaped and resumed once the database is back."""
 
 
@@ -100,8 +100,8 @@ class StopFlag:
         self.signalled = False
         """A SIGTERM or SIGINT came from outside (not the supervisor's forwarded request)."""
 
-    def storage_patience_over(self) -> bool:
-        return self.requested and time.monotonic() - self.requested_at > STOP_STORAGE_PATIENCE_S
+    def outage_retry_over(self) -> bool:
+        return self.requested and time.monotonic() - self.requested_at > STOP_OUTAGE_RETRY_S
 
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._handle)
@@ -132,7 +132,7 @@ class StopFlag:
         return self.requested
 
 
-def open_patiently(url: str, policy: RetryPolicy, stop: StopFlag) -> Storage | None:
+def open_retrying(url: str, policy: RetryPolicy, stop: StopFlag) -> Storage | None:
     """The storage, waited for as every later call waits for it; None if a stop came first.
 
     The supervisor checked the URL a moment ago, so a refused connection here is an outage,

@@ -1,4 +1,4 @@
-"""Optuna's RDB storage, made patient: database outages are waited out, not fatal.
+"""Optuna's RDB storage with retries: database outages are waited out, not fatal.
 
 A PostgreSQL restart or a dropped network path mid-search would otherwise turn every
 ``trial.report`` and ``study.tell`` of every worker into an exception and lose the trials
@@ -56,9 +56,9 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(cause, SQLAlchemyError) and is_transient(cause)
 
 
-def _patient(name: str, method: F) -> F:
+def _retrying(name: str, method: F) -> F:
     @functools.wraps(method)
-    def call(self: PatientRDBStorage, *args: Any, **kwargs: Any) -> Any:
+    def call(self: RetryingRDBStorage, *args: Any, **kwargs: Any) -> Any:
         delays = self.retry_policy.delays()
         attempt = 0
         while True:
@@ -86,7 +86,7 @@ def _patient(name: str, method: F) -> F:
     return call  # type: ignore[return-value]
 
 
-class PatientRDBStorage(optuna.storages.RDBStorage):
+class RetryingRDBStorage(optuna.storages.RDBStorage):
     """An RDBStorage whose calls wait out transient database errors."""
 
     retry_policy: RetryPolicy = DEFAULT_RETRY
@@ -94,4 +94,4 @@ class PatientRDBStorage(optuna.storages.RDBStorage):
 
 for _name in _METHODS:
     if hasattr(optuna.storages.RDBStorage, _name):
-        setattr(PatientRDBStorage, _name, _patient(_name, getattr(optuna.storages.RDBStorage, _name)))
+        setattr(RetryingRDBStorage, _name, _retrying(_name, getattr(optuna.storages.RDBStorage, _name)))

@@ -29,8 +29,8 @@ from hpsearch.storage.trialdir import BEST, RESUME, TrialDir
 log = logging.getLogger(__name__)
 
 
-def sweep(db: Database, study: optuna.Study, root: Path, *, max_retries: int) -> list[Path]:
-    """Delete the leftovers under ``root`` (this host's ``OUTPUT/STUDY``); returns what went."""
+def trial_folders(db: Database, study: optuna.Study, root: Path, *, max_retries: int) -> list[Path]:
+    """Sweep the trial folders under ``root`` (this host's ``OUTPUT/STUDY``); returns what went."""
     if not root.is_dir():
         return []
     partial = (f".{BEST}.", f".{RESUME}.")  # checkpoint.py's temp and old folders: .best.tmp-*, .resume.old-*

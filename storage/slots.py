@@ -1,4 +1,5 @@
-"""Exact trial budgets shared by every worker of a study, on every host."""
+"""The slot table: a study's ``n_trials`` as numbered slots, each claimed by one worker (on any
+host) before it asks for a trial, so the count is exact across hosts."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ from sqlalchemy.orm import Session
 
 from hpsearch.storage.db import Database
 from hpsearch.storage.errors import StorageError
-from hpsearch.storage.tables import BudgetSlot, WorkerRecord
+from hpsearch.storage.tables import TrialSlot, WorkerRecord
 
 
 def claim_slot(db: Database, study_name: str, n_trials: int, worker: str) -> int | None:
-    """Claim a free budget slot; ``None`` once all ``n_trials`` are taken."""
+    """Claim a free trial slot; ``None`` once all ``n_trials`` are taken."""
     while True:
-        used = db.run(lambda s: _used_slots(s, study_name), what="read trial budget")
+        used = db.run(lambda s: _used_slots(s, study_name), what="read trial slots")
         free = next((n for n in range(n_trials) if n not in used), None)
         if free is None:
             return None
@@ -22,9 +23,9 @@ def claim_slot(db: Database, study_name: str, n_trials: int, worker: str) -> int
         try:
             db.run(
                 lambda s, slot=free, at=now: s.add(
-                    BudgetSlot(study_name=study_name, slot=slot, worker=worker, claimed_at=at)
+                    TrialSlot(study_name=study_name, slot=slot, worker=worker, claimed_at=at)
                 ),
-                what="claim trial budget slot",
+                what="claim trial slot",
             )
             return free
         except StorageError as exc:
@@ -37,48 +38,48 @@ def claim_slot(db: Database, study_name: str, n_trials: int, worker: str) -> int
 def bind_slot(db: Database, study_name: str, slot: int, trial_number: int) -> None:
     db.run(
         lambda s: s.execute(
-            update(BudgetSlot)
-            .where(BudgetSlot.study_name == study_name, BudgetSlot.slot == slot)
+            update(TrialSlot)
+            .where(TrialSlot.study_name == study_name, TrialSlot.slot == slot)
             .values(trial_number=trial_number)
         ),
-        what="bind trial budget slot",
+        what="bind trial slot",
     )
 
 
 def release_slot(db: Database, study_name: str, *, slot: int | None = None, trial_number: int | None = None) -> None:
     """Give a slot back (its trial will be retried, or it was never used)."""
-    cond = [BudgetSlot.study_name == study_name]
+    cond = [TrialSlot.study_name == study_name]
     if slot is not None:
-        cond.append(BudgetSlot.slot == slot)
+        cond.append(TrialSlot.slot == slot)
     if trial_number is not None:
-        cond.append(BudgetSlot.trial_number == trial_number)
-    db.run(lambda s: s.execute(delete(BudgetSlot).where(*cond)), what="release trial budget slot")
+        cond.append(TrialSlot.trial_number == trial_number)
+    db.run(lambda s: s.execute(delete(TrialSlot).where(*cond)), what="release trial slot")
 
 
 def used_slots(db: Database, study_name: str) -> int:
     return db.run(
         lambda s: s.execute(
-            select(func.count()).select_from(BudgetSlot).where(BudgetSlot.study_name == study_name)
+            select(func.count()).select_from(TrialSlot).where(TrialSlot.study_name == study_name)
         ).scalar_one(),
-        what="count trial budget slots",
+        what="count trial slots",
     )
 
 
 def bound_trials(db: Database, study_name: str) -> set[int]:
-    """The trial numbers the study's budget slots are bound to."""
+    """The trial numbers the study's trial slots are bound to."""
     rows = db.run(
         lambda s: s.execute(
-            select(BudgetSlot.trial_number).where(
-                BudgetSlot.study_name == study_name, BudgetSlot.trial_number.is_not(None)
+            select(TrialSlot.trial_number).where(
+                TrialSlot.study_name == study_name, TrialSlot.trial_number.is_not(None)
             )
         ).all(),
-        what="read bound trial budget slots",
+        what="read bound trial slots",
     )
     return {int(r[0]) for r in rows}
 
 
 def _used_slots(s: Session, study_name: str) -> set[int]:
-    rows = s.execute(select(BudgetSlot.slot).where(BudgetSlot.study_name == study_name))
+    rows = s.execute(select(TrialSlot.slot).where(TrialSlot.study_name == study_name))
     return {r[0] for r in rows}
 
 
@@ -87,7 +88,7 @@ def orphaned_slots(db: Database, study_name: str, *, older_than_s: float) -> lis
 
     A worker claims a slot, asks for a trial, binds it and records it as its current trial in
     the registry, milliseconds apart; a host lost in between leaves a slot that no registry
-    row points at. Unbound ones (trial number ``None``) hold budget for a trial never asked.
+    row points at. Unbound ones (trial number ``None``) hold a slot for a trial never asked.
     """
 
     def read(s: Session) -> list[tuple[int, int | None]]:
@@ -98,15 +99,15 @@ def orphaned_slots(db: Database, study_name: str, *, older_than_s: float) -> lis
             WorkerRecord.current_trial.is_not(None),
         )
         rows = s.execute(
-            select(BudgetSlot.slot, BudgetSlot.trial_number).where(
-                BudgetSlot.study_name == study_name,
-                BudgetSlot.claimed_at < now - older_than_s,
-                (BudgetSlot.trial_number.is_(None)) | (BudgetSlot.trial_number.not_in(held)),
+            select(TrialSlot.slot, TrialSlot.trial_number).where(
+                TrialSlot.study_name == study_name,
+                TrialSlot.claimed_at < now - older_than_s,
+                (TrialSlot.trial_number.is_(None)) | (TrialSlot.trial_number.not_in(held)),
             )
         )
         return [(int(slot), None if number is None else int(number)) for slot, number in rows]
 
-    return db.run(read, what="find orphaned budget slots")
+    return db.run(read, what="find orphaned trial slots")
 
 
 def forget_study(db: Database, study_name: str) -> int:
@@ -116,7 +117,7 @@ def forget_study(db: Database, study_name: str) -> int:
     leaves ours behind: a new study of that name would find its budget used and run nothing."""
     return int(
         db.run(
-            lambda s: s.execute(delete(BudgetSlot).where(BudgetSlot.study_name == study_name)).rowcount,
-            what="remove a deleted study's budget slots",
+            lambda s: s.execute(delete(TrialSlot).where(TrialSlot.study_name == study_name)).rowcount,
+            what="remove a deleted study's trial slots",
         )
     )

@@ -1,4 +1,4 @@
-"""A quasi-random sampler whose sequence is indexed by the trial number.
+"""The `qmc` sampler: a scrambled Sobol sequence (quasi-random search) indexed by the trial number.
 
 A scrambled Sobol sequence covers the space more evenly than independent random draws: with a
 dozen trials, every quarter of a log learning-rate range gets its share instead of whatever the
@@ -42,7 +42,9 @@ def scale(u: float, dist: BaseDistribution) -> Any:
     return min(max(value, low), high)
 
 
-class QuasiRandomSampler(BaseSampler):
+class SobolSampler(BaseSampler):
+    """Trial N gets point N of one scrambled Sobol sequence, whose seed every worker shares."""
+
     def __init__(self, space: dict[str, BaseDistribution], seed: int) -> None:
         self._space = dict(space)
         self._seed = seed

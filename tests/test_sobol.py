@@ -10,7 +10,7 @@ import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from hpsearch.search import study as studies
-from hpsearch.search.quasi import QuasiRandomSampler, scale
+from hpsearch.search.sobol import SobolSampler, scale
 from hpsearch.search.spec import StudySpec, tomllib
 from tests.conftest import spec_text
 
@@ -37,7 +37,7 @@ def draw(study: optuna.Study, spec: StudySpec) -> dict[str, object]:
 def test_eight_trials_put_one_learning_rate_in_each_eighth_of_the_log_range() -> None:
     spec = qmc_spec()
     sampler = studies.make_sampler(spec, seed=123)
-    assert isinstance(sampler, QuasiRandomSampler)
+    assert isinstance(sampler, SobolSampler)
     study = optuna.create_study(sampler=sampler)
     eighths = []
     for _ in range(8):

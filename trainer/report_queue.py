@@ -2,9 +2,9 @@
 
 A report reaches the search's storage in milliseconds, but when the database restarts or the
 network path goes silent the call retries for minutes, and a GPU that waits for it trains
-nothing. The trainer hands its calls to a courier instead and goes on; the courier sends them
-one at a time, in the order given, and stops at the first that fails: later reports would
-otherwise reach the search out of step with the run that is retried after the failure.
+nothing. The trainer puts its calls on a report queue instead and goes on; the queue's thread
+makes them one at a time, in the order given, and stops at the first that fails: later reports
+would otherwise reach the search out of step with the run that is retried after the failure.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ class Parcel:
         self.done = threading.Event()
 
 
-class Courier:
+class ReportQueue:
+    """A run's reporter calls, made in order on a background thread (or at once, ``inline``)."""
+
     IDLE_S = 5.0
     """The thread ends after this long with nothing to send, and the next call starts another:
     a run that ends on an exception leaves no thread behind for long."""
