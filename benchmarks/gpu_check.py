@@ -760,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--two-cpu-ranks",
         action="store_true",
-        help="with --tiny: also the two-rank trial (gloo) that two GPUs run over NCCL (a minute more on 2 cores)",
+        help="with --tiny: also the two-rank trial (gloo) that two GPUs run over NCCL (~30 s more on 2 cores)",
     )
     p.add_argument("--only", nargs="+", choices=PARTS, default=None, help="run these parts only")
     p.add_argument(
