@@ -303,6 +303,18 @@ def test_flops_per_token_leaves_embedding_tables_out(tiny_model: Path) -> None:
     assert speed.attrs()["train_padding_ratio"] == 1.6
 
 
+def test_flops_per_token_counts_a_4bit_weight_as_its_whole_matrix() -> None:
+    # bitsandbytes' Params4bit: a (n*m/2, 1) uint8 tensor, the matrix's shape in quant_state.
+    class QuantState:
+        shape = torch.Size([64, 32])
+
+    model = torch.nn.Linear(32, 64, bias=False)
+    packed = torch.nn.Parameter(torch.zeros(64 * 32 // 2, 1, dtype=torch.uint8), requires_grad=False)
+    packed.quant_state = QuantState()  # type: ignore[attr-defined]
+    model.weight = packed
+    assert flops_per_token(model) == 4 * 64 * 32
+
+
 # -- cheap trial start --------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,12 +190,21 @@ def flops_per_token(model: torch.nn.Module) -> float:
     the gradient of its input, which the layers below need; it has no weight gradient.
     Embedding tables are left out: a lookup multiplies nothing, and counting its rows would
     inflate the figure (by ~28% for BERT-base). Attention's own matmuls are left out too.
+    A 4-bit (QLoRA) weight counts as the matrix it stands for, not its packed bytes.
     """
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     counted = [p for p in model.parameters() if id(p) not in embeddings]
-    trained = sum(p.numel() for p in counted if p.requires_grad)
-    frozen = sum(p.numel() for p in counted if not p.requires_grad)
+    trained = sum(_weights(p) for p in counted if p.requires_grad)
+    frozen = sum(_weights(p) for p in counted if not p.requires_grad)
     return 6.0 * trained + 4.0 * frozen
+
+
+def _weights(param: torch.Tensor) -> int:
+    """The number of weights ``param`` holds. bitsandbytes' 4-bit ``Params4bit`` stores two
+    weights a byte in a flat tensor, so its own numel() is half the matrix's; the matrix's
+    shape is kept in its ``quant_state``."""
+    shape = getattr(getattr(param, "quant_state", None), "shape", None)
+    return int(math.prod(shape)) if shape is not None else param.numel()
 
 
 def _release_memory(device: torch.device) -> None:
