@@ -19,6 +19,7 @@ from hpsearch.trainer.evaluate import evaluate
 from hpsearch.trainer.loop import Run, fit, flops_per_token
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 from tests.conftest import hpsearch, lm_spec_text, one_trial, spec_text, start_study
+from tests.support.tiny import files_in
 
 LORA = '[adapter]\nmethod = "lora"\nr = 4\nalpha = 8\ndropout = 0.0\n'
 
@@ -68,7 +69,7 @@ def test_two_adapter_trials_leave_the_one_base_bit_identical(
         assert adapters.trainable_parameters(model) < sum(p.numel() for p in model.parameters()) / 5
         # The second trial checkpoints activations: its adapters still get gradients.
         trial_cfg = replace(cfg, gradient_checkpointing=trial == 1)
-        run = Run(model, tok, data, trial_cfg, "loss", torch.device("cpu"), tmp_path / f"t{trial}")
+        run = Run(model, tok, data, trial_cfg, "loss", torch.device("cpu"), files_in(tmp_path / f"t{trial}"))
         tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad and id(p) not in tables)
         assert flops_per_token(model) == pytest.approx(6 * adapters.trainable_parameters(model) + 4 * frozen)
@@ -187,7 +188,7 @@ def test_lora_trial_stopped_midway_resumes_its_adapter(
         return calls["n"] >= 3
 
     model = cache.trial_model(str(tiny_model), data.labels, 0, lora)
-    run = Run(model, tok, data, cfg, "loss", torch.device("cpu"), out, should_stop=stop_after_three)
+    run = Run(model, tok, data, cfg, "loss", torch.device("cpu"), files_in(out), should_stop=stop_after_three)
     first = fit(run, NullReporter())
     assert first.status == "interrupted" and first.steps == 3
     state = torch.load(out / "resume" / "state.pt", weights_only=True)
@@ -197,7 +198,7 @@ def test_lora_trial_stopped_midway_resumes_its_adapter(
 
     model = cache.trial_model(str(tiny_model), data.labels, 0, lora)
     reporter = NullReporter()
-    run = Run(model, tok, data, cfg, "loss", torch.device("cpu"), out, resume_from=out / "resume" / "state.pt")
+    run = Run(model, tok, data, cfg, "loss", torch.device("cpu"), files_in(out), resume_from=files_in(out).state)
     second = fit(run, reporter)
     assert second.status == "complete" and second.steps == 8
     assert reporter.attrs["resumed_from_step"] == 3
