@@ -66,6 +66,7 @@ class MaskDropout(torch.nn.Module):
 
     def __init__(self, p: float) -> None:
         super().__init__()
+        self._given = p  # CUDA's kernel takes p as given: nothing there is resolved to 1/65536
         dropped = round(p * 65536)
         self.p = dropped / 65536
         self._threshold = dropped - 32768  # an int16 below it is dropped
@@ -75,7 +76,7 @@ class MaskDropout(torch.nn.Module):
         if not self.training or self.p == 0.0:
             return x
         if x.device.type != "cpu":
-            return torch.nn.functional.dropout(x, self.p, training=True)
+            return torch.nn.functional.dropout(x, self._given, training=True)
         n = x.numel()
         words = torch.randint(-(2**63), 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64)
         keep = words.view(torch.int16)[:n].view(x.shape) >= self._threshold
