@@ -72,9 +72,15 @@ class Cluster:
     def freeze(self) -> None:
         """Stop the server's processes (SIGSTOP), as in a frozen VM: its kernel still accepts
         connections and acknowledges what clients send, but nothing ever answers."""
-        self._frozen = self._processes()
-        for pid in self._frozen:
-            os.kill(pid, signal.SIGSTOP)
+        # The postmaster first, so that it forks no new backend while the rest are listed; a
+        # backend may still end between the listing and its signal (a client that hung up).
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        os.kill(postmaster, signal.SIGSTOP)
+        self._frozen = [postmaster]
+        for pid in self._children(postmaster):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                self._frozen.append(pid)
 
     def thaw(self) -> None:
         for pid in self._frozen:
@@ -82,15 +88,15 @@ class Cluster:
                 os.kill(pid, signal.SIGCONT)
         self._frozen = []
 
-    def _processes(self) -> list[int]:
-        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+    @staticmethod
+    def _children(postmaster: int) -> list[int]:
         children = []
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
                 with contextlib.suppress(OSError):
                     if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == postmaster:
                         children.append(int(entry.name))
-        return [postmaster, *children]
+        return children
 
     def destroy(self) -> None:
         self.thaw()
