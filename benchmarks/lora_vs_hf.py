@@ -90,15 +90,22 @@ def trade(sides: dict[str, list[Outcome]]) -> None:
     """Full fine-tune against LoRA, both hpsearch: what the adapter saves and what it costs."""
     if "hpsearch-full" not in sides or "hpsearch-lora" not in sides:
         return
+    # "to 1st step": from the trial's start to the end of its first optimizer step, on the repeats
+    # after the first (the worker's base is loaded): a fresh adapter on it, or a copy of the model.
     print("\nfull fine-tune vs LoRA (hpsearch, means over the repeats)")
-    print(f"{'':<15}{'peak MB':>9}{'train samples/s':>17}{'e2e samples/s':>15}{'accuracy':>10}{'trainable':>13}")
+    print(
+        f"{'':<15}{'peak MB':>9}{'train samples/s':>17}{'e2e samples/s':>15}{'accuracy':>10}{'trainable':>13}"
+        f"{'to 1st step s':>15}"
+    )
     for name in ("hpsearch-full", "hpsearch-lora"):
         rs = sides[name]
         train = statistics.mean(r.extra.get("train_samples_per_second", 0.0) for r in rs)
+        warm = [r.extra["first_step_seconds"] for r in rs if r.repeat > 0 and "first_step_seconds" in r.extra]
         print(
             f"{name:<15}{statistics.mean(r.peak_mb for r in rs):>9.0f}{train:>17.1f}"
             f"{statistics.mean(r.samples_per_second for r in rs):>15.1f}"
             f"{statistics.mean(r.accuracy for r in rs):>10.4f}{rs[0].trainable:>13,}"
+            f"{(f'{statistics.mean(warm):.2f}' if warm else '-'):>15}"
         )
 
 

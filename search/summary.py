@@ -13,7 +13,16 @@ from optuna.trial import FrozenTrial, TrialState
 from hpsearch.search.spec import StudySpec
 from hpsearch.storage import attrs, checkpoints as retention, lost, registry
 
-SHOWN = (attrs.BEST_STEP, attrs.BEST_CHECKPOINT, attrs.HOST, attrs.DEVICE, attrs.WORKER, attrs.SPEED, attrs.FAIL_REASON)
+SHOWN = (
+    attrs.BEST_STEP,
+    attrs.BEST_CHECKPOINT,
+    attrs.BEST_CHECKPOINT_MB,
+    attrs.HOST,
+    attrs.DEVICE,
+    attrs.WORKER,
+    attrs.SPEED,
+    attrs.FAIL_REASON,
+)
 
 
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
@@ -199,7 +208,9 @@ def format_best(s: dict[str, Any]) -> str:
         return "\n".join([f"best: none; {first}", *(f"  {line}" for line in rest)])
     lines = [f"best: trial {best['number']}  {metric} {best['value']:.4f} at step {best[attrs.BEST_STEP]}"]
     lines += [f"  {k} = {_fmt(v)}" for k, v in sorted(best["params"].items())]
-    lines.append(f"  checkpoint: {best[attrs.BEST_CHECKPOINT]}")
+    where, size = best[attrs.BEST_CHECKPOINT], best.get(attrs.BEST_CHECKPOINT_MB)
+    shown_size = size is not None and not retention.is_deleted(where)
+    lines.append(f"  checkpoint: {where}" + (f" ({size:.1f} MiB)" if shown_size else ""))
     host = best.get(attrs.HOST)
     if host and host != registry.this_host():
         lines.append(f"  warning: the checkpoint lives on host {host}, not on this host")

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpsearch.storage import attrs
+from hpsearch.storage.checkpoints import disk_bytes
 from hpsearch.trainer.report import measured
 
 if TYPE_CHECKING:
@@ -21,7 +22,8 @@ class AttrReporter:
 
     def best_saved(self, path: Path, step: int, values: dict[str, float]) -> None:
         best = {attrs.BEST_VAL + name: value for name, value in values.items()}
-        self.set_attrs({attrs.BEST_CHECKPOINT: str(path), attrs.BEST_STEP: step, **best})
+        size = round(disk_bytes(path) / 2**20, 2)
+        self.set_attrs({attrs.BEST_CHECKPOINT: str(path), attrs.BEST_CHECKPOINT_MB: size, attrs.BEST_STEP: step} | best)
 
     def state_saved(self, path: Path) -> None:
         self.set_attrs({attrs.RESUME_CHECKPOINT: str(path)})

@@ -26,6 +26,7 @@ FAIL_REASON = "fail_reason"  # why it failed or was pruned other than by the pru
 
 # -- a trial's, from what the trainer reported (search/trial_attrs.py)
 BEST_CHECKPOINT = "best_checkpoint"  # path of its best model, trial-N/best; "deleted (...)" once retention removed it
+BEST_CHECKPOINT_MB = "best_checkpoint_mb"  # its size on disk in MiB (an adapter: megabytes, not gigabytes)
 BEST_STEP = "best_step"  # the optimizer step of its best validation point
 BEST_VAL = "best_val_"  # + a validation metric's name (loss, accuracy, f1, perplexity): its value at the best point
 BEST_LOSS = BEST_VAL + "loss"  # breaks ties of the objective (storage/checkpoints.py rank)

@@ -110,6 +110,7 @@ def test_lora_classification_trial_from_the_cli_saves_an_adapter_that_peft_loads
     size = sum(p.stat().st_size for p in folder.iterdir())
     full = sum(p.stat().st_size for p in tiny_model.glob("*.safetensors"))
     assert size < full / 2, f"an adapter folder ({size} bytes) holds far less than the model ({full})"
+    assert best.user_attrs["best_checkpoint_mb"] == pytest.approx(size / 2**20, abs=0.01)
     meta = json.loads((folder / "hpsearch.json").read_text())
     assert meta["params"] == best.params
 
