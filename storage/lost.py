@@ -46,8 +46,7 @@ class StaleTrial:
     trial_number: int
     heartbeat_at: float
     heartbeat_age_s: float
-    device_seconds: float = 0.0
-    """The trial's device time up to the last heartbeat, times the worker's devices."""
+    device_seconds: float = 0.0  # the trial's device time up to the last heartbeat, times the worker's devices
 
 
 def stale_trials(
@@ -92,14 +91,10 @@ _CLAMPED: set[tuple[int, float]] = set()  # (row id, grace) pairs stale_trials h
 
 def longest_interval(db: Database, study: str) -> float:
     """The longest heartbeat interval the study's unended workers recorded (this process's if none)."""
-    longest = db.run(
-        lambda s: s.execute(
-            select(func.max(WorkerRecord.heartbeat_s)).where(
-                WorkerRecord.study_name == study, WorkerRecord.ended_at.is_(None)
-            )
-        ).scalar_one(),
-        what="read the workers' heartbeat intervals",
+    stmt = select(func.max(WorkerRecord.heartbeat_s)).where(
+        WorkerRecord.study_name == study, WorkerRecord.ended_at.is_(None)
     )
+    longest = db.run(lambda s: s.execute(stmt).scalar_one(), what="read the workers' heartbeat intervals")
     return heartbeat_interval() if longest is None else float(longest)
 
 

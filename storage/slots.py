@@ -40,14 +40,8 @@ def claim_slot(db: Database, study_name: str, n_trials: int, worker: str) -> int
 
 
 def bind_slot(db: Database, study_name: str, slot: int, trial_number: int) -> None:
-    db.run(
-        lambda s: s.execute(
-            update(TrialSlot)
-            .where(TrialSlot.study_name == study_name, TrialSlot.slot == slot)
-            .values(trial_number=trial_number)
-        ),
-        what="bind trial slot",
-    )
+    stmt = update(TrialSlot).where(TrialSlot.study_name == study_name, TrialSlot.slot == slot)
+    db.run(lambda s: s.execute(stmt.values(trial_number=trial_number)), what="bind trial slot")
 
 
 def release_slot(db: Database, study_name: str, *, slot: int | None = None, trial_number: int | None = None) -> None:
