@@ -9,7 +9,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -38,8 +38,7 @@ class RetryPolicy:
     attempts: int = 8
     base_delay_s: float = 0.2
     max_delay_s: float = 30.0
-    give_up: Callable[[], bool] | None = None
-    """Asked before each retry: True ends the retries early (the process is shutting down)."""
+    give_up: Callable[[], bool] | None = None  # asked before each retry: True ends them (the process is stopping)
 
     def delays(self) -> Iterator[float]:
         for attempt in range(self.attempts - 1):
@@ -174,16 +173,14 @@ def _server_drops_silent_clients(dbapi: Any, _record: Any) -> None:
     if dbapi.server_version >= 120000:
         settings["tcp_user_timeout"] = DEAD_PEER_MS  # unacknowledged replies, as on our side
     sql = "SELECT " + ", ".join(f"set_config('{k}', '{v}', false)" for k, v in settings.items())
-    cursor = dbapi.cursor()
-    try:
-        cursor.execute(sql)
-        dbapi.commit()
-    except psycopg2.Error as exc:
-        # A pooler that refuses them: the search works without, only less well guarded.
-        dbapi.rollback()
-        log.debug("could not set the server's keepalives: %s", exc)
-    finally:
-        cursor.close()
+    with closing(dbapi.cursor()) as cursor:
+        try:
+            cursor.execute(sql)
+            dbapi.commit()
+        except psycopg2.Error as exc:
+            # A pooler that refuses them: the search works without, only less well guarded.
+            dbapi.rollback()
+            log.debug("could not set the server's keepalives: %s", exc)
 
 
 def give_up_on_silence(engine: Engine, give_up: Callable[[], bool] | None) -> None:
@@ -251,12 +248,11 @@ def describe_connect_error(url: str, exc: BaseException) -> str:
 
 def is_transient(exc: BaseException) -> bool:
     """Errors worth retrying: lost connections, server restarts, deadlocks, lock timeouts."""
-    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+    invalidated = isinstance(exc, DBAPIError) and exc.connection_invalidated
+    # TimeoutError: the other thread of this process held the connection too long.
+    if invalidated or isinstance(exc, (OperationalError, sqlalchemy.exc.TimeoutError)):
         return True
-    if isinstance(exc, (OperationalError, sqlalchemy.exc.TimeoutError)):  # Timeout: the other thread held it
-        return True
-    orig = getattr(exc, "orig", None)
-    code = getattr(orig, "pgcode", None)
+    code = getattr(getattr(exc, "orig", None), "pgcode", None)
     # 40001 serialization_failure, 40P01 deadlock_detected, 57P01 admin_shutdown, 08xxx connection.
     return bool(code and (code in {"40001", "40P01", "57P01", "57P02", "57P03"} or code.startswith("08")))
 
