@@ -35,8 +35,7 @@ class TrialDirError(OSError):
 
 @dataclass(frozen=True)
 class TrialDir:
-    root: Path
-    """The study's folder on this host, ``OUTPUT/STUDY``."""
+    root: Path  # the study's folder on this host, OUTPUT/STUDY
     number: int
 
     @property
@@ -173,6 +172,4 @@ def named_by(root: Path, path: Path, name: str) -> TrialDir | None:
     except OSError:
         return None
     folder = TrialDir.named(root, real.parent.name) if real.name == name else None
-    if folder is None or real.parent.parent != root.resolve() or not folder.holds(path):
-        return None
-    return folder
+    return folder if folder is not None and real.parent.parent == root.resolve() and folder.holds(path) else None
