@@ -49,8 +49,7 @@ class Candidate:
     number: int
     value: float
     path: Path
-    loss: float | None = None
-    """The validation loss at its best point: breaks ties of an accuracy or F1 objective."""
+    loss: float | None = None  # the validation loss at its best point: breaks ties of an accuracy or F1 objective
 
 
 @dataclass(frozen=True)

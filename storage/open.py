@@ -43,12 +43,10 @@ CREATION_ATTEMPTS = 4  # opens of a new storage whose schema another process was
 
 @dataclass
 class Storage:
-    url: str
-    """The normalized URL (with password; never print it, use ``display``)."""
+    url: str  # the normalized URL, with password: never print it, use display
     optuna: optuna.storages.RDBStorage
     db: Database
-    reader: Callable[[], sqlite3.Connection] | None = None
-    """How a SQLite file this user cannot write is opened (read-only), else None."""
+    reader: Callable[[], sqlite3.Connection] | None = None  # opens (read-only) a SQLite file this user cannot write
 
     @property
     def display(self) -> str:

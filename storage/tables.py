@@ -37,14 +37,14 @@ class WorkerRecord(Base):
     pid: Mapped[int] = mapped_column(Integer)
     started_at: Mapped[float] = mapped_column(Float)
     heartbeat_at: Mapped[float] = mapped_column(Float)
-    heartbeat_s: Mapped[float] = mapped_column(Float)
-    """The worker's heartbeat interval: it is lost after missing a few of its own beats."""
+    heartbeat_s: Mapped[float] = mapped_column(Float)  # it is lost after missing a few of its own beats
     ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     current_trial: Mapped[int | None] = mapped_column(Integer, nullable=True)
     trial_started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     trials_finished: Mapped[int] = mapped_column(Integer, default=0)
-    device_seconds: Mapped[float] = mapped_column(Float, default=0.0)
-    """Seconds this worker's device spent in finished trials (the running one is added live)."""
+    device_seconds: Mapped[float] = mapped_column(
+        Float, default=0.0
+    )  # in finished trials; the running one is added live
 
 
 class StudyCreation(Base):

@@ -23,11 +23,9 @@ class WorkerView:
     host: str
     device: str
     pid: int
-    state: str
-    """"live", "finished" or "lost"."""
+    state: str  # "live", "finished" or "lost"
     started_at: float
-    heartbeat_age_s: float
-    """Seconds since the last heartbeat, by the database clock."""
+    heartbeat_age_s: float  # seconds since the last heartbeat, by the database clock
     current_trial: int | None
     trials_finished: int
     device_seconds: float
