@@ -7,6 +7,7 @@ rewrites the trial's ``best_checkpoint`` so that nobody goes looking for it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -74,10 +75,8 @@ def disk_bytes(path: Path) -> int:
     total = 0
     for root, _dirs, files in os.walk(path):
         for name in files:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # another worker deleted it meanwhile
                 total += (Path(root) / name).stat().st_size
-            except FileNotFoundError:  # another worker deleted it meanwhile
-                continue
     return total
 
 

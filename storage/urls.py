@@ -37,7 +37,6 @@ def parse(url: str) -> URL:
             f"storage URL {mask(url)!r} is not a URL; use sqlite:///path/to/file.db or "
             f"postgresql://user:password@host:5432/dbname{_at_hint(url)}"
         ) from None
-    backend = parsed.get_backend_name()
     if parsed.drivername in _POSTGRES_ALIASES:
         parsed = parsed.set(drivername="postgresql+psycopg2")
         _check_user_info(url, parsed)
@@ -46,7 +45,7 @@ def parse(url: str) -> URL:
                 f"storage URL {mask(url)!r} names no database; add one, e.g. "
                 "postgresql://user:password@host:5432/hpsearch"
             )
-    elif backend == "sqlite":
+    elif parsed.get_backend_name() == "sqlite":
         if not parsed.database or parsed.database == ":memory:":
             raise StorageUrlError(
                 f"storage URL {mask(url)!r} is an in-memory SQLite database, which worker "
