@@ -1,11 +1,6 @@
-"""Every user-attribute key of a study and of its trials: the study's persistent schema.
-
-Tests, the dashboard, ``hpsearch status``/``best``, exports and the benchmarks read these, so a
-key is renamed here or nowhere. The trainer writes none: it reports what happened (trainer/
-report.py), and search/trial_attrs.py writes it under these keys. A run's figures (speed,
-precision, micro-batch size, ...) are stored under the field names of trainer/report.py
-``Figures`` and stats.py ``Speed``: identifiers there, not literal keys.
-"""
+"""Every user-attribute key of a study and of its trials: the study's persistent schema, renamed here or nowhere
+(docs/decisions.md, "Attribute keys live in storage/attrs.py"). A run's figures are stored under the field names
+of trainer/report.py ``Figures`` and stats.py ``Speed``, not literal keys."""
 
 from __future__ import annotations
 

@@ -1,20 +1,13 @@
-"""Study-wide checkpoint retention: only the best checkpoints of the top k trials stay on disk.
+"""Study-wide checkpoint retention: only the best checkpoints of the top ``keep_top_k`` trials stay on disk.
 
-A search of 100 trials would otherwise leave 100 full models behind (hundreds of MB each for
-BERT-sized models). After every trial, the worker that ran it calls :func:`retain` with the
-study's finished trials; the checkpoints of trials that fell out of the top ``keep_top_k``
-(or that push the kept set over ``max_disk_gb``) are deleted, and :func:`mark_deleted` rewrites
-their ``best_checkpoint`` attribute so that nobody goes looking for them.
-
-Every host holds only its own trials' checkpoints, so each worker deletes only the ones in its
-own study folder; the ranking is study-wide, so a trial is deleted on whichever host it ran.
-The path a trial's attribute records is never what gets deleted: anyone who reaches the
-database can write it. Trial N's checkpoint is ``trial-N/best`` of this host's study folder
-(see trialdir.py), and only that is deleted.
+After every trial its worker calls :func:`retain`: the ranking is study-wide, but each host deletes only
+``trial-N/best`` of its own study folder, never a path a row names (see trialdir.py), and :func:`mark_deleted`
+rewrites the trial's ``best_checkpoint`` so that nobody goes looking for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -32,16 +25,14 @@ from hpsearch.storage.trialdir import TrialDir
 
 log = logging.getLogger(__name__)
 DELETED_PREFIX = "deleted"
-# Optuna's own table of trial user attributes: a finished trial's attributes cannot be changed
-# through Optuna's API (it refuses to update finished trials), so the one we own is rewritten here.
+# Optuna's own table of trial user attributes: Optuna refuses to update a finished trial, so it is rewritten here.
 _USER_ATTRS = table("trial_user_attributes", column("trial_id"), column("key"), column("value_json"))
 
 
 def rank(value: float, loss: float | None, number: int, *, minimize: bool) -> tuple[float, float, int]:
-    """Sort key of a finished trial, best first: its objective, then, at an equal objective, the
-    validation loss of its best point (the trainer picks a trial's best point by the same rule,
-    see trainer/evaluate.py Point), then the earlier trial. ``hpsearch best`` picks by this key
-    too, so the best trial is always one whose checkpoint is kept."""
+    """Sort key of a finished trial, best first: its objective, then the validation loss of its best point (see
+    docs/decisions.md, "A tie goes to the lower validation loss"), then the earlier trial. ``hpsearch best`` picks
+    by this key too, so the best trial is always one whose checkpoint is kept."""
     return (value if minimize else -value, math.inf if loss is None else loss, number)
 
 
@@ -59,19 +50,13 @@ class Candidate:
     number: int
     value: float
     path: Path
-    loss: float | None = None
-    """The validation loss at its best point: breaks ties of an accuracy or F1 objective."""
+    loss: float | None = None  # the validation loss at its best point: breaks ties of an accuracy or F1 objective
 
 
 @dataclass(frozen=True)
 class Deletion:
     candidate: Candidate
     reason: str
-
-    @property
-    def note(self) -> str:
-        """What the trial's ``best_checkpoint`` attribute says afterwards."""
-        return deleted_note(self.reason, self.candidate.path)
 
 
 def deleted_note(why: str, was: Path | None = None) -> str:
@@ -90,10 +75,8 @@ def disk_bytes(path: Path) -> int:
     total = 0
     for root, _dirs, files in os.walk(path):
         for name in files:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # another worker deleted it meanwhile
                 total += (Path(root) / name).stat().st_size
-            except FileNotFoundError:  # another worker deleted it meanwhile
-                continue
     return total
 
 
@@ -108,10 +91,8 @@ def plan(
     """Which checkpoints to delete: all but the top ``keep_top_k``, then the worst kept ones
     while the kept set is over ``max_disk_bytes`` (0 = no cap). The best is never deleted."""
     ranked = sorted(candidates, key=lambda c: rank(c.value, c.loss, c.number, minimize=minimize))
-    kept, deletions = (
-        ranked[:keep_top_k],
-        [Deletion(c, f"not in the study's top {keep_top_k}") for c in ranked[keep_top_k:]],
-    )
+    kept = ranked[:keep_top_k]
+    deletions = [Deletion(c, f"not in the study's top {keep_top_k}") for c in ranked[keep_top_k:]]
     if max_disk_bytes > 0:
         sizes = sizes if sizes is not None else {c.path: disk_bytes(c.path) for c in kept}
         total = sum(sizes.get(c.path, 0) for c in kept)
@@ -133,44 +114,30 @@ def retain(
 ) -> list[Deletion]:
     """Delete the checkpoints :func:`plan` picks that exist here and mark their trials.
 
-    ``candidates`` are every finished trial of the study (other hosts' too), made by
-    :func:`candidate`: the ranking is study-wide, but only checkpoints in this host's study
-    folder are deleted here. One an export is copying (``hpsearch best --export``) waits for
-    the next pass."""
-    local = [c for c in candidates if c.path.exists()]
+    ``candidates`` are every finished trial of the study (other hosts' too), made by :func:`candidate`. One an
+    export is copying (``hpsearch best --export``) waits for the next pass."""
+    local = {c.path: disk_bytes(c.path) for c in candidates if c.path.exists()}
     deletions = plan(
-        candidates,
-        keep_top_k=keep_top_k,
-        minimize=minimize,
-        max_disk_bytes=int(max_disk_gb * 1e9),
-        sizes={c.path: disk_bytes(c.path) for c in local},
+        candidates, keep_top_k=keep_top_k, minimize=minimize, max_disk_bytes=int(max_disk_gb * 1e9), sizes=local
     )
     done: list[Deletion] = []
-    local_paths = {c.path for c in local}
     for d in deletions:
-        if d.candidate.path not in local_paths:
-            continue
-        folder = TrialDir(d.candidate.path.parent.parent, d.candidate.number)
-        if folder.best != d.candidate.path:  # not made by candidate(): no path of a row is deleted
+        c = d.candidate
+        folder = TrialDir(c.path.parent.parent, c.number)
+        if c.path not in local or folder.best != c.path:  # not made by candidate(): no path of a row is deleted
             continue
         with folder.deleting() as free:
             if not free:
-                log.info("trial %d's checkpoint is being exported; deleted at a later pass", d.candidate.number)
+                log.info("trial %d's checkpoint is being exported; deleted at a later pass", c.number)
                 continue
             if not folder.remove(folder.best):
                 continue
-        mark_deleted(db, d.candidate.trial_id, d.note)
-        log.info("deleted the checkpoint of trial %d (%s)", d.candidate.number, d.reason)
+        mark_deleted(db, c.trial_id, deleted_note(d.reason, c.path))
+        log.info("deleted the checkpoint of trial %d (%s)", c.number, d.reason)
         done.append(d)
     return done
 
 
 def mark_deleted(db: Database, trial_id: int, note: str) -> None:
-    db.run(
-        lambda s: s.execute(
-            update(_USER_ATTRS)
-            .where(_USER_ATTRS.c.trial_id == trial_id, _USER_ATTRS.c.key == attrs.BEST_CHECKPOINT)
-            .values(value_json=json.dumps(note))
-        ),
-        what="mark a deleted checkpoint",
-    )
+    stmt = update(_USER_ATTRS).where(_USER_ATTRS.c.trial_id == trial_id, _USER_ATTRS.c.key == attrs.BEST_CHECKPOINT)
+    db.run(lambda s: s.execute(stmt.values(value_json=json.dumps(note))), what="mark a deleted checkpoint")

@@ -1,9 +1,5 @@
-"""Engines, sessions and connection discipline for the study database.
-
-One engine per process, shared by Optuna's RDB storage and by our own tables, so a worker
-holds one connection whatever it does. Modelled on optuna's ``storages/_rdb/storage.py``:
-one session scope that commits, rolls back and wraps driver errors into ``StorageError``.
-"""
+"""Engines, sessions and retries for the study database: one engine (one connection) per process,
+shared by Optuna's RDB storage and our tables; one session scope that wraps driver errors into ``StorageError``."""
 
 from __future__ import annotations
 
@@ -13,7 +9,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -28,7 +24,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.util import queue as sqla_queue
 
 from hpsearch.storage import urls
-from hpsearch.storage.errors import StorageError, StorageUrlError
+from hpsearch.storage.errors import StorageError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -36,18 +32,13 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How long to keep trying when the database is unreachable or a transaction is aborted.
-
-    Deadlocks, serialization failures and dropped connections are normal when many workers
-    share one server, and a restarted server comes back within seconds to minutes; giving up
-    at the first error would throw away a trial that is still training fine.
-    """
+    """How long to keep trying when the database is unreachable or a transaction is aborted: deadlocks and
+    dropped connections are normal with many workers, and giving up would throw away a trial training fine."""
 
     attempts: int = 8
     base_delay_s: float = 0.2
     max_delay_s: float = 30.0
-    give_up: Callable[[], bool] | None = None
-    """Asked before each retry: True ends the retries early (the process is shutting down)."""
+    give_up: Callable[[], bool] | None = None  # asked before each retry: True ends them (the process is stopping)
 
     def delays(self) -> Iterator[float]:
         for attempt in range(self.attempts - 1):
@@ -58,7 +49,7 @@ class RetryPolicy:
             yield random.uniform(cap / 2, cap)
 
     def sleep(self, delay: float) -> None:
-        """Wait ``delay`` seconds before a retry, cut short as soon as ``give_up`` says so."""
+        """Wait ``delay`` seconds, cut short as soon as ``give_up`` says so."""
         end = time.monotonic() + delay
         while (left := end - time.monotonic()) > 0:
             if self.give_up is not None and self.give_up():
@@ -69,8 +60,6 @@ class RetryPolicy:
 DEFAULT_RETRY = RetryPolicy()
 # Long enough to ride out a PostgreSQL restart (issue: database outage mid-search).
 OUTAGE_RETRY = RetryPolicy(attempts=40, base_delay_s=0.5, max_delay_s=15.0)
-
-
 GAVE_UP = "the database stopped answering and this process is stopping"
 HELD_TOO_LONG_S = 5.0
 
@@ -78,20 +67,15 @@ HELD_TOO_LONG_S = 5.0
 class ThreadSharedPool(QueuePool):
     """A QueuePool whose overflow connection is only for the thread that already holds one.
 
-    A worker process has one pooled connection and two threads that use it (the trainer and
-    the heartbeat). With a plain QueuePool, whichever thread finds the connection taken opens
-    an overflow one, so at 64 workers the server sees up to 128. Here another thread waits
-    for the pooled connection to come back (sessions last milliseconds), while a thread that
-    nests a second session inside its first (Optuna does, creating its tables) still gets
-    the overflow connection instead of waiting on itself forever.
+    The trainer and the heartbeat share one pooled connection (docs/decisions.md, "One connection per worker
+    process"): another thread waits for it (sessions last milliseconds), while a thread nesting a session in its
+    own (Optuna does, creating its tables) gets the overflow one instead of waiting on itself forever.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._held = threading.local()
-        self.give_up: Callable[[], bool] | None = None
-        """Set by ``give_up_on_silence``: once it says so, a database already seen unreachable is
-        not waited for again (each wait would be a connect timeout or a hung call's)."""
+        self.give_up: Callable[[], bool] | None = None  # set by give_up_on_silence
         self.unreachable = False
 
     def recreate(self) -> QueuePool:
@@ -108,9 +92,8 @@ class ThreadSharedPool(QueuePool):
             raise sqlalchemy.exc.TimeoutError(GAVE_UP)
         held = getattr(self._held, "n", 0)
         if held == 0 and self.overflow() >= 0:
-            # Every connection the pool keeps exists (overflow counts up from -pool_size) and
-            # this thread holds none: wait for one to come back instead of opening another.
-            # In slices: the thread holding it may be stuck on a dead network path.
+            # Every pooled connection exists (overflow counts up from -pool_size) and this thread holds none:
+            # wait for one to come back, in slices, since its holder may be stuck on a dead network path.
             began = time.monotonic()
             deadline = began + self._timeout
             while True:
@@ -119,8 +102,7 @@ class ThreadSharedPool(QueuePool):
                     break
                 except sqla_queue.Empty:
                     if self.give_up is not None and self.give_up() and time.monotonic() - began > HELD_TOO_LONG_S:
-                        # A live server gives a session back within milliseconds; one held
-                        # this long is stuck on a call that may never return (a frozen server).
+                        # A live server's session is back within milliseconds; this one is stuck (a frozen server).
                         self.unreachable = True
                     if self.hopeless():
                         raise sqlalchemy.exc.TimeoutError(GAVE_UP) from None
@@ -145,20 +127,14 @@ logging.getLogger(f"{ThreadSharedPool.__module__}.{ThreadSharedPool.__name__}").
 
 def engine_kwargs(url: str, *, pool_size: int = 1) -> dict[str, Any]:
     """Engine settings for ``url``: few connections, pre-ping, dead-peer detection, lock waits."""
-    if urls.is_sqlite(url):
-        # Several local worker processes share the file: wait for the write lock instead of
-        # failing with "database is locked".
-        return {"connect_args": {"timeout": 120}}
-    # libpq options the storage URL sets itself (?connect_timeout=30) win: SQLAlchemy would
-    # otherwise let these defaults overwrite them.
-    given = set(urls.parse(url).query)
+    if urls.sqlite_path(url) is not None:
+        return {"connect_args": {"timeout": 120}}  # local workers wait for the file's write lock, not fail
+    given = set(urls.parse(url).query)  # options the URL sets itself win over LIBPQ_DEFAULTS
     return {
         "poolclass": ThreadSharedPool,
         "pool_pre_ping": True,
         "pool_size": pool_size,
-        # The spare is only for a thread nesting a session in its own (see ThreadSharedPool);
-        # it is closed as soon as it is returned.
-        "max_overflow": 1,
+        "max_overflow": 1,  # only for a thread nesting a session in its own (see ThreadSharedPool)
         "pool_recycle": 1800,
         "connect_args": {k: v for k, v in LIBPQ_DEFAULTS.items() if k not in given},
     }
@@ -167,20 +143,14 @@ def engine_kwargs(url: str, *, pool_size: int = 1) -> dict[str, Any]:
 LIBPQ_DEFAULTS: dict[str, Any] = {
     "connect_timeout": 10,
     "application_name": "hpsearch",
-    # A cloud network fails silently: no reset, no "unreachable", packets just go unanswered.
-    # Without these a call in flight waits for the kernel to give up on the connection (about
-    # 15 minutes of retransmissions; two hours of silence for an idle one), holding the
-    # process's one connection, so a stopping worker could not hand its trial back in time.
-    # Idle connections (an hour-long trial's) are probed every 15 s, which also keeps NAT
-    # gateways from dropping them, and declared dead after 3 unanswered probes.
+    # A cloud network fails silently; without these a call waits ~15 minutes for the kernel to give up
+    # (docs/postgresql.md, "When a worker cannot connect"). Idle ones are probed, which keeps NATs open too.
     "keepalives": 1,
     "keepalives_idle": 15,
     "keepalives_interval": 5,
     "keepalives_count": 3,
 }
-DEAD_PEER_MS = 20_000
-"""Data sent and not acknowledged for this long closes the connection (TCP_USER_TIMEOUT). A
-slow query is not affected: its request was acknowledged."""
+DEAD_PEER_MS = 20_000  # TCP_USER_TIMEOUT: unacknowledged data closes the connection; a slow query is acknowledged
 if psycopg2.__libpq_version__ >= 120000:  # the libpq in psycopg2-binary is newer
     LIBPQ_DEFAULTS["tcp_user_timeout"] = DEAD_PEER_MS
 
@@ -190,41 +160,32 @@ def create_engine(url: str, *, pool_size: int = 1) -> Engine:
     return sqlalchemy.create_engine(normalized, **engine_kwargs(normalized, pool_size=pool_size))
 
 
+# The server's side of the same rule, set per session: a worker that vanished inside a transaction
+# blocks the rows it touched until the server drops its session (two hours by default, ~20 s so).
 SERVER_WATCH: dict[str, int] = {
     f"tcp_{key}": LIBPQ_DEFAULTS[key] for key in ("keepalives_idle", "keepalives_interval", "keepalives_count")
 }
-"""The server's side of the same rule, set per session. A worker whose instance vanished
-inside a transaction (an uncommitted trial slot, a locked trial row) blocks every worker
-that touches those rows until the server drops its session: by default after two hours of
-silence, with these (and DEAD_PEER_MS) in about 20 s."""
 
 
-@sqlalchemy.event.listens_for(ThreadSharedPool, "connect")
+@sqlalchemy.event.listens_for(ThreadSharedPool, "connect")  # ThreadSharedPool pools only PostgreSQL
 def _server_drops_silent_clients(dbapi: Any, _record: Any) -> None:
-    """Set SERVER_WATCH on each new PostgreSQL session (ThreadSharedPool pools only them)."""
     settings = dict(SERVER_WATCH)
     if dbapi.server_version >= 120000:
         settings["tcp_user_timeout"] = DEAD_PEER_MS  # unacknowledged replies, as on our side
     sql = "SELECT " + ", ".join(f"set_config('{k}', '{v}', false)" for k, v in settings.items())
-    cursor = dbapi.cursor()
-    try:
-        cursor.execute(sql)
-        dbapi.commit()
-    except psycopg2.Error as exc:
-        # A pooler that refuses them; the search works without, only less well guarded.
-        dbapi.rollback()
-        log.debug("could not set the server's keepalives: %s", exc)
-    finally:
-        cursor.close()
+    with closing(dbapi.cursor()) as cursor:
+        try:
+            cursor.execute(sql)
+            dbapi.commit()
+        except psycopg2.Error as exc:
+            # A pooler that refuses them: the search works without, only less well guarded.
+            dbapi.rollback()
+            log.debug("could not set the server's keepalives: %s", exc)
 
 
 def give_up_on_silence(engine: Engine, give_up: Callable[[], bool] | None) -> None:
-    """Once ``give_up`` says so (a worker stopping for a while), calls on a database already
-    seen unreachable fail at once instead of each waiting out a connect timeout.
-
-    A stopping worker's state is on disk by then; what it still tries to record (its trial
-    handed back, its registry row ended) is done by the reaper later if the database is away.
-    """
+    """Once ``give_up`` says so (a worker stopping for a while), calls on a database already seen unreachable
+    fail at once instead of each waiting out a connect timeout: the reaper records later what they would."""
     pool = engine.pool
     if give_up is None or not isinstance(pool, ThreadSharedPool):
         return
@@ -232,23 +193,13 @@ def give_up_on_silence(engine: Engine, give_up: Callable[[], bool] | None) -> No
 
     @sqlalchemy.event.listens_for(engine, "handle_error")
     def _seen_failing(ctx: sqlalchemy.engine.ExceptionContext) -> None:
-        # A lost connection, or one that could not be made (no Connection yet); not a
-        # deadlock or a constraint, which a live server reports.
+        # A lost connection, or one never made (no Connection yet); not a deadlock, which a live server reports.
         if ctx.is_disconnect or ctx.connection is None:
             engine.pool.unreachable = True  # type: ignore[attr-defined]
 
     @sqlalchemy.event.listens_for(engine, "connect")
     def _answered(_dbapi: Any, _record: Any) -> None:
         engine.pool.unreachable = False  # type: ignore[attr-defined]
-
-
-def check_connection(engine: Engine) -> None:
-    """Connect once and turn the driver's complaint into a one-line, fixable message."""
-    try:
-        with engine.connect() as conn:
-            conn.exec_driver_sql("SELECT 1")
-    except SQLAlchemyError as exc:
-        raise StorageUrlError(describe_connect_error(engine, exc)) from None
 
 
 _CONNECT_HINTS: list[tuple[str, str]] = [
@@ -283,9 +234,8 @@ _CONNECT_HINTS: list[tuple[str, str]] = [
 ]
 
 
-def describe_connect_error(target: Engine | str, exc: BaseException) -> str:
-    """One fixable line for a failed connection to ``target`` (an engine or a URL)."""
-    url = target if isinstance(target, str) else target.url.render_as_string(hide_password=False)
+def describe_connect_error(url: str, exc: BaseException) -> str:
+    """One fixable line for a failed connection to ``url``."""
     where = urls.mask(url)
     text = str(getattr(exc, "orig", exc) or exc)
     for pattern, hint in _CONNECT_HINTS:
@@ -298,13 +248,11 @@ def describe_connect_error(target: Engine | str, exc: BaseException) -> str:
 
 def is_transient(exc: BaseException) -> bool:
     """Errors worth retrying: lost connections, server restarts, deadlocks, lock timeouts."""
-    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+    invalidated = isinstance(exc, DBAPIError) and exc.connection_invalidated
+    # TimeoutError: the other thread of this process held the connection too long.
+    if invalidated or isinstance(exc, (OperationalError, sqlalchemy.exc.TimeoutError)):
         return True
-    if isinstance(exc, (OperationalError, sqlalchemy.exc.TimeoutError)):
-        # TimeoutError: the other thread of this process held the connection too long.
-        return True
-    orig = getattr(exc, "orig", None)
-    code = getattr(orig, "pgcode", None)
+    code = getattr(getattr(exc, "orig", None), "pgcode", None)
     # 40001 serialization_failure, 40P01 deadlock_detected, 57P01 admin_shutdown, 08xxx connection.
     return bool(code and (code in {"40001", "40P01", "57P01", "57P02", "57P03"} or code.startswith("08")))
 
@@ -369,32 +317,19 @@ class Database:
 
     def now(self) -> float:
         """The database clock, as a Unix timestamp: staleness is judged by it, not by hosts."""
-
-        def read(s: Session) -> float:
-            return float(s.execute(sqlalchemy.select(self.clock())).scalar_one())
-
-        return self.run(read, what="read database clock")
+        return self.run(
+            lambda s: float(s.execute(sqlalchemy.select(self.clock())).scalar_one()), what="read database clock"
+        )
 
     def clock(self) -> ColumnElement[float]:
-        """The database clock as a SQL expression, so a write can stamp a row with it in the
-        same statement (no extra round trip, no trust in the writing host's clock)."""
-        return db_clock(self.engine.dialect.name)
+        """The database clock as a SQL expression: a write stamps a row with it in the same statement."""
+        if self.engine.dialect.name == "sqlite":
+            return sqlalchemy.literal_column("((julianday('now') - 2440587.5) * 86400.0)", Float)
+        # clock_timestamp(), not now(): now() is frozen at the start of the transaction.
+        return sqlalchemy.literal_column("EXTRACT(EPOCH FROM clock_timestamp())", Float)
 
     def pooled_connection_idle(self) -> bool:
-        """True when this process's pooled connection is free (or none is open yet).
-
-        A background thread (the heartbeat) checks this before it writes, so it borrows the
-        connection the trainer is not using instead of opening an overflow one: that is what
-        keeps a worker process at one connection.
-        """
+        """True when this process's pooled connection is free (or none is open yet): the heartbeat thread
+        borrows it then instead of opening an overflow one."""
         pool = self.engine.pool
-        if not isinstance(pool, QueuePool):
-            return True
-        return pool.checkedout() < pool.size()
-
-
-def db_clock(dialect: str) -> ColumnElement[float]:
-    if dialect == "sqlite":
-        return sqlalchemy.literal_column("((julianday('now') - 2440587.5) * 86400.0)", Float)
-    # clock_timestamp(), not now(): now() is frozen at the start of the transaction.
-    return sqlalchemy.literal_column("EXTRACT(EPOCH FROM clock_timestamp())", Float)
+        return not isinstance(pool, QueuePool) or pool.checkedout() < pool.size()

@@ -1,8 +1,4 @@
-"""Errors raised by the storage layer.
-
-Every driver error that escapes ``storage/`` is wrapped into one of these, so callers
-handle one family and the CLI can turn them into a one-line message.
-"""
+"""Errors raised by the storage layer: every driver error that escapes ``storage/`` is wrapped into one of these."""
 
 from __future__ import annotations
 

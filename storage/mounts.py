@@ -1,9 +1,5 @@
-"""Which file system a path lives on: SQLite must not run its WAL on a network one.
-
-SQLite's WAL keeps its index in shared memory that only processes of one host can share, and
-network file systems (NFS, SMB, FUSE mounts such as AutoDL's autodl-fs) do not honour its
-locks either: several hosts writing one file there corrupt it. See https://sqlite.org/wal.html.
-"""
+"""Which file system a path lives on: SQLite must not run its WAL on a network one (docs/decisions.md, "A SQLite
+file on a network file system keeps the rollback journal"; https://sqlite.org/wal.html)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""The worker registry: which worker processes serve a study, on which hosts, doing what.
-
-Each worker process registers one row (storage/tables.py ``WorkerRecord``) and a heartbeat
-thread stamps it with the database clock. `hpsearch status` reads the rows back as live,
-finished or lost workers and sums the device time they spent.
-
-The heartbeat borrows the process's one pooled connection when the trainer is not using it,
-so the registry adds no connection per worker (the issue's target: <= 1.25 per process).
-"""
+"""The worker registry: one row per worker process (``WorkerRecord``), stamped by a heartbeat thread with the
+database clock on the process's one pooled connection (docs/decisions.md, "One connection per worker process")."""
 
 from __future__ import annotations
 
@@ -16,11 +9,11 @@ import os
 import socket
 import threading
 import time
-from types import TracebackType
 from typing import Any
 
 from sqlalchemy import case, delete, event, func, select, update
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import ColumnElement
 
 from hpsearch.storage.db import Database
 from hpsearch.storage.errors import StorageError
@@ -31,16 +24,12 @@ log = logging.getLogger(__name__)
 HOST_ENV = "HPSEARCH_HOST"
 HEARTBEAT_ENV = "HPSEARCH_HEARTBEAT_S"
 DEFAULT_HEARTBEAT_S = 30.0
-MISSED_BEATS = 3
-"""A worker is lost after this many missed heartbeats (one late beat is normal under load)."""
+MISSED_BEATS = 3  # a worker is lost after this many missed heartbeats (one late beat is normal under load)
 
 
 def this_host() -> str:
-    """This host's name as the registry and trials record it.
-
-    ``$HPSEARCH_HOST`` overrides the system name: containers and cloned cloud images often
-    share one hostname, and two instances must not look like one host.
-    """
+    """This host's name as the registry and trials record it: ``$HPSEARCH_HOST`` overrides the system's, since
+    containers and cloned cloud images often share one hostname."""
     return os.environ.get(HOST_ENV, "").strip() or socket.gethostname()
 
 
@@ -51,12 +40,7 @@ def heartbeat_interval() -> float:
     except ValueError:
         value = -1.0
     if value <= 0:
-        log.warning(
-            "%s=%r is not a positive number of seconds; using %g",
-            HEARTBEAT_ENV,
-            text,
-            DEFAULT_HEARTBEAT_S,
-        )
+        log.warning("%s=%r is not a positive number of seconds; using %g", HEARTBEAT_ENV, text, DEFAULT_HEARTBEAT_S)
         return DEFAULT_HEARTBEAT_S
     return value
 
@@ -84,8 +68,6 @@ def register(
             started_at=now,
             heartbeat_at=now,
             heartbeat_s=heartbeat_s,
-            trials_finished=0,
-            device_seconds=0.0,
         )
         s.add(row)
         s.flush()
@@ -100,79 +82,47 @@ def beat(db: Database, worker_id: int) -> None:
 
 def trial_started(db: Database, worker_id: int, trial_number: int) -> None:
     clock = db.clock()
-    _update(
-        db,
-        worker_id,
-        "record trial start",
-        current_trial=trial_number,
-        trial_started_at=clock,
-        heartbeat_at=clock,
-    )
+    _update(db, worker_id, "record trial start", current_trial=trial_number, trial_started_at=clock, heartbeat_at=clock)
 
 
 def trial_ended(db: Database, worker_id: int, *, finished: bool = True) -> None:
     """The current trial ended: add its device time; ``finished=False`` for a handed-back one."""
     clock = db.clock()
-    _update(
-        db,
-        worker_id,
-        "record trial end",
-        device_seconds=device_seconds_at(clock),
-        trials_finished=WorkerRecord.trials_finished + (1 if finished else 0),
-        current_trial=None,
-        trial_started_at=None,
-        heartbeat_at=clock,
-    )
+    finished_count = WorkerRecord.trials_finished + (1 if finished else 0)
+    _update(db, worker_id, "record trial end", **off_trial(clock), trials_finished=finished_count, heartbeat_at=clock)
 
 
-def device_seconds_at(clock: Any) -> Any:
-    """The worker's device time including the current trial's, as a SQL expression.
+def off_trial(clock: Any) -> dict[str, Any]:
+    """A row's values once its trial is taken off it at ``clock``: the trial's device time becomes the worker's.
 
     A worker killed before its first heartbeat inside a trial has its clock (that heartbeat)
     earlier than the trial's start: that trial adds nothing rather than negative time."""
     elapsed = func.coalesce(clock - WorkerRecord.trial_started_at, 0.0)
-    return WorkerRecord.device_seconds + case((elapsed > 0, elapsed), else_=0.0)
+    device_seconds = WorkerRecord.device_seconds + case((elapsed > 0, elapsed), else_=0.0)
+    return {"device_seconds": device_seconds, "current_trial": None, "trial_started_at": None}
 
 
 def end(db: Database, worker_id: int) -> None:
     """The worker stops cleanly; a trial still marked current counts its time, not as finished."""
     clock = db.clock()
-    _update(
-        db,
-        worker_id,
-        "record worker end",
-        device_seconds=device_seconds_at(clock),
-        current_trial=None,
-        trial_started_at=None,
-        heartbeat_at=clock,
-        ended_at=clock,
-    )
+    _update(db, worker_id, "record worker end", **off_trial(clock), heartbeat_at=clock, ended_at=clock)
 
 
 def forget_study(db: Database, study: str) -> int:
-    """Remove every row left under ``study``: a study of that name is being created anew (see
-    ``slots.forget_study``); a deleted study's workers must not count as the new one's."""
-    return int(
-        db.run(
-            lambda s: s.execute(delete(WorkerRecord).where(WorkerRecord.study_name == study)).rowcount,
-            what="remove a deleted study's worker rows",
-        )
-    )
+    """Remove every row left under ``study``, which is being created anew (see ``slots.forget_study``)."""
+    stmt = delete(WorkerRecord).where(WorkerRecord.study_name == study)
+    return int(db.run(lambda s: s.execute(stmt).rowcount, what="remove a deleted study's worker rows"))
 
 
 def held_trials(db: Database, study: str) -> set[int]:
     """The trials that workers not known to have ended hold (live or lost ones)."""
-    rows = db.run(
-        lambda s: s.execute(
-            select(WorkerRecord.current_trial).where(
-                WorkerRecord.study_name == study,
-                WorkerRecord.ended_at.is_(None),
-                WorkerRecord.current_trial.is_not(None),
-            )
-        ).all(),
-        what="read the trials workers hold",
-    )
-    return {int(r[0]) for r in rows}
+    stmt = select(WorkerRecord.current_trial).where(*holding(study))
+    return {int(n) for n in db.run(lambda s: s.scalars(stmt).all(), what="read the trials workers hold")}
+
+
+def holding(study: str) -> tuple[ColumnElement[bool], ...]:
+    """The where-clause of the study's rows that hold a trial and are not known to have ended (live or lost)."""
+    return (WorkerRecord.study_name == study, WorkerRecord.ended_at.is_(None), WorkerRecord.current_trial.is_not(None))
 
 
 def _update(db: Database, worker_id: int, what: str, **values: Any) -> None:
@@ -181,21 +131,12 @@ def _update(db: Database, worker_id: int, what: str, **values: Any) -> None:
 
 
 class Registration:
-    """A worker process's registry row and the heartbeat that keeps it live.
+    """A worker process's registry row and the heartbeat that keeps it live, as a context manager around the
+    worker loop: it registers on entry and records a clean end on exit (a process that dies shows as lost).
 
-    Use as a context manager around the worker loop: it registers on entry and, on exit,
-    stops the heartbeat and records a clean end. A process that dies without exiting the
-    block stops beating and shows as lost after ``MISSED_BEATS`` intervals.
-
-    The heartbeat must not cost a connection. A worker process has one pooled connection,
-    and whichever thread finds it taken opens an overflow one, so the beat avoids taking it
-    while the trainer may want it:
-
-    * when a beat is due and the trainer is using storage, the beat rides along: it is
-      written on the trainer's own connection as that connection goes back to the pool
-      (a ``checkin`` event, one short UPDATE);
-    * when the trainer leaves storage alone (a long training stretch between validations),
-      the heartbeat thread writes the beat itself on the idle pooled connection.
+    The beat must not cost a connection, so it avoids taking the pooled one while the trainer may want it: a
+    due beat rides along on the trainer's connection as it goes back to the pool (a ``checkin`` event), and
+    when the trainer leaves storage alone, the heartbeat thread writes it on the idle pooled connection.
     """
 
     def __init__(
@@ -216,7 +157,7 @@ class Registration:
         self._due = threading.Event()
         self._writing = threading.Lock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread = threading.Thread(target=self._beat_loop, name="hpsearch-heartbeat", daemon=True)
         self._beat_sql = ""
         self._piggyback = False
         self._last_write = 0.0
@@ -232,22 +173,14 @@ class Registration:
         self._piggyback = self.db.engine.dialect.name != "sqlite"
         if self._piggyback:
             event.listen(self.db.engine, "checkin", self._on_checkin)
-        self._thread = threading.Thread(target=self._beat_loop, name="hpsearch-heartbeat", daemon=True)
         self._thread.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        if self._thread is not None:
-            # A beat in flight on a dead network path ends only when the connection is
-            # declared dead; a stopping worker that gave the database up does not wait for it.
-            wait = 1.0 if self.db.given_up else self.interval_s + self.quiet_wait_s + 5
-            self._thread.join(timeout=wait)
+        # A beat in flight on a dead network path ends only when the connection is
+        # declared dead; a stopping worker that gave the database up does not wait for it.
+        self._thread.join(timeout=1.0 if self.db.given_up else self.interval_s + self.quiet_wait_s + 5)
         if self._piggyback:
             event.remove(self.db.engine, "checkin", self._on_checkin)
         if self.id is None:
@@ -271,6 +204,11 @@ class Registration:
         trial_ended(self.db, self.id, finished=finished)
         self._last_write = began
 
+    def _beaten(self, at: float) -> None:
+        self._due.clear()
+        self.beats += 1
+        self._last_write = at
+
     def _on_checkin(self, dbapi_connection: Any, _record: Any) -> None:
         """Write a due beat on a connection going back to the pool (any thread)."""
         if dbapi_connection is None or not self._due.is_set():
@@ -278,15 +216,10 @@ class Registration:
         if not self._writing.acquire(blocking=False):
             return
         try:
-            cursor = dbapi_connection.cursor()
-            try:
+            with contextlib.closing(dbapi_connection.cursor()) as cursor:
                 cursor.execute(self._beat_sql)
-            finally:
-                cursor.close()
             dbapi_connection.commit()
-            self._due.clear()
-            self.beats += 1
-            self._last_write = time.monotonic()
+            self._beaten(time.monotonic())
         except Exception as err:  # a broken connection is the pool's business, not ours
             log.debug("heartbeat on check-in failed (%s); the heartbeat thread retries", err)
             with contextlib.suppress(Exception):
@@ -315,21 +248,15 @@ class Registration:
                 try:
                     assert self.id is not None
                     beat(self.db, self.id)
-                    self._due.clear()
-                    self.beats += 1
-                    self._last_write = began  # the row shows when the write began, at the latest
+                    self._beaten(began)  # the row shows when the write began, at the latest
                 except StorageError as err:
                     # Retries already happened inside; the next beat, an interval on, may get through.
                     log.warning("heartbeat of worker %s failed: %s", self.name, err)
                     failed_at = time.monotonic()
 
     def _wait_for_quiet_connection(self) -> bool:
-        """True when the heartbeat should write the beat itself.
-
-        That is when the pooled connection stays idle for a few polls in a row (the trainer is
-        busy computing, not storing), or when ``quiet_wait_s`` runs out; False when a check-in
-        carried the beat meanwhile or the worker is stopping.
-        """
+        """True when the heartbeat should write the beat itself: the pooled connection stayed idle for a few polls
+        in a row, or ``quiet_wait_s`` ran out; False when a check-in carried the beat or the worker is stopping."""
         deadline = time.monotonic() + self.quiet_wait_s
         quiet = 0
         while self._due.is_set() and time.monotonic() < deadline:

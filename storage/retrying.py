@@ -1,10 +1,5 @@
-"""Optuna's RDB storage with retries: database outages are waited out, not fatal.
-
-A PostgreSQL restart or a dropped network path mid-search would otherwise turn every
-``trial.report`` and ``study.tell`` of every worker into an exception and lose the trials
-that were training fine. Each storage call here is retried with jittered back-off (the
-policy in ``db.RetryPolicy``) while the error is a lost or refused connection.
-"""
+"""Optuna's RDB storage with retries: a database outage is waited out (``db.RetryPolicy``), not fatal to every
+``trial.report`` and ``study.tell`` of trials that were training fine."""
 
 from __future__ import annotations
 
@@ -26,28 +21,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 # ``set_trial_state_values`` is made safe below (a repeat that finds the trial finished
 # with the state we asked for has succeeded).
 _METHODS = [
-    "create_new_study",
-    "delete_study",
-    "set_study_user_attr",
-    "set_study_system_attr",
-    "get_study_id_from_name",
-    "get_study_name_from_id",
-    "get_study_directions",
-    "get_study_user_attrs",
-    "get_study_system_attrs",
-    "get_all_studies",
-    "create_new_trial",
-    "set_trial_param",
-    "get_trial_id_from_study_id_trial_number",
-    "set_trial_state_values",
-    "set_trial_intermediate_value",
-    "set_trial_user_attr",
-    "set_trial_system_attr",
-    "get_trial",
-    "get_all_trials",
-    "get_n_trials",
-    "get_best_trial",
-    "record_heartbeat",
+    *("create_new_study", "delete_study", "set_study_user_attr", "set_study_system_attr", "get_study_id_from_name"),
+    *("get_study_name_from_id", "get_study_directions", "get_study_user_attrs", "get_study_system_attrs"),
+    *("get_all_studies", "create_new_trial", "set_trial_param", "get_trial_id_from_study_id_trial_number"),
+    *("set_trial_state_values", "set_trial_intermediate_value", "set_trial_user_attr", "set_trial_system_attr"),
+    *("get_trial", "get_all_trials", "get_n_trials", "get_best_trial", "record_heartbeat"),
 ]
 
 
@@ -74,13 +52,8 @@ def _retrying(name: str, method: F) -> F:
                 if not _transient(exc) or delay is None:
                     raise
                 attempt += 1
-                log.warning(
-                    "database unreachable during %s (%s); retry %d in %.1fs",
-                    name,
-                    str(exc.__cause__ or exc).splitlines()[0],
-                    attempt,
-                    delay,
-                )
+                why = str(exc.__cause__ or exc).splitlines()[0]
+                log.warning("database unreachable during %s (%s); retry %d in %.1fs", name, why, attempt, delay)
                 self.retry_policy.sleep(delay)
 
     return call  # type: ignore[return-value]

@@ -1,12 +1,7 @@
-"""Which study a checkpoint folder belongs to.
-
-Trial n of study S writes ``OUTPUT/S/trial-n``. Two studies of one name (on two storages, or a
-study whose database was deleted and that was started again) would write the same folders: the
-second would overwrite the first one's finished checkpoints while the first's records still
-point at them, and ``hpsearch best --export`` would copy the wrong model. So the first study to
-use ``OUTPUT/S`` leaves a marker there naming itself (a random id stored with the study), and
-every later start, worker and export checks it.
-"""
+"""Which study a checkpoint folder belongs to: two studies of one name (two storages, or a database deleted and
+started again) would write the same ``OUTPUT/S/trial-n`` folders, overwriting the first one's checkpoints. So the
+first study to use ``OUTPUT/S`` leaves a marker naming itself (its random id), which every start, worker and export
+checks."""
 
 from __future__ import annotations
 
@@ -26,17 +21,14 @@ def owner(study_dir: Path) -> dict[str, str] | None:
     except (FileNotFoundError, NotADirectoryError):  # a file where the folder goes: --output-dir's check says so
         return None
     except (OSError, ValueError):
-        return {"uid": "", "study": "?", "storage": "?"}  # unreadable: owned by nobody we know
+        data = None  # unreadable: owned by nobody we know
     return data if isinstance(data, dict) else {"uid": "", "study": "?", "storage": "?"}
 
 
 def check(study_dir: Path, study: str, uid: str | None, *, exists: bool, storage: str = "") -> None:
-    """Refuse a folder that another study's trials wrote, before anything is written.
-
-    ``uid`` is the study's id (None for a study that does not exist yet, or one made before
-    studies had ids); ``exists`` says whether the study is in the storage already; ``storage``
-    (masked) is where it lives, to tell an earlier study of the same storage from another's.
-    """
+    """Refuse a folder that another study's trials wrote, before anything is written. ``uid`` is the study's id
+    (None for a new study, or one older than ids); ``exists``: the study is in the storage already; ``storage``
+    (masked) is where it lives, to tell an earlier study of the same storage from another's."""
     marker = owner(study_dir)
     if marker is not None:
         if uid is None or marker.get("uid") != uid:

@@ -9,13 +9,17 @@ from sqlalchemy.orm import Session
 
 from hpsearch.storage.db import Database
 from hpsearch.storage.errors import StorageError
+from hpsearch.storage.registry import holding
 from hpsearch.storage.tables import TrialSlot, WorkerRecord
 
 
 def claim_slot(db: Database, study_name: str, n_trials: int, worker: str) -> int | None:
     """Claim a free trial slot; ``None`` once all ``n_trials`` are taken."""
     while True:
-        used = db.run(lambda s: _used_slots(s, study_name), what="read trial slots")
+        used = db.run(
+            lambda s: set(s.scalars(select(TrialSlot.slot).where(TrialSlot.study_name == study_name))),
+            what="read trial slots",
+        )
         free = next((n for n in range(n_trials) if n not in used), None)
         if free is None:
             return None
@@ -36,14 +40,8 @@ def claim_slot(db: Database, study_name: str, n_trials: int, worker: str) -> int
 
 
 def bind_slot(db: Database, study_name: str, slot: int, trial_number: int) -> None:
-    db.run(
-        lambda s: s.execute(
-            update(TrialSlot)
-            .where(TrialSlot.study_name == study_name, TrialSlot.slot == slot)
-            .values(trial_number=trial_number)
-        ),
-        what="bind trial slot",
-    )
+    stmt = update(TrialSlot).where(TrialSlot.study_name == study_name, TrialSlot.slot == slot)
+    db.run(lambda s: s.execute(stmt.values(trial_number=trial_number)), what="bind trial slot")
 
 
 def release_slot(db: Database, study_name: str, *, slot: int | None = None, trial_number: int | None = None) -> None:
@@ -57,47 +55,23 @@ def release_slot(db: Database, study_name: str, *, slot: int | None = None, tria
 
 
 def used_slots(db: Database, study_name: str) -> int:
-    return db.run(
-        lambda s: s.execute(
-            select(func.count()).select_from(TrialSlot).where(TrialSlot.study_name == study_name)
-        ).scalar_one(),
-        what="count trial slots",
-    )
+    count = select(func.count()).select_from(TrialSlot).where(TrialSlot.study_name == study_name)
+    return db.run(lambda s: s.execute(count).scalar_one(), what="count trial slots")
 
 
 def bound_trials(db: Database, study_name: str) -> set[int]:
     """The trial numbers the study's trial slots are bound to."""
-    rows = db.run(
-        lambda s: s.execute(
-            select(TrialSlot.trial_number).where(
-                TrialSlot.study_name == study_name, TrialSlot.trial_number.is_not(None)
-            )
-        ).all(),
-        what="read bound trial slots",
-    )
-    return {int(r[0]) for r in rows}
-
-
-def _used_slots(s: Session, study_name: str) -> set[int]:
-    rows = s.execute(select(TrialSlot.slot).where(TrialSlot.study_name == study_name))
-    return {r[0] for r in rows}
+    stmt = select(TrialSlot.trial_number).where(TrialSlot.study_name == study_name, TrialSlot.trial_number.is_not(None))
+    return {int(n) for n in db.run(lambda s: s.scalars(stmt).all(), what="read bound trial slots")}
 
 
 def orphaned_slots(db: Database, study_name: str, *, older_than_s: float) -> list[tuple[int, int | None]]:
-    """Slots whose worker vanished before the registry knew its trial, as (slot, trial number).
-
-    A worker claims a slot, asks for a trial, binds it and records it as its current trial in
-    the registry, milliseconds apart; a host lost in between leaves a slot that no registry
-    row points at. Unbound ones (trial number ``None``) hold a slot for a trial never asked.
-    """
+    """Slots whose worker vanished before the registry knew its trial (claim, ask, bind and record are milliseconds
+    apart), as (slot, trial number); an unbound one (``None``) holds a slot for a trial never asked."""
 
     def read(s: Session) -> list[tuple[int, int | None]]:
         now = s.execute(select(db.clock())).scalar_one()
-        held = select(WorkerRecord.current_trial).where(
-            WorkerRecord.study_name == study_name,
-            WorkerRecord.ended_at.is_(None),
-            WorkerRecord.current_trial.is_not(None),
-        )
+        held = select(WorkerRecord.current_trial).where(*holding(study_name))
         rows = s.execute(
             select(TrialSlot.slot, TrialSlot.trial_number).where(
                 TrialSlot.study_name == study_name,
@@ -111,13 +85,7 @@ def orphaned_slots(db: Database, study_name: str, *, older_than_s: float) -> lis
 
 
 def forget_study(db: Database, study_name: str) -> int:
-    """Remove every slot left under ``study_name``: a study of that name is being created anew.
-
-    Slots are keyed by name, and deleting a study (Optuna's ``delete_study``, the dashboard)
-    leaves ours behind: a new study of that name would find its budget used and run nothing."""
-    return int(
-        db.run(
-            lambda s: s.execute(delete(TrialSlot).where(TrialSlot.study_name == study_name)).rowcount,
-            what="remove a deleted study's trial slots",
-        )
-    )
+    """Remove every slot left under ``study_name``, which is being created anew: slots are keyed by name, and deleting
+    a study (Optuna's ``delete_study``) leaves ours, so a new study of that name would find its budget used."""
+    stmt = delete(TrialSlot).where(TrialSlot.study_name == study_name)
+    return int(db.run(lambda s: s.execute(stmt).rowcount, what="remove a deleted study's trial slots"))

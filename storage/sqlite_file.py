@@ -16,16 +16,12 @@ from hpsearch.storage import mounts
 from hpsearch.storage.errors import StorageError, StorageUrlError, StudyNotFoundError
 
 log = logging.getLogger(__name__)
-
-
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
 def check_sqlite(path: Path, *, create: bool, read_only: bool, display: str) -> Callable[[], sqlite3.Connection] | None:
-    """Refuse, with the reason, a path SQLite cannot use; nothing is written to it here.
-
-    Returns a read-only connector when ``read_only`` and this user cannot write the file.
-    """
+    """Refuse, with the reason, a path SQLite cannot use; nothing is written to it here. Returns a read-only
+    connector when ``read_only`` and this user cannot write the file."""
     if path.is_dir():
         raise StorageUrlError(
             f"storage {display}: {path} is a folder; name a file in it, e.g. sqlite:///{path}/hpsearch.db"
@@ -39,10 +35,8 @@ def check_sqlite(path: Path, *, create: bool, read_only: bool, display: str) -> 
         if not path.parent.is_dir():
             raise StorageUrlError(f"cannot create SQLite storage {display}: folder {path.parent} does not exist")
         try:
-            # What SQLite is about to do (create a file there), so read-only mounts and
-            # folders like /proc fail here with the reason, not inside the driver.
-            with tempfile.TemporaryFile(dir=path.parent):
-                pass
+            # What SQLite is about to do, so read-only mounts and /proc fail here with the reason, not in the driver.
+            tempfile.TemporaryFile(dir=path.parent).close()
         except OSError as exc:
             why = f" ({exc.strerror})" if exc.strerror and exc.errno != errno.ENOENT else ""  # ENOENT: /proc
             raise StorageUrlError(
@@ -64,8 +58,12 @@ def check_sqlite(path: Path, *, create: bool, read_only: bool, display: str) -> 
         raise StorageUrlError(
             f"storage {display}: file is not a database; point --storage / HPSEARCH_STORAGE at the study's SQLite file"
         )
-    refused = unwritable(path)
-    if refused is None:
+    # access() also sees read-only mounts.
+    if not os.access(path, os.W_OK):
+        refused = f"{path} is read-only"
+    elif not os.access(path.parent, os.W_OK):
+        refused = f"its folder {path.parent} is not writable (SQLite keeps its journal beside the file)"
+    else:
         return None
     if read_only and not create:
         return read_only_connector(path)
@@ -75,23 +73,13 @@ def check_sqlite(path: Path, *, create: bool, read_only: bool, display: str) -> 
     )
 
 
-def unwritable(path: Path) -> str | None:
-    """Why this user cannot write the SQLite file, or None. (access() also sees read-only mounts.)"""
-    if not os.access(path, os.W_OK):
-        return f"{path} is read-only"
-    if not os.access(path.parent, os.W_OK):
-        return f"its folder {path.parent} is not writable (SQLite keeps its journal beside the file)"
-    return None
-
-
 def read_only_connector(path: Path) -> Callable[[], sqlite3.Connection]:
     query = "mode=ro"
     if not os.access(path.parent, os.W_OK) and not any(
         Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-journal")
     ):
-        # A reader of a WAL file needs a -shm file beside it, which a read-only folder cannot
-        # hold; with no -wal or journal there, the file alone is the whole database, and
-        # "immutable" reads it without one.
+        # A WAL reader needs a -shm file beside it, which a read-only folder cannot hold; with no -wal or journal
+        # there, the file alone is the whole database, and "immutable" reads it without one.
         query += "&immutable=1"
     uri = f"file:{urllib.parse.quote(str(path.resolve()))}?{query}"
     return functools.partial(sqlite3.connect, uri, uri=True, timeout=120, check_same_thread=False)
@@ -100,8 +88,7 @@ def read_only_connector(path: Path) -> Callable[[], sqlite3.Connection]:
 def use_wal(path: Path, display: str) -> None:
     kind = mounts.filesystem(path.parent)
     if mounts.is_network(kind):
-        # Said, not refused: one host's workers on such a file mostly work in rollback-journal
-        # mode, and the user may have no other disk; what breaks is WAL and several hosts.
+        # Said, not refused: one host's workers there work in rollback-journal mode, and there may be no other disk.
         log.warning(
             "storage %s is on a network file system (%s): SQLite's locks do not hold there and its WAL "
             "would corrupt the file; keeping the rollback journal. Put the file on a local disk, and use "

@@ -11,15 +11,10 @@ class Base(DeclarativeBase):
 
 
 class TrialSlot(Base):
-    """One unit of a study's trial budget, claimed before a trial is asked for.
+    """One unit of a study's trial budget, claimed before a trial is asked for: the primary key makes the claim
+    atomic on every backend, so ``n_trials`` holds exactly across hosts. Deleted only when its trial is retried."""
 
-    The primary key makes the claim atomic on every backend: two workers that race for the
-    last slot cannot both win, so ``n_trials`` is respected exactly across hosts. A slot is
-    released (row deleted) only when its trial is handed back for a retry.
-    """
-
-    # The table keeps the name it was created with: existing study databases hold it.
-    __tablename__ = "hpsearch_budget_slots"
+    __tablename__ = "hpsearch_budget_slots"  # the name it was created with: existing study databases hold it
 
     study_name: Mapped[str] = mapped_column(String(512), primary_key=True)
     slot: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -29,13 +24,8 @@ class TrialSlot(Base):
 
 
 class WorkerRecord(Base):
-    """One worker process of a study, on any host: the registry behind `hpsearch status`.
-
-    Every time is the database clock (Unix seconds), so hosts with drifting clocks agree on
-    which worker is alive. A worker is *live* while its heartbeat is recent, *finished* once
-    it ended cleanly, and *lost* when its heartbeat went stale without a clean end (killed,
-    host gone, network cut). A restarted process registers a new row.
-    """
+    """One worker process of a study, on any host: the registry behind `hpsearch status`. Every time is the
+    database clock (Unix seconds), so hosts with drifting clocks agree on which worker is live, finished or lost."""
 
     __tablename__ = "hpsearch_workers"
 
@@ -47,24 +37,20 @@ class WorkerRecord(Base):
     pid: Mapped[int] = mapped_column(Integer)
     started_at: Mapped[float] = mapped_column(Float)
     heartbeat_at: Mapped[float] = mapped_column(Float)
-    heartbeat_s: Mapped[float] = mapped_column(Float)
-    """The worker's heartbeat interval: it is lost after missing a few of its own beats."""
+    heartbeat_s: Mapped[float] = mapped_column(Float)  # it is lost after missing a few of its own beats
     ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     current_trial: Mapped[int | None] = mapped_column(Integer, nullable=True)
     trial_started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     trials_finished: Mapped[int] = mapped_column(Integer, default=0)
-    device_seconds: Mapped[float] = mapped_column(Float, default=0.0)
-    """Seconds this worker's device spent in finished trials (the running one is added live)."""
+    device_seconds: Mapped[float] = mapped_column(
+        Float, default=0.0
+    )  # in finished trials; the running one is added live
 
 
 class StudyCreation(Base):
-    """A study hpsearch is creating: written before Optuna's study, removed once its spec is stored.
-
-    Optuna creates a study and its attributes in separate transactions, so a `start` killed in
-    between leaves a study with no spec. This row tells that one (hpsearch's, never used, safe
-    to make again) from a study someone made with plain Optuna (refused), and tells a reader
-    that a spec-less study may be one another process is creating right now.
-    """
+    """A study hpsearch is creating: written before Optuna's study, removed once its spec is stored. It tells a
+    spec-less study of a killed `start` (safe to make again) or of another process creating it right now from one
+    made with plain Optuna (refused): Optuna creates a study and its attributes in separate transactions."""
 
     __tablename__ = "hpsearch_study_creations"
 

@@ -1,15 +1,9 @@
 """A trial's folder, ``OUTPUT/STUDY/trial-N``, and the one rule for every path that reaches us.
 
-A study's rows are written by anyone who can reach its database (workers, the dashboard, a
-database user) and a runs folder on a shared disk by anyone who can write there. So a path
-read from either is input, not an instruction: hpsearch deletes, moves or loads only what
-really lies inside a trial folder of the study folder it made (the one its marker names, see
-rundir.py). "Really" means after resolving symbolic links: a ``trial-7`` or a ``best`` that is
-a link to ``/home`` is refused and logged, never followed.
-
-Where a trial's files are is known without asking anybody: trial N's best model is
-``trial-N/best``, its resumable state ``trial-N/resume/state.pt``. A recorded path is at most
-a hint, checked against that.
+A path read from a study's rows or a shared runs folder is input, not an instruction: hpsearch deletes, moves or
+loads only what lies inside a trial folder of the study folder it made (rundir.py), links resolved; a link to
+elsewhere is refused and logged. Trial N's files are known without asking anybody, so a recorded path is at most
+a hint (docs/decisions.md, "A path from a row is a hint").
 """
 
 from __future__ import annotations
@@ -32,8 +26,7 @@ RESUME = "resume"
 RESUME_FILE = "state.pt"
 CURVES = "tensorboard"
 LOG = "train.log"  # the log of every attempt at the trial (search/worker.py writes it)
-_LOCK = ".hpsearch.lock"
-"""Held shared by an export while it copies ``best/``, exclusively by retention to delete it."""
+_LOCK = ".hpsearch.lock"  # held shared by an export while it copies best/, exclusively by retention to delete it
 
 
 class TrialDirError(OSError):
@@ -42,8 +35,7 @@ class TrialDirError(OSError):
 
 @dataclass(frozen=True)
 class TrialDir:
-    root: Path
-    """The study's folder on this host, ``OUTPUT/STUDY``."""
+    root: Path  # the study's folder on this host, OUTPUT/STUDY
     number: int
 
     @property
@@ -64,7 +56,6 @@ class TrialDir:
 
     @property
     def log(self) -> Path:
-        """The log of every attempt at the trial."""
         return self.path / LOG
 
     @property
@@ -76,9 +67,7 @@ class TrialDir:
     def named(cls, root: Path, folder_name: str) -> TrialDir | None:
         """The trial folder a directory entry of ``root`` names (``trial-12``), or None."""
         number = folder_name.removeprefix(PREFIX)
-        if not folder_name.startswith(PREFIX) or not number.isdigit():
-            return None
-        return cls(root, int(number))
+        return cls(root, int(number)) if folder_name.startswith(PREFIX) and number.isdigit() else None
 
     def make(self) -> Path:
         """Create the folder (or find it) for this trial to write in; refuse one that is a link."""
@@ -101,8 +90,8 @@ class TrialDir:
             return False
 
     def holds(self, path: Path) -> bool:
-        """Whether ``path`` lies inside this trial's folder once every link is resolved, and is
-        no link itself. Refusals are logged: someone put that path there."""
+        """Whether ``path`` lies inside this trial's folder once every link is resolved, and is no link itself.
+        Refusals are logged: someone put that path there."""
         try:
             inside = self.is_real() and not path.is_symlink() and path.resolve().is_relative_to(self._real())
         except OSError:
@@ -176,14 +165,11 @@ class TrialDir:
 
 
 def named_by(root: Path, path: Path, name: str) -> TrialDir | None:
-    """The trial folder under ``root`` whose ``name`` (``best``, ``resume``) ``path`` is, or None.
-
-    For a path read from a row: it must be ``root/trial-N/<name>`` after resolving links."""
+    """The trial folder under ``root`` whose ``name`` (``best``, ``resume``) ``path`` (read from a row) is, after
+    resolving links, or None."""
     try:
         real = path.resolve()
     except OSError:
         return None
     folder = TrialDir.named(root, real.parent.name) if real.name == name else None
-    if folder is None or real.parent.parent != root.resolve() or not folder.holds(path):
-        return None
-    return folder
+    return folder if folder is not None and real.parent.parent == root.resolve() and folder.holds(path) else None

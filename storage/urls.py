@@ -21,19 +21,12 @@ _POSTGRES_ALIASES = {"postgresql", "postgres", "postgresql+psycopg2"}
 
 def resolve(url: str | None, *, cwd: Path | None = None) -> str:
     """Return the storage URL to use: explicit, else $HPSEARCH_STORAGE, else the local SQLite file."""
-    if url:
-        return url
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return env
-    path = (cwd or Path.cwd()) / DEFAULT_SQLITE_FILE
-    return f"sqlite:///{path}"
+    return url or os.environ.get(ENV_VAR) or f"sqlite:///{(cwd or Path.cwd()) / DEFAULT_SQLITE_FILE}"
 
 
 def normalize(url: str) -> str:
     """Validate ``url`` and return the SQLAlchemy URL string with an explicit driver."""
-    parsed = parse(url)
-    return parsed.render_as_string(hide_password=False)
+    return parse(url).render_as_string(hide_password=False)
 
 
 def parse(url: str) -> URL:
@@ -44,7 +37,6 @@ def parse(url: str) -> URL:
             f"storage URL {mask(url)!r} is not a URL; use sqlite:///path/to/file.db or "
             f"postgresql://user:password@host:5432/dbname{_at_hint(url)}"
         ) from None
-    backend = parsed.get_backend_name()
     if parsed.drivername in _POSTGRES_ALIASES:
         parsed = parsed.set(drivername="postgresql+psycopg2")
         _check_user_info(url, parsed)
@@ -53,7 +45,7 @@ def parse(url: str) -> URL:
                 f"storage URL {mask(url)!r} names no database; add one, e.g. "
                 "postgresql://user:password@host:5432/hpsearch"
             )
-    elif backend == "sqlite":
+    elif parsed.get_backend_name() == "sqlite":
         if not parsed.database or parsed.database == ":memory:":
             raise StorageUrlError(
                 f"storage URL {mask(url)!r} is an in-memory SQLite database, which worker "
@@ -67,25 +59,17 @@ def parse(url: str) -> URL:
     return parsed
 
 
-def is_sqlite(url: str) -> bool:
-    return parse(url).get_backend_name() == "sqlite"
-
-
 def sqlite_path(url: str) -> Path | None:
     parsed = parse(url)
-    if parsed.get_backend_name() != "sqlite" or parsed.database is None:
-        return None
-    return Path(parsed.database)
+    return Path(parsed.database) if parsed.get_backend_name() == "sqlite" and parsed.database is not None else None
 
 
 def mask(url: str) -> str:
-    """The URL with its passwords replaced by ***, safe to print or log: the one in the user
-    info, and libpq's ``?password=`` and ``?sslpassword=`` options."""
+    """The URL with its passwords (the user info's, libpq's ``?password=`` and ``?sslpassword=``) as ***."""
     return _SECRET_OPTION.sub(r"\1***", _mask_user_info(url))
 
 
-# libpq takes every connection keyword as a URL option; these two carry secrets (passfile and
-# sslkey name files, which are fine to show). Matched wherever an option may start.
+# libpq takes every connection keyword as a URL option; these two carry secrets (passfile and sslkey name files).
 _SECRET_OPTION = re.compile(r"([?&;](?:ssl)?password=)[^&;#]*", re.IGNORECASE)
 
 
@@ -98,13 +82,12 @@ def _mask_user_info(url: str) -> str:
             parsed = make_url(url)
         except (ArgumentError, ValueError):
             parsed = None
-        # The parser took the one "@" as the end of user:password only if it found a user;
-        # else ("us/er:pw@host") it would print the password as part of the host or path.
+        # Only if the parser found a user did it end user:password at the "@"; else ("us/er:pw@host") it would print
+        # the password as part of the host or path.
         if parsed is not None and parsed.username is not None:
             return parsed.render_as_string(hide_password=True)
-    # An unencoded "@" in the password, or a URL no parser reads: user and password end at
-    # the last "@" (as browsers read it), so nothing before it is printed. An ?option with an
-    # "@" is hidden too, which costs a little context and leaks nothing.
+    # An unencoded "@" in the password, or a URL no parser reads: user and password end at the last "@" (as
+    # browsers read it); an ?option with an "@" is hidden too, which costs a little context and leaks nothing.
     return f"{scheme}***@{rest.rsplit('@', 1)[1]}"
 
 
@@ -115,12 +98,8 @@ def _split_scheme(url: str) -> tuple[str, str]:
 
 
 def _check_user_info(url: str, parsed: URL) -> None:
-    """Refuse a PostgreSQL URL whose user:password the parser split in the wrong place.
-
-    SQLAlchemy ends the password at the first "@"; the rest of a password with an unencoded
-    "@" becomes the host (or the database), which would be sent to DNS and printed back in
-    the driver's error. A host never holds an "@", so a second one is always this typo.
-    """
+    """Refuse a PostgreSQL URL whose user:password the parser split in the wrong place: SQLAlchemy ends the
+    password at the first "@", and the rest would become the host, sent to DNS and printed in the driver's error."""
     rest = _split_scheme(url)[1]
     if rest.split("?", 1)[0].count("@") > 1 or "@" in (parsed.host or ""):
         raise StorageUrlError(f"storage URL {mask(url)!r} has more than one '@'{_ENCODE_HINT}")

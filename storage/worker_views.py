@@ -23,20 +23,14 @@ class WorkerView:
     host: str
     device: str
     pid: int
-    state: str
-    """"live", "finished" or "lost"."""
+    state: str  # "live", "finished" or "lost"
     started_at: float
-    heartbeat_age_s: float
-    """Seconds since the last heartbeat, by the database clock."""
+    heartbeat_age_s: float  # seconds since the last heartbeat, by the database clock
     current_trial: int | None
     trials_finished: int
     device_seconds: float
     """Finished trials plus the running one (up to the last heartbeat for a lost worker), times
     the worker's devices: a worker that trains each trial on "cuda:0+1" uses two GPUs."""
-
-    @property
-    def is_gpu(self) -> bool:
-        return self.device.startswith("cuda")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -46,19 +40,14 @@ def list_workers(db: Database, study: str) -> list[WorkerView]:
     """Every worker that ever served ``study``, oldest first, judged by the database clock."""
 
     def read(s: Session) -> list[WorkerView]:
-        now = s.execute(select(db.clock())).scalar_one()
-        rows = (
-            s.execute(select(WorkerRecord).where(WorkerRecord.study_name == study).order_by(WorkerRecord.id))
-            .scalars()
-            .all()
-        )
-        return [_view(r, float(now)) for r in rows]
+        now = float(s.execute(select(db.clock())).scalar_one())
+        rows = s.scalars(select(WorkerRecord).where(WorkerRecord.study_name == study).order_by(WorkerRecord.id))
+        return [_view(r, now) for r in rows]
 
     return db.run(read, what="read worker registry")
 
 
 def _view(r: WorkerRecord, now: float) -> WorkerView:
-    age = max(0.0, now - r.heartbeat_at)
     if r.ended_at is not None:
         state = "finished"
     elif silent(r, now, MISSED_BEATS * r.heartbeat_s):
@@ -70,19 +59,11 @@ def _view(r: WorkerRecord, now: float) -> WorkerView:
         # A lost worker stopped using its device at its last heartbeat, as far as anyone knows.
         seconds += max(0.0, (now if state == "live" else r.heartbeat_at) - r.trial_started_at)
     seconds *= 1 + r.device.count("+")  # a device group's label joins its devices with "+"
+    age = max(0.0, now - r.heartbeat_at)
     return WorkerView(
-        name=r.name,
-        host=r.host,
-        device=r.device,
-        pid=r.pid,
-        state=state,
-        started_at=r.started_at,
-        heartbeat_age_s=age,
-        current_trial=r.current_trial,
-        trials_finished=r.trials_finished,
-        device_seconds=seconds,
+        r.name, r.host, r.device, r.pid, state, r.started_at, age, r.current_trial, r.trials_finished, seconds
     )
 
 
 def device_hours(workers: list[WorkerView], *, gpu_only: bool = True) -> float:
-    return sum(w.device_seconds for w in workers if w.is_gpu or not gpu_only) / 3600.0
+    return sum(w.device_seconds for w in workers if w.device.startswith("cuda") or not gpu_only) / 3600.0
