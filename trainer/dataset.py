@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpsearch.trainer.batches import CAUSAL_LM, CLASSIFICATION, Encoded
-from hpsearch.trainer.chat import ChatRows, encode_chat, is_chat, read_chat_rows
+from hpsearch.trainer.chat import ChatRows, encode_chat, read_chat_rows
 from hpsearch.trainer.config import DataConfig
 from hpsearch.trainer.data import DataError, Rows, TextRows, read_records, read_rows, read_text_rows
 from hpsearch.trainer.labels import LabelMap
@@ -48,7 +48,7 @@ def read_splits(cfg: DataConfig, task: str = CLASSIFICATION) -> Splits:
 def _read_lm(path: Path, cfg: DataConfig) -> TextRows | ChatRows:
     """Chat rows when the file's first row holds ``messages_column``, else text or prompt/response rows."""
     records = read_records(path, cfg.header)
-    if is_chat(records, cfg.messages_column):
+    if cfg.messages_column in records[0][1]:
         return read_chat_rows(path, cfg.messages_column, records)
     return read_text_rows(path, cfg.text_column, cfg.prompt_column, cfg.response_column, cfg.header, records)
 
