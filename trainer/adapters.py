@@ -1,9 +1,6 @@
-"""LoRA adapters (peft) on a frozen base: attach one per trial, take it off after, merge for export.
+"""LoRA adapters (peft) on a frozen base: attach one per trial, take it off after, merge for export (docs/adapters.md).
 
-Like litgpt's ``finetune/lora.py``: the base is loaded once per process and never trained; a
-trial owns only what it trains (the adapter and, for a classifier, its head) and the
-optimizer state of those. peft is imported lazily: a full fine-tune never loads it.
-"""
+peft is imported lazily: a full fine-tune never loads it."""
 
 from __future__ import annotations
 
@@ -27,10 +24,6 @@ def is_adapter(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "base_model")
 
 
-def peft_task(task: str) -> str:
-    return "CAUSAL_LM" if task == "causal-lm" else "SEQ_CLS"
-
-
 def attach(base: torch.nn.Module, cfg: AdapterConfig, task: str, seed: int) -> torch.nn.Module:
     """A freshly seeded LoRA adapter on ``base`` (changed in place: its linear layers are
     wrapped, its own weights frozen). For a classifier, peft's SEQ_CLS task puts the head in
@@ -42,7 +35,7 @@ def attach(base: torch.nn.Module, cfg: AdapterConfig, task: str, seed: int) -> t
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
-        task_type=peft_task(task),
+        task_type="CAUSAL_LM" if task == "causal-lm" else "SEQ_CLS",
     )
     # LoRA's A matrices are drawn from torch's global generator (B starts at zero): the seed
     # makes a trial's adapter the same wherever and whenever it runs.
@@ -54,15 +47,10 @@ def attach(base: torch.nn.Module, cfg: AdapterConfig, task: str, seed: int) -> t
 
 
 class MaskDropout(torch.nn.Module):
-    """Inverted dropout whose mask on a CPU comes from 16-bit random integers.
-
-    peft draws a fresh dropout mask for every adapted layer (q, k and v each draw one over the
-    same input), and torch's CPU ``bernoulli_`` draws one 32-bit number per element: in a LoRA
-    step on a CPU that was 18% of the time. Here one 64-bit draw gives four elements their
-    16-bit numbers, and a compare makes the mask: the same distribution (each element kept
-    independently, p resolved to 1/65536, the survivors scaled by 1/(1-p)) for 2-3x less work.
-    CUDA's fused dropout kernel is already cheap, and stays.
-    """
+    """Inverted dropout whose mask on a CPU comes from 16-bit random integers: torch's CPU ``bernoulli_`` draws
+    32 bits per element, and peft's mask per adapted layer was 18% of a LoRA step on a CPU (docs/adapters.md,
+    "Speed"). One 64-bit draw serves four elements: the same distribution (p resolved to 1/65536, survivors
+    scaled by 1/(1-p)) for 2-3x less work. CUDA's fused dropout kernel is already cheap, and stays."""
 
     def __init__(self, p: float) -> None:
         super().__init__()
