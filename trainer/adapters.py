@@ -20,7 +20,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def is_adapter(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is a peft model (an adapter on a base)."""
     return hasattr(model, "peft_config") and hasattr(model, "base_model")
 
 
@@ -41,7 +40,12 @@ def attach(base: torch.nn.Module, cfg: AdapterConfig, task: str, seed: int) -> t
     # makes a trial's adapter the same wherever and whenever it runs.
     torch.manual_seed(seed)
     model = get_peft_model(base, config)
-    _cheaper_dropout(model)
+    for module in model.modules():  # peft's nn.Dropout in every LoRA layer -> MaskDropout, same p
+        drops = getattr(module, "lora_dropout", None)
+        if isinstance(drops, torch.nn.ModuleDict):
+            for name, drop in drops.items():
+                if isinstance(drop, torch.nn.Dropout):
+                    drops[name] = MaskDropout(drop.p)
     log.info("LoRA r=%d alpha=%g: %d trainable parameters", cfg.r, cfg.alpha, trainable_parameters(model))
     return model
 
@@ -76,16 +80,6 @@ class MaskDropout(torch.nn.Module):
         return f"p={self.p:g}"
 
 
-def _cheaper_dropout(model: torch.nn.Module) -> None:
-    """Swap peft's ``nn.Dropout`` in every LoRA layer for :class:`MaskDropout` (same p)."""
-    for module in model.modules():
-        drops = getattr(module, "lora_dropout", None)
-        if isinstance(drops, torch.nn.ModuleDict):
-            for name, drop in drops.items():
-                if isinstance(drop, torch.nn.Dropout):
-                    drops[name] = MaskDropout(drop.p)
-
-
 def detach(model: torch.nn.Module) -> torch.nn.Module:
     """Take the adapter off ``model`` and return the base as it was loaded: unmerged, and with
     its own head back (peft's unload would leave the trained copy of a modules_to_save head)."""
@@ -105,9 +99,8 @@ def detach(model: torch.nn.Module) -> torch.nn.Module:
         parent_name, _, attr = name.rpartition(".")
         setattr(base.get_submodule(parent_name) if parent_name else base, attr, original)
     if not getattr(base, "is_quantized", False):
-        # Frozen by get_peft_model: a later full fine-tune (adapter.method searched) copies this
-        # base. A quantized one stays frozen (its integer weights cannot take a gradient, and
-        # the spec allows it only with method = "lora").
+        # Frozen by get_peft_model: a later full fine-tune (adapter.method searched) copies this base. A quantized
+        # one stays frozen (its integer weights cannot take a gradient; the spec allows it only with method = "lora").
         base.requires_grad_(True)
     return base
 

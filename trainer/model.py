@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -12,8 +11,6 @@ import torch
 
 from hpsearch.trainer.config import AdapterConfig, ConfigError
 from hpsearch.trainer.errors import ModelError
-
-log = logging.getLogger(__name__)
 
 
 def _quiet_transformers() -> None:
