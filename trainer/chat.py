@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hpsearch.trainer.batches import CAUSAL_LM, IGNORE_INDEX, Encoded
-from hpsearch.trainer.data import DataError, short
+from hpsearch.trainer.data import DataError, Records, short
 
 ROLES = ("system", "user", "assistant", "tool")
 Message = dict[str, Any]
@@ -25,7 +25,7 @@ class ChatRows:
     path: Path
 
 
-def read_chat_rows(path: Path, column: str, records: list[tuple[int, dict[Any, Any]]]) -> ChatRows:
+def read_chat_rows(path: Path, column: str, records: Records) -> ChatRows:
     """Check every row's message list (no tokenizer needed): said before anything is tokenised."""
     conversations, lines = [], []
     for line_no, record in records:

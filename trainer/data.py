@@ -27,6 +27,8 @@ class Rows:
 
 Column = str | int
 """A column's name, or its position (0 = the first) in a file read with ``header = False``."""
+Records = list[tuple[int, dict[Any, Any]]]
+"""A file's rows as :func:`read_records` reads them: (line number, row)."""
 
 
 def read_rows(path: Path, text_column: Column, label_column: Column, header: bool = True) -> Rows:
@@ -57,9 +59,7 @@ def read_rows(path: Path, text_column: Column, label_column: Column, header: boo
     return Rows(texts, labels, path)
 
 
-def _check_columns(
-    path: Path, header: bool, keys: dict[str, Column], records: list[tuple[int, dict[Any, Any]]]
-) -> None:
+def _check_columns(path: Path, header: bool, keys: dict[str, Column], records: Records) -> None:
     """Names go with a header row, positions without one: said before any row is read."""
     if not header and path.suffix.lower() == ".jsonl":
         raise DataError(
@@ -148,18 +148,11 @@ class TextRows:
 
 
 def read_text_rows(
-    path: Path,
-    text_column: Column,
-    prompt_column: Column,
-    response_column: Column,
-    header: bool = True,
-    records: list[tuple[int, dict[Any, Any]]] | None = None,
+    path: Path, text_column: Column, prompt_column: Column, response_column: Column, header: bool, records: Records
 ) -> TextRows:
-    """Causal-LM rows: each has ``text_column``, or ``prompt_column`` and ``response_column``; ``records``:
-    the file as :func:`read_records` already read it."""
+    """Causal-LM rows: each has ``text_column``, or ``prompt_column`` and ``response_column``."""
     prompts: list[str] = []
     texts: list[str] = []
-    records = records if records is not None else read_records(path, header)
     _check_columns(path, header, {"text_column": text_column}, records)
     for line_no, record in records:
         columns = (text_column,) if text_column in record else (prompt_column, response_column)
@@ -182,7 +175,7 @@ def read_text_rows(
     return TextRows(prompts, texts, path)
 
 
-def read_records(path: Path, header: bool = True) -> list[tuple[int, dict[Any, Any]]]:
+def read_records(path: Path, header: bool = True) -> Records:
     """(line number, row) of a .jsonl, .csv or .tsv file; at least one row, or a DataError. A .csv/.tsv row
     is keyed by the header's names, or by position without a header."""
     if not path.exists():
@@ -205,7 +198,7 @@ def read_records(path: Path, header: bool = True) -> list[tuple[int, dict[Any, A
     return records
 
 
-def _read_jsonl(raw: str, path: Path) -> list[tuple[int, dict[str, Any]]]:
+def _read_jsonl(raw: str, path: Path) -> Records:
     records = []
     for line_no, line in enumerate(raw.splitlines(), start=1):
         if not line.strip():
@@ -227,7 +220,7 @@ def _read_jsonl(raw: str, path: Path) -> list[tuple[int, dict[str, Any]]]:
 CSV_FIELD_LIMIT = 2**31 - 1
 
 
-def _read_table(raw: str, path: Path, suffix: str, header_row: bool = True) -> list[tuple[int, dict[Any, Any]]]:
+def _read_table(raw: str, path: Path, suffix: str, header_row: bool) -> Records:
     if csv.field_size_limit() < CSV_FIELD_LIMIT:
         csv.field_size_limit(CSV_FIELD_LIMIT)
     # newline="" hands csv the raw line ends, as its docs require: a quoted field keeps its line breaks, and only
@@ -236,7 +229,7 @@ def _read_table(raw: str, path: Path, suffix: str, header_row: bool = True) -> l
     # TSV corpora (GLUE among them) contain bare quotes: quoting must be off.
     reader = csv.reader(source, delimiter="\t", quoting=csv.QUOTE_NONE) if suffix == ".tsv" else csv.reader(source)
     header: list[Any] | None = None
-    records: list[tuple[int, dict[Any, Any]]] = []
+    records: Records = []
     line_no = 1  # where the current row starts: a quoted field may span lines
     first = "header"
     try:
