@@ -15,10 +15,9 @@ IGNORE_INDEX = -100
 
 @dataclass
 class Encoded:
-    """A tokenised split: variable-length id lists (no padding is stored) and what they are
-    trained to predict: a class id each (classification), or their own next tokens after
-    ``prompt_lengths[i]`` prompt tokens (causal-lm), or, for chat data, the tokens whose
-    ``token_labels`` are not IGNORE_INDEX (the assistant's turns)."""
+    """A tokenised split: variable-length id lists (no padding is stored) and what they are trained to predict:
+    a class id each (classification), or their own next tokens after ``prompt_lengths[i]`` prompt tokens
+    (causal-lm), or, for chat data, the tokens whose ``token_labels`` are not IGNORE_INDEX (the assistant's turns)."""
 
     input_ids: list[list[int]]
     labels: list[int] = field(default_factory=list)
