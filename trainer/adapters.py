@@ -1,9 +1,6 @@
-"""LoRA adapters (peft) on a frozen base: attach one per trial, take it off after, merge for export.
+"""LoRA adapters (peft) on a frozen base: attach one per trial, take it off after, merge for export (docs/adapters.md).
 
-Like litgpt's ``finetune/lora.py``: the base is loaded once per process and never trained; a
-trial owns only what it trains (the adapter and, for a classifier, its head) and the
-optimizer state of those. peft is imported lazily: a full fine-tune never loads it.
-"""
+peft is imported lazily: a full fine-tune never loads it."""
 
 from __future__ import annotations
 
@@ -23,12 +20,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def is_adapter(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is a peft model (an adapter on a base)."""
     return hasattr(model, "peft_config") and hasattr(model, "base_model")
-
-
-def peft_task(task: str) -> str:
-    return "CAUSAL_LM" if task == "causal-lm" else "SEQ_CLS"
 
 
 def attach(base: torch.nn.Module, cfg: AdapterConfig, task: str, seed: int) -> torch.nn.Module:
@@ -42,27 +34,27 @@ def attach(base: torch.nn.Module, cfg: AdapterConfig, task: str, seed: int) -> t
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
-        task_type=peft_task(task),
+        task_type="CAUSAL_LM" if task == "causal-lm" else "SEQ_CLS",
     )
     # LoRA's A matrices are drawn from torch's global generator (B starts at zero): the seed
     # makes a trial's adapter the same wherever and whenever it runs.
     torch.manual_seed(seed)
     model = get_peft_model(base, config)
-    _cheaper_dropout(model)
+    for module in model.modules():  # peft's nn.Dropout in every LoRA layer -> MaskDropout, same p
+        drops = getattr(module, "lora_dropout", None)
+        if isinstance(drops, torch.nn.ModuleDict):
+            for name, drop in drops.items():
+                if isinstance(drop, torch.nn.Dropout):
+                    drops[name] = MaskDropout(drop.p)
     log.info("LoRA r=%d alpha=%g: %d trainable parameters", cfg.r, cfg.alpha, trainable_parameters(model))
     return model
 
 
 class MaskDropout(torch.nn.Module):
-    """Inverted dropout whose mask on a CPU comes from 16-bit random integers.
-
-    peft draws a fresh dropout mask for every adapted layer (q, k and v each draw one over the
-    same input), and torch's CPU ``bernoulli_`` draws one 32-bit number per element: in a LoRA
-    step on a CPU that was 18% of the time. Here one 64-bit draw gives four elements their
-    16-bit numbers, and a compare makes the mask: the same distribution (each element kept
-    independently, p resolved to 1/65536, the survivors scaled by 1/(1-p)) for 2-3x less work.
-    CUDA's fused dropout kernel is already cheap, and stays.
-    """
+    """Inverted dropout whose mask on a CPU comes from 16-bit random integers: torch's CPU ``bernoulli_`` draws
+    32 bits per element, and peft's mask per adapted layer was 18% of a LoRA step on a CPU (docs/adapters.md,
+    "Speed"). One 64-bit draw serves four elements: the same distribution (p resolved to 1/65536, survivors
+    scaled by 1/(1-p)) for 2-3x less work. CUDA's fused dropout kernel is already cheap, and stays."""
 
     def __init__(self, p: float) -> None:
         super().__init__()
@@ -88,16 +80,6 @@ class MaskDropout(torch.nn.Module):
         return f"p={self.p:g}"
 
 
-def _cheaper_dropout(model: torch.nn.Module) -> None:
-    """Swap peft's ``nn.Dropout`` in every LoRA layer for :class:`MaskDropout` (same p)."""
-    for module in model.modules():
-        drops = getattr(module, "lora_dropout", None)
-        if isinstance(drops, torch.nn.ModuleDict):
-            for name, drop in drops.items():
-                if isinstance(drop, torch.nn.Dropout):
-                    drops[name] = MaskDropout(drop.p)
-
-
 def detach(model: torch.nn.Module) -> torch.nn.Module:
     """Take the adapter off ``model`` and return the base as it was loaded: unmerged, and with
     its own head back (peft's unload would leave the trained copy of a modules_to_save head)."""
@@ -117,9 +99,8 @@ def detach(model: torch.nn.Module) -> torch.nn.Module:
         parent_name, _, attr = name.rpartition(".")
         setattr(base.get_submodule(parent_name) if parent_name else base, attr, original)
     if not getattr(base, "is_quantized", False):
-        # Frozen by get_peft_model: a later full fine-tune (adapter.method searched) copies this
-        # base. A quantized one stays frozen (its integer weights cannot take a gradient, and
-        # the spec allows it only with method = "lora").
+        # Frozen by get_peft_model: a later full fine-tune (adapter.method searched) copies this base. A quantized
+        # one stays frozen (its integer weights cannot take a gradient; the spec allows it only with method = "lora").
         base.requires_grad_(True)
     return base
 

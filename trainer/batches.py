@@ -15,10 +15,9 @@ IGNORE_INDEX = -100
 
 @dataclass
 class Encoded:
-    """A tokenised split: variable-length id lists (no padding is stored) and what they are
-    trained to predict: a class id each (classification), or their own next tokens after
-    ``prompt_lengths[i]`` prompt tokens (causal-lm), or, for chat data, the tokens whose
-    ``token_labels`` are not IGNORE_INDEX (the assistant's turns)."""
+    """A tokenised split: variable-length id lists (no padding is stored) and what they are trained to predict:
+    a class id each (classification), or their own next tokens after ``prompt_lengths[i]`` prompt tokens
+    (causal-lm), or, for chat data, the tokens whose ``token_labels`` are not IGNORE_INDEX (the assistant's turns)."""
 
     input_ids: list[list[int]]
     labels: list[int] = field(default_factory=list)
@@ -37,13 +36,11 @@ class Encoded:
 
     def real_tokens(self, indices: Sequence[int]) -> int:
         """Tokens that carry text (special tokens included), padding excluded."""
-        lengths = self.lengths
-        return sum(lengths[i] for i in indices)
+        return sum(self.lengths[i] for i in indices)
 
     def padded_tokens(self, indices: Sequence[int]) -> int:
         """Tokens the model processes for this batch once padded to its longest sequence."""
-        lengths = self.lengths
-        return len(indices) * max(lengths[i] for i in indices)
+        return len(indices) * max(self.lengths[i] for i in indices)
 
     def targets(self, indices: Sequence[int]) -> int:
         """What the loss is averaged over: examples, or predicted tokens for causal-lm (a
@@ -51,8 +48,7 @@ class Encoded:
         if self.task == CLASSIFICATION:
             return len(indices)
         if self.token_labels:
-            counts = self._label_counts
-            return sum(counts[i] for i in indices)
+            return sum(self._label_counts[i] for i in indices)
         lengths, prompts = self.lengths, self.prompt_lengths
         return sum(lengths[i] - max(prompts[i], 1) for i in indices)
 
@@ -65,22 +61,15 @@ class Encoded:
 def micro_batches(
     lengths: Sequence[int], micro_batch_size: int, *, seed: int, epoch: int, group_by_length: bool
 ) -> list[list[int]]:
-    """The epoch's micro-batches as index lists, deterministic in (seed, epoch).
-
-    With ``group_by_length``, indices are shuffled, cut into mega-batches of 50 micro-batches,
-    sorted by length inside each, then the micro-batches are shuffled: batches stay random
-    across the epoch but each holds similar lengths, so dynamic padding wastes little.
-    """
+    """The epoch's micro-batches as index lists, deterministic in (seed, epoch). ``group_by_length``: shuffled
+    buckets of 50 micro-batches, sorted by length inside each, then the micro-batches shuffled (docs/speed.md)."""
     rng = random.Random(seed * 100_003 + epoch)
     order = list(range(len(lengths)))
     rng.shuffle(order)
     if group_by_length:
         mega = micro_batch_size * 50
-        grouped: list[int] = []
-        for start in range(0, len(order), mega):
-            chunk = order[start : start + mega]
-            grouped.extend(sorted(chunk, key=lambda i: lengths[i], reverse=True))
-        order = grouped
+        chunks = [order[start : start + mega] for start in range(0, len(order), mega)]
+        order = [i for chunk in chunks for i in sorted(chunk, key=lengths.__getitem__, reverse=True)]
     batches = [order[i : i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
     if group_by_length:
         rng.shuffle(batches)
@@ -88,13 +77,9 @@ def micro_batches(
 
 
 def even_shards(batches: list[list[int]], n: int) -> list[list[int]]:
-    """Split the largest micro-batches in two until their count is a multiple of ``n``.
-
-    Data-parallel ranks take every n-th micro-batch of an optimizer step, and each must run
-    the same number of forward/backward passes (DDP all-reduces in each rank's last one), so
-    the epoch's short last step must divide evenly too. The loss is normalised by the step's
-    targets over every rank, so smaller micro-batches change no gradient.
-    """
+    """Split the largest micro-batches in two until their count is a multiple of ``n``: every data-parallel
+    rank must run as many forward/backward passes (DDP all-reduces in each one's last), the epoch's short last
+    step too. The loss is normalised by the step's targets over every rank: no gradient changes."""
     batches = [list(b) for b in batches]
     while len(batches) % n:
         i = max(range(len(batches)), key=lambda j: (len(batches[j]), j))

@@ -1,12 +1,6 @@
-"""Chat data for causal LMs: conversations rendered with the tokenizer's chat template, where
-only the assistant's turns count in the loss.
-
-Real templates (Qwen2.5, Llama 3, Mistral) carry no ``{% generation %}`` markers, so the
-assistant's tokens are found by rendering: the conversation up to an assistant turn with the
-generation prompt (``<|im_start|>assistant\\n``) ends where that turn's tokens begin, and the
-conversation through the turn ends where they stop. Every other token (system, user, the
-template's headers) keeps the label IGNORE_INDEX.
-"""
+"""Chat data for causal LMs: conversations rendered with the tokenizer's chat template, where only the
+assistant's turns count in the loss; real templates mark no such span, so :func:`render` finds it by
+rendering up to and through each turn (docs/adapters.md, "Chat data")."""
 
 from __future__ import annotations
 
@@ -16,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hpsearch.trainer.batches import CAUSAL_LM, IGNORE_INDEX, Encoded
-from hpsearch.trainer.data import DataError, short
+from hpsearch.trainer.data import DataError, Records, short
 
 ROLES = ("system", "user", "assistant", "tool")
 Message = dict[str, Any]
@@ -31,12 +25,7 @@ class ChatRows:
     path: Path
 
 
-def is_chat(records: list[tuple[int, dict[Any, Any]]], column: str) -> bool:
-    """A causal-LM file is chat data when its first row holds the messages column."""
-    return column in records[0][1]
-
-
-def read_chat_rows(path: Path, column: str, records: list[tuple[int, dict[Any, Any]]]) -> ChatRows:
+def read_chat_rows(path: Path, column: str, records: Records) -> ChatRows:
     """Check every row's message list (no tokenizer needed): said before anything is tokenised."""
     conversations, lines = [], []
     for line_no, record in records:
@@ -137,12 +126,7 @@ def _tokens(tokenizer: Any, text: str) -> list[int]:
 
 
 def _common(prefix: list[int], ids: list[int]) -> int:
-    n = 0
-    for a, b in zip(prefix, ids, strict=False):
-        if a != b:
-            break
-        n += 1
-    return n
+    return next((n for n, (a, b) in enumerate(zip(prefix, ids, strict=False)) if a != b), min(len(prefix), len(ids)))
 
 
 def _without_trailing_space(tokenizer: Any, ids: list[int], start: int, end: int) -> int:

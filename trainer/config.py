@@ -1,8 +1,6 @@
 """Plain, typed configuration of one fine-tune, with validation that names the field.
 
-The trainer receives these already merged (spec defaults + the trial's sampled values); it
-knows nothing of studies or search spaces.
-"""
+The trainer receives it merged (spec defaults + the trial's sampled values); it knows nothing of studies."""
 
 from __future__ import annotations
 
@@ -10,7 +8,8 @@ import dataclasses
 import math
 import types
 import typing
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
@@ -143,19 +142,13 @@ class TrainConfig:
         else:
             rule(self.micro_batch_size >= 1, "micro_batch_size", 'must be >= 1 or "auto"')
             if n == 1:
-                rule(
-                    self.batch_size % self.micro_batch_size == 0,
-                    "micro_batch_size",
-                    f"must divide batch_size ({self.batch_size})",
-                )
+                divides = self.batch_size % self.micro_batch_size == 0
+                rule(divides, "micro_batch_size", f"must divide batch_size ({self.batch_size})")
             else:
                 # batch_size is the global batch: every device runs the same number of micro-batches.
-                per_step = self.micro_batch_size * n
-                rule(
-                    self.batch_size % per_step == 0,
-                    "batch_size",
-                    f"must be a multiple of micro_batch_size x devices_per_trial ({self.micro_batch_size} x {n})",
-                )
+                m = self.micro_batch_size
+                per_step = f"must be a multiple of micro_batch_size x devices_per_trial ({m} x {n})"
+                rule(self.batch_size % (m * n) == 0, "batch_size", per_step)
         rule(self.epochs >= 1, "epochs", "must be >= 1")
         rule(self.max_steps >= 0, "max_steps", "must be >= 0 (0 = no cap)")
         rule(self.eval_every >= 1, "eval_every", "must be >= 1")
@@ -223,6 +216,16 @@ def from_dict(cls: type[C], values: dict[str, Any], where: str) -> C:
     return cls(**kwargs)
 
 
+# What each plain type accepts as it is (no conversion); an integer fits a float field.
+_FITS: dict[Any, Callable[[Any], bool]] = {
+    bool: lambda v: isinstance(v, bool),
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    str: lambda v: isinstance(v, str),
+    type(None): lambda v: v is None,
+}
+
+
 def coerce(value: Any, hint: Any, where: str) -> Any:
     """Check ``value`` against a type hint (int, float, bool, str, Literal, unions of those)."""
     origin = get_origin(hint)
@@ -237,48 +240,21 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
                 return coerce(value, option, where)
             except ConfigError:
                 continue
-        raise ConfigError(f"{where}: {value!r} has the wrong type; expected {describe(hint)}")
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif hint is str:
-        if isinstance(value, str):
-            return value
-    elif hint is type(None):
-        if value is None:
-            return value
-    else:
-        return value
+    elif hint is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    elif fits(value, hint):
+        return float(value) if hint is float else value
     raise ConfigError(f"{where}: {value!r} has the wrong type; expected {describe(hint)}")
 
 
 def fits(value: Any, hint: Any) -> bool:
-    """Whether ``value`` is, as it is (no conversion), of a type ``hint`` allows; an integer
-    fits a float field."""
+    """Whether ``value`` is, as it is (no conversion), of a type ``hint`` allows."""
     origin = get_origin(hint)
     if origin is Literal:
         return any(value == a and type(value) is type(a) for a in get_args(hint))
     if origin in (Union, types.UnionType):
         return any(fits(value, option) for option in get_args(hint))
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if hint is type(None):
-        return value is None
-    return True
+    return _FITS.get(hint, lambda v: True)(value)
 
 
 def describe(hint: Any) -> str:
@@ -289,16 +265,3 @@ def describe(hint: Any) -> str:
     if origin in (Union, types.UnionType):
         return " or ".join(describe(a) for a in get_args(hint))
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
-
-
-__all__ = [
-    "AdapterConfig",
-    "ConfigError",
-    "DataConfig",
-    "ModelConfig",
-    "TrainConfig",
-    "describe",
-    "field",
-    "fits",
-    "from_dict",
-]

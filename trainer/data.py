@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -26,6 +27,8 @@ class Rows:
 
 Column = str | int
 """A column's name, or its position (0 = the first) in a file read with ``header = False``."""
+Records = list[tuple[int, dict[Any, Any]]]
+"""A file's rows as :func:`read_records` reads them: (line number, row)."""
 
 
 def read_rows(path: Path, text_column: Column, label_column: Column, header: bool = True) -> Rows:
@@ -56,9 +59,7 @@ def read_rows(path: Path, text_column: Column, label_column: Column, header: boo
     return Rows(texts, labels, path)
 
 
-def _check_columns(
-    path: Path, header: bool, keys: dict[str, Column], records: list[tuple[int, dict[Any, Any]]]
-) -> None:
+def _check_columns(path: Path, header: bool, keys: dict[str, Column], records: Records) -> None:
     """Names go with a header row, positions without one: said before any row is read."""
     if not header and path.suffix.lower() == ".jsonl":
         raise DataError(
@@ -119,8 +120,8 @@ _JSON_KINDS = {bool: "a boolean", float: "a float", list: "a list", dict: "an ob
 
 
 def _check_label_type(label: Any, path: Path, line_no: int, column: Column) -> None:
-    """Labels are class names (strings) or class ids (integers); anything else only JSON can hold,
-    and a float or a list would silently become a class of its own (or a huge id range)."""
+    """Labels are class names (strings) or class ids (integers): a float or a list (only JSON can hold
+    those) would silently become a class of its own (or a huge id range)."""
     if isinstance(label, str) or (isinstance(label, int) and not isinstance(label, bool)):
         return
     kind = _JSON_KINDS.get(type(label), type(label).__name__)
@@ -147,18 +148,11 @@ class TextRows:
 
 
 def read_text_rows(
-    path: Path,
-    text_column: Column,
-    prompt_column: Column,
-    response_column: Column,
-    header: bool = True,
-    records: list[tuple[int, dict[Any, Any]]] | None = None,
+    path: Path, text_column: Column, prompt_column: Column, response_column: Column, header: bool, records: Records
 ) -> TextRows:
-    """Read causal-LM rows: each has ``text_column``, or ``prompt_column`` and ``response_column``.
-    ``records``: the file as :func:`read_records` already read it."""
+    """Causal-LM rows: each has ``text_column``, or ``prompt_column`` and ``response_column``."""
     prompts: list[str] = []
     texts: list[str] = []
-    records = records if records is not None else read_records(path, header)
     _check_columns(path, header, {"text_column": text_column}, records)
     for line_no, record in records:
         columns = (text_column,) if text_column in record else (prompt_column, response_column)
@@ -181,10 +175,9 @@ def read_text_rows(
     return TextRows(prompts, texts, path)
 
 
-def read_records(path: Path, header: bool = True) -> list[tuple[int, dict[Any, Any]]]:
-    """(line number, row) of a .jsonl, .csv or .tsv file; at least one row, or a DataError.
-
-    A .csv/.tsv row is keyed by the header's names, or by position without a header."""
+def read_records(path: Path, header: bool = True) -> Records:
+    """(line number, row) of a .jsonl, .csv or .tsv file; at least one row, or a DataError. A .csv/.tsv row
+    is keyed by the header's names, or by position without a header."""
     if not path.exists():
         raise DataError(f"data file {path} does not exist; check the path in the spec's [data] table")
     if path.is_dir():
@@ -205,7 +198,7 @@ def read_records(path: Path, header: bool = True) -> list[tuple[int, dict[Any, A
     return records
 
 
-def _read_jsonl(raw: str, path: Path) -> list[tuple[int, dict[str, Any]]]:
+def _read_jsonl(raw: str, path: Path) -> Records:
     records = []
     for line_no, line in enumerate(raw.splitlines(), start=1):
         if not line.strip():
@@ -222,23 +215,21 @@ def _read_jsonl(raw: str, path: Path) -> list[tuple[int, dict[str, Any]]]:
     return records
 
 
-# Long documents are legitimate (they are truncated to model.max_length when tokenised), so
-# lift csv's default 131072-character field limit; sys.maxsize overflows a C long on some
-# platforms (Windows), 2**31 - 1 fits everywhere.
+# Long documents are legitimate (truncated to model.max_length when tokenised): lift csv's default
+# 131072-character field limit; sys.maxsize overflows a C long on some platforms (Windows), 2**31 - 1 fits everywhere.
 CSV_FIELD_LIMIT = 2**31 - 1
 
 
-def _read_table(raw: str, path: Path, suffix: str, header_row: bool = True) -> list[tuple[int, dict[Any, Any]]]:
+def _read_table(raw: str, path: Path, suffix: str, header_row: bool) -> Records:
     if csv.field_size_limit() < CSV_FIELD_LIMIT:
         csv.field_size_limit(CSV_FIELD_LIMIT)
-    # newline="" hands csv the raw line ends, as its docs require: a quoted field keeps its
-    # line breaks, and only \n, \r and \r\n end a line (str.splitlines would also cut at
-    # U+2028, U+0085 and form feeds inside a sentence, making rows with too few fields).
+    # newline="" hands csv the raw line ends, as its docs require: a quoted field keeps its line breaks, and only
+    # \n, \r and \r\n end a line (str.splitlines would also cut at U+2028, U+0085 and form feeds in a sentence).
     source = io.StringIO(raw, newline="")
     # TSV corpora (GLUE among them) contain bare quotes: quoting must be off.
     reader = csv.reader(source, delimiter="\t", quoting=csv.QUOTE_NONE) if suffix == ".tsv" else csv.reader(source)
     header: list[Any] | None = None
-    records: list[tuple[int, dict[Any, Any]]] = []
+    records: Records = []
     line_no = 1  # where the current row starts: a quoted field may span lines
     first = "header"
     try:
@@ -250,11 +241,9 @@ def _read_table(raw: str, path: Path, suffix: str, header_row: bool = True) -> l
             elif row and any(cell.strip() for cell in row):
                 if len(row) != len(header):
                     # csv reads an unclosed quote to the end of the file as one field: say so.
-                    hint = (
-                        f" (a quoted field runs on to line {reader.line_num}: is a closing quote missing?)"
-                        if reader.line_num > line_no
-                        else ""
-                    )
+                    hint = ""
+                    if reader.line_num > line_no:
+                        hint = f" (a quoted field runs on to line {reader.line_num}: is a closing quote missing?)"
                     raise DataError(
                         f"data file {path}: line {line_no} has {len(row)} fields, the {first} has {len(header)}{hint}"
                     )
@@ -266,15 +255,11 @@ def _read_table(raw: str, path: Path, suffix: str, header_row: bool = True) -> l
 
 
 def as_int(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
-    # CSV/TSV cells are always text: "0", "1" are integer labels too. ASCII digits only:
-    # str.isdigit() also accepts "²", which int() refuses.
+    # CSV/TSV cells are always text: "0", "1" are integer labels too. ASCII digits only: str.isdigit() also
+    # accepts "²", which int() refuses; ValueError: longer than Python's int_max_str_digits, no class id anyway.
     if isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value.strip()):
-        try:
+        with contextlib.suppress(ValueError):
             return int(value.strip())
-        except ValueError:  # longer than Python's int_max_str_digits: no class id anyway
-            return None
     return None

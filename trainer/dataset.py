@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -14,15 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from hpsearch.trainer.batches import CAUSAL_LM, CLASSIFICATION, Encoded
-from hpsearch.trainer.chat import ChatRows, encode_chat, is_chat, read_chat_rows
+from hpsearch.trainer.chat import ChatRows, encode_chat, read_chat_rows
 from hpsearch.trainer.config import DataConfig
 from hpsearch.trainer.data import DataError, Rows, TextRows, read_records, read_rows, read_text_rows
 from hpsearch.trainer.labels import LabelMap
 
 log = logging.getLogger(__name__)
-# Raised whenever reading or encoding yields other examples from the same file (4: CSV quoted
-# fields keep their line breaks; 5: JSON, not pickle), so no host reuses tokens the current code
-# would not produce; 6: chat data, per-token labels).
+# Raised whenever reading or encoding yields other examples from the same file, so no host reuses tokens the
+# current code would not produce (4: CSV quoted fields keep their line breaks; 5: JSON, not pickle; 6: chat data).
 CACHE_VERSION = 6
 
 
@@ -48,7 +48,7 @@ def read_splits(cfg: DataConfig, task: str = CLASSIFICATION) -> Splits:
 def _read_lm(path: Path, cfg: DataConfig) -> TextRows | ChatRows:
     """Chat rows when the file's first row holds ``messages_column``, else text or prompt/response rows."""
     records = read_records(path, cfg.header)
-    if is_chat(records, cfg.messages_column):
+    if cfg.messages_column in records[0][1]:
         return read_chat_rows(path, cfg.messages_column, records)
     return read_text_rows(path, cfg.text_column, cfg.prompt_column, cfg.response_column, cfg.header, records)
 
@@ -70,12 +70,8 @@ def prepare(
     task: str = CLASSIFICATION,
     splits: Splits | None = None,
 ) -> Prepared:
-    """Tokenised splits; read from ``cache_dir`` when the same files were tokenised before.
-
-    The cache is keyed by the files' contents, the task, the tokenizer and ``max_length``, so
-    every trial and every worker pointing at the same folder shares one tokenisation.
-    ``splits``: the files as ``read_splits`` already read them, so they are not parsed again.
-    """
+    """Tokenised splits, shared through ``cache_dir`` by every trial and worker pointing at it (keyed by the
+    files' contents, the task, the tokenizer and ``max_length``); ``splits``: as ``read_splits`` read them."""
     if cache_dir is None:
         return _tokenise(cfg, tokenizer, max_length, task, splits)
     key = _cache_key(cfg, tokenizer, max_length, task)
@@ -83,8 +79,7 @@ def prepare(
     cached = _load(path)
     if cached is not None:
         return cached
-    # Concurrent first use (several workers start at once): one tokenises under an exclusive
-    # lock, the others wait on the lock and then read its file instead of repeating the work.
+    # Several workers starting at once: one tokenises under an exclusive lock, the others wait and read its file.
     with _exclusive(cache_dir / f"tokens-{key}.lock"):
         cached = _load(path)
         if cached is not None:
@@ -113,10 +108,8 @@ def _tokenise(cfg: DataConfig, tokenizer: Any, max_length: int, task: str, split
 
 
 def _load(path: Path) -> Prepared | None:
-    """The cached tokens, or None (none yet, or unreadable: then tokenised again).
-
-    JSON, never pickle: the cache folder may sit on a shared disk, and unpickling a file that
-    someone else wrote runs whatever code they put in it."""
+    """The cached tokens, or None (none yet, or unreadable: then tokenised again). JSON, never pickle: the
+    folder may sit on a shared disk (docs/decisions.md, "No pickle from disk")."""
     if not path.exists():
         return None
     try:
@@ -131,13 +124,7 @@ def _load(path: Path) -> Prepared | None:
 
 def _to_json(p: Prepared) -> dict[str, Any]:
     def split(e: Encoded) -> dict[str, Any]:
-        return {
-            "input_ids": e.input_ids,
-            "labels": e.labels,
-            "prompt_lengths": e.prompt_lengths,
-            "token_labels": e.token_labels,
-            "task": e.task,
-        }
+        return {f.name: getattr(e, f.name) for f in dataclasses.fields(e)}
 
     labels = None if p.labels is None else {"names": list(p.labels.names), "numeric": p.labels.numeric}
     return {
@@ -246,11 +233,8 @@ def _cache_key(cfg: DataConfig, tokenizer: Any, max_length: int, task: str) -> s
 
 
 def _tokenizer_identity(tokenizer: Any) -> str:
-    """The tokenizer's vocabulary and rules, without its call-time state.
-
-    A fast tokenizer's serialisation also holds the truncation/padding settings of its last
-    call, so keying on it raw would give a different key once it has tokenised anything.
-    """
+    """The tokenizer's vocabulary and rules, without the truncation/padding settings of its last call that a
+    fast tokenizer's serialisation holds too (raw, the key would change once it has tokenised anything)."""
     # The chat template decides which tokens a conversation becomes and which are trained on.
     template = str(getattr(tokenizer, "chat_template", None))
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -263,8 +247,7 @@ def _tokenizer_identity(tokenizer: Any) -> str:
 
 
 def _write_atomic(path: Path, value: Prepared) -> None:
-    # Concurrent first use: every writer renames a complete private file into place, so a
-    # reader sees either nothing or a whole cache, never a torn one.
+    # Every writer renames a complete private file into place: a reader sees nothing or a whole cache, never a torn one.
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     try:

@@ -19,10 +19,9 @@ class LabelMap:
 
     @classmethod
     def fit(cls, labels: Sequence[Any], path: Path) -> LabelMap:
-        """The classes of the training labels. Integers must be consecutive (0..K-1, 1..K for
-        star ratings, -1..1): class ids follow their order and id2label keeps the user's values.
-        A gap or a stray large value is refused, since it would make classes with no examples.
-        Strings are sorted into ids."""
+        """The classes of the training labels. Integers must be consecutive (0..K-1, 1..K for star ratings,
+        -1..1): class ids follow their order and id2label keeps the user's values; a gap or a stray large value
+        is refused (it would make classes with no examples). Strings are sorted into ids."""
         ints = [as_int(v) for v in labels]
         distinct = sorted({i for i in ints if i is not None})
         numeric = len(distinct) > 0 and all(i is not None for i in ints)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -12,8 +11,6 @@ import torch
 
 from hpsearch.trainer.config import AdapterConfig, ConfigError
 from hpsearch.trainer.errors import ModelError
-
-log = logging.getLogger(__name__)
 
 
 def _quiet_transformers() -> None:
@@ -142,13 +139,10 @@ def _explain(name: str, exc: BaseException | None) -> str:
 class PretrainedCache:
     """Keeps each pre-trained model in host memory so later trials skip the disk read.
 
-    A full fine-tune gets a deep copy of the pristine model; a classifier's new head is
-    freshly, deterministically initialised, which is what ``from_pretrained`` would produce. A
-    causal LM has no new head: its copy is exactly the pre-trained model.
-
-    An adapter trial gets no copy: a freshly seeded adapter goes onto the one frozen base, and
-    :meth:`release` takes it off after the trial, so memory holds one base however many
-    trials run (what makes a 7B model on one GPU possible at all).
+    A full fine-tune gets a deep copy of the pristine model, with a classifier's head freshly and
+    deterministically drawn (as ``from_pretrained`` would). An adapter trial gets no copy: a seeded
+    adapter goes onto the one frozen base and :meth:`release` takes it off after the trial, so memory
+    holds one base however many trials run (what makes a 7B model on one GPU possible at all).
     """
 
     def __init__(self, quantization: Any = None) -> None:
@@ -163,12 +157,8 @@ class PretrainedCache:
             self._models[key] = load_model(name, num_labels, self.quantization)
         return self._models[key]
 
-    def _copy(self, name: str, num_labels: int) -> torch.nn.Module:
-        """A deep copy of the pristine model."""
-        return copy.deepcopy(self._base(name, num_labels))
-
     def fresh(self, name: str, num_labels: int, id2label: dict[int, str], seed: int) -> torch.nn.Module:
-        model = self._copy(name, num_labels)
+        model = copy.deepcopy(self._base(name, num_labels))
         _new_head(model, id2label, seed)
         return model
 
@@ -195,7 +185,7 @@ class PretrainedCache:
             adapters.detach(model)
 
     def fresh_causal_lm(self, name: str) -> torch.nn.Module:
-        return self._copy(name, 0)  # 0 labels: load_model's causal LM
+        return copy.deepcopy(self._base(name, 0))  # 0 labels: load_model's causal LM
 
 
 def load_model(name: str, num_labels: int, quantization: Any = None) -> torch.nn.Module:
@@ -241,16 +231,11 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
 
 
 def _new_head(model: torch.nn.Module, id2label: dict[int, str], seed: int) -> None:
-    """Name the labels and re-draw the classifier's head from ``seed``."""
+    """Name the labels and re-draw the classifier head's weights from ``seed`` as transformers does."""
     config: Any = model.config
     config.id2label = dict(id2label)
     config.label2id = {v: k for k, v in id2label.items()}
-    _reinit_head(model, seed)
-
-
-def _reinit_head(model: torch.nn.Module, seed: int) -> None:
-    """Re-draw the new head's weights from ``seed`` as transformers does (body stays pre-trained)."""
-    std = float(getattr(model.config, "initializer_range", 0.02) or 0.02)
+    std = float(getattr(config, "initializer_range", 0.02) or 0.02)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in _head_modules(model):
@@ -273,10 +258,6 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     inner: Any = model
-    while True:
-        if isinstance(inner, DistributedDataParallel):
-            inner = inner.module
-        elif hasattr(inner, "_orig_mod"):
-            inner = inner._orig_mod
-        else:
-            return inner
+    while isinstance(inner, DistributedDataParallel) or hasattr(inner, "_orig_mod"):
+        inner = inner.module if isinstance(inner, DistributedDataParallel) else inner._orig_mod
+    return inner

@@ -9,28 +9,15 @@ from hpsearch.trainer.batches import CAUSAL_LM, IGNORE_INDEX
 
 
 def logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], task: str) -> torch.Tensor:
-    if task == CAUSAL_LM:
-        # No key/value cache in training: it is only useful for generation and costs memory.
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-    else:
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    result: torch.Tensor = out.logits
+    # No key/value cache in training: it is only useful for generation and costs memory.
+    extra = {"use_cache": False} if task == CAUSAL_LM else {}
+    result: torch.Tensor = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
     return result
 
 
-def predictions_and_targets(logits: torch.Tensor, labels: torch.Tensor, task: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Line up what is scored with what it should be: position t of a causal LM predicts token t + 1."""
-    if task == CAUSAL_LM:
-        return logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
-    return logits, labels
-
-
 def loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
-    """Cross-entropy summed (not averaged) over the batch's targets, in fp32.
-
-    Summed, so the loop can divide by the targets of the whole optimizer step (every
-    micro-batch and every rank): accumulated gradients then equal one big batch's, whatever
-    the lengths of the micro-batches.
-    """
-    scores, targets = predictions_and_targets(logits, labels, task)
-    return F.cross_entropy(scores.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    """Cross-entropy summed (not averaged) over the batch's targets, in fp32: the loop divides by the targets
+    of the whole optimizer step (every micro-batch and rank), so accumulated gradients equal one big batch's."""
+    if task == CAUSAL_LM:  # position t of a causal LM predicts token t + 1
+        logits, labels = logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
