@@ -226,9 +226,8 @@ def device_seconds(study: optuna.Study) -> float:
 
 
 def worker_seed(spec: StudySpec, place: str, n_existing: int) -> int:
-    """A sampler seed per worker: with one shared seed, parallel workers (and a resumed run)
-    would draw the same random start-up trials. Mixing in the host/device and the study's
-    progress keeps a single-worker search reproducible from ``search.seed``."""
+    """A sampler seed per worker: with one shared seed, parallel workers (and a resumed run) would draw the same
+    random start-up trials. Mixing in host/device and progress keeps one worker reproducible from ``search.seed``."""
     return (spec.search.seed * 1_000_003 + zlib.crc32(place.encode()) + n_existing * 7919) % 2**31
 
 
@@ -272,22 +271,16 @@ def make_pruner(spec: StudySpec) -> optuna.pruners.BasePruner:
     kind = s.pruner
     if kind == "none":
         return optuna.pruners.NopPruner()
+    judged = {"n_startup_trials": s.pruner_startup_trials, "n_warmup_steps": s.pruner_warmup_steps}
     if kind == "median":
-        return optuna.pruners.MedianPruner(
-            n_startup_trials=s.pruner_startup_trials, n_warmup_steps=s.pruner_warmup_steps
-        )
+        return optuna.pruners.MedianPruner(**judged)
     if kind == "percentile":
-        return optuna.pruners.PercentilePruner(
-            s.pruner_percentile, n_startup_trials=s.pruner_startup_trials, n_warmup_steps=s.pruner_warmup_steps
-        )
+        return optuna.pruners.PercentilePruner(s.pruner_percentile, **judged)
     min_resource = s.pruner_min_resource or max(1, spec.train.eval_every)
+    rungs = {"min_resource": min_resource, "reduction_factor": s.pruner_reduction_factor}
     if kind == "asha":
-        return optuna.pruners.SuccessiveHalvingPruner(
-            min_resource=min_resource, reduction_factor=s.pruner_reduction_factor
-        )
-    return optuna.pruners.HyperbandPruner(
-        min_resource=min_resource, max_resource="auto", reduction_factor=s.pruner_reduction_factor
-    )
+        return optuna.pruners.SuccessiveHalvingPruner(**rungs)
+    return optuna.pruners.HyperbandPruner(max_resource="auto", **rungs)
 
 
 def distribution(p: Param) -> optuna.distributions.BaseDistribution:

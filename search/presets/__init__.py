@@ -1,6 +1,5 @@
-"""What ships with hpsearch: the built-in presets (``--study bert-lr``), the files they name
-(``pkg://package/path``) and the models built from its own code (``builtin://tiny-gpt2``),
-turned into local paths on each host."""
+"""What ships with hpsearch: the built-in presets (``--study bert-lr``), the files they name (``pkg://package/path``)
+and the models built from its own code (``builtin://tiny-gpt2``), turned into local paths on each host."""
 
 from __future__ import annotations
 
