@@ -52,7 +52,6 @@ class StudySpec:
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     """``[adapter]``: train a LoRA adapter on the frozen base instead of every weight."""
 
-    # -- construction -------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, base_dir: Path | None = None) -> StudySpec:
         allowed = {"model", "data", "train", "search", "adapter"}
@@ -211,7 +210,6 @@ class StudySpec:
                         'use sampler = "qmc" (the default) or "tpe", or give the parameter low/high'
                     )
 
-    # -- persistence ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         search = asdict(self.search)
         search["space"] = {name: p.to_dict() for name, p in self.space.items()}
