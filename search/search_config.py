@@ -32,7 +32,8 @@ class SearchConfig:
     sampler: Literal["tpe", "random", "gp", "cmaes", "grid", "qmc"] = "qmc"
     """How parameters are proposed: qmc (scrambled Sobol, one sequence across all workers), tpe (multivariate,
     constant liar for parallel workers), random, gp (Gaussian process), cmaes (CMA-ES; floats and ints only), grid
-    (every parameter needs choices or a step). Why qmc: docs/decisions.md, "Quasi-random search is the default"."""
+    (every parameter needs choices or a step). Why qmc: docs/decisions.md, "Quasi-random search is the default
+    sampler"."""
     pruner: Literal["none", "median", "percentile", "asha", "hyperband"] = "asha"
     """How hopeless trials are stopped early (resource unit: optimizer steps)."""
     metric: Literal["loss", "accuracy", "f1"] = "loss"

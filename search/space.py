@@ -1,4 +1,4 @@
-"""The search space: each searched parameter, the values it may take, and the fixed sets tried first (enqueue)."""
+"""The search space: each searched parameter, the values it may take, and the [[search.enqueue]] sets tried first."""
 
 from __future__ import annotations
 
