@@ -29,8 +29,9 @@ class SpecMismatchError(SpecError):
 
 
 def create_or_resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
-    """Create the study with ``spec``, or resume the one made with the same spec. Under the study's creation lock:
-    of several `start`s at once one creates it, the others find it whole and resume it or are refused."""
+    """Create the study with ``spec``, or resume the one made with the same spec, under the study's creation lock:
+    of several `start`s at once exactly one creates it, the others find it whole (its spec stored) and resume it or
+    are refused with the difference."""
     storage.prepare()  # our tables and WAL: only now that the study is going ahead
     with storage.creation_lock(name):
         try:
