@@ -33,7 +33,7 @@ def write_data(folder: Path, n_train: int = 400, n_validation: int = 100) -> Non
                 f.write(json.dumps({"text": text}) + "\n")
 
 
-def ensure_built(root: Path, name: str, build: Callable[[Path], Path]) -> Path:
+def ensure_built(root: Path, name: str, builder: Callable[[Path], Path]) -> Path:
     """The built-in model ``name``'s folder under ``root``, built there first if it is not yet (safe to race)."""
     target = root / name
     if (target / "config.json").exists():
@@ -41,7 +41,7 @@ def ensure_built(root: Path, name: str, build: Callable[[Path], Path]) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        build(tmp)
+        builder(tmp)
         # Several workers may build at once: the first rename wins, the others drop theirs.
         os.rename(tmp, target)
         log.info("built %s in %s", name, target)
