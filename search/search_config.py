@@ -9,8 +9,8 @@ from typing import Literal
 from hpsearch.search.errors import SpecError
 
 MAX_TRIALS = 100_000
-"""The most trials a study may ask for: far beyond any search that ends (at a minute a trial,
-ten weeks on one device); a larger number is a typo (2**70) that would start one that never does."""
+"""Far beyond any search that ends (at a minute a trial, ten weeks on one device); a larger number is a typo
+(2**70) that would start one that never does."""
 LIMITS = {
     "max_retries": (100, ""),
     "timeout_minutes": (527_040.0, " (366 days)"),
@@ -30,11 +30,10 @@ class SearchConfig:
     n_trials: int = 20
     """Trials to finish, counted across every worker of the study."""
     sampler: Literal["tpe", "random", "gp", "cmaes", "grid", "qmc"] = "qmc"
-    """How parameters are proposed: qmc (scrambled Sobol, one sequence across all workers),
-    tpe (multivariate, constant liar for parallel workers), random, gp (Gaussian process),
-    cmaes (CMA-ES; floats and ints only), grid (every parameter needs choices or a step).
-    qmc is the default: with asha, at 12 to 48 trials, it found models as good as TPE's
-    for 10-15% fewer training samples (benchmarks/README.md)."""
+    """How parameters are proposed: qmc (scrambled Sobol, one sequence across all workers), tpe (multivariate,
+    constant liar for parallel workers), random, gp (Gaussian process), cmaes (CMA-ES; floats and ints only), grid
+    (every parameter needs choices or a step). Why qmc: docs/decisions.md, "Quasi-random search is the default
+    sampler"."""
     pruner: Literal["none", "median", "percentile", "asha", "hyperband"] = "asha"
     """How hopeless trials are stopped early (resource unit: optimizer steps)."""
     metric: Literal["loss", "accuracy", "f1"] = "loss"
@@ -50,27 +49,20 @@ class SearchConfig:
     pruner_percentile: float = 25.0
     """percentile: a trial is pruned below this percentile of the others at the same step."""
     pruner_min_resource: int = 0
-    """asha/hyperband: optimizer steps of the first rung (0 = train.eval_every, the first
-    validation point)."""
+    """asha/hyperband: optimizer steps of the first rung (0 = train.eval_every, the first validation point)."""
     pruner_reduction_factor: int = 3
     """asha/hyperband: 1 in this many trials is promoted to the next rung."""
     patient_pruning: bool = True
-    """Any pruner: it is not asked about points that say little of a trial's hyperparameters
-    (see search/early_stop.py): before the trial's own learning-rate warm-up has ended, and, with
-    an accuracy or F1 metric, in its first fifth while its loss has left the label prior's but
-    its accuracy has not. Such points are still reported. asha/hyperband file a trial's first
-    judged value under every rung it has passed."""
+    """Any pruner: it is not asked about points that say little of a trial's hyperparameters, though they are
+    reported (search/early_stop.py; the rule: docs/search.md, "Pruners: stop hopeless trials early")."""
     prune_at_chance: int = 2
-    """Classification, any pruner but none: stop a trial once this many validation points in
-    a row, after its warm-up and its first fifth of steps, were no better than predicting
-    the label prior (validation loss at least the labels' entropy and accuracy within a
-    standard error of the majority rate): a learning rate that does not learn or that
-    diverged (0 = never)."""
+    """Classification, any pruner but none: stop a trial once this many validation points in a row, after its
+    warm-up and first fifth of steps, were no better than the label prior (docs/search.md, "Pruners: stop hopeless
+    trials early"): a learning rate that does not learn or that diverged (0 = never)."""
     timeout_minutes: float = 0.0
     """Stop starting new trials after this many minutes of the study (0 = no limit)."""
     gpu_hours: float = 0.0
-    """Stop starting new trials once the study's trials used this much device time, summed
-    over every worker (0 = no limit)."""
+    """Stop starting new trials once the study's trials used this much device time, over every worker (0 = no limit)."""
     keep_top_k: int = 3
     """Keep the best checkpoints of this many top trials, study-wide; others are deleted."""
     max_disk_gb: float = 0.0
@@ -83,9 +75,8 @@ class SearchConfig:
 
         rule(self.n_trials >= 1, "n_trials", "must be >= 1")
         rule(self.n_trials <= MAX_TRIALS, "n_trials", f"must be at most {MAX_TRIALS:,}, a search that can end")
-        rule(self.max_retries >= 0, "max_retries", "must be >= 0")
-        rule(self.pruner_warmup_steps >= 0, "pruner_warmup_steps", "must be >= 0")
-        rule(self.pruner_startup_trials >= 0, "pruner_startup_trials", "must be >= 0")
+        for name in ("max_retries", "pruner_warmup_steps", "pruner_startup_trials"):
+            rule(getattr(self, name) >= 0, name, "must be >= 0")
         rule(0 < self.pruner_percentile < 100, "pruner_percentile", "must be between 0 and 100 (exclusive)")
         rule(self.pruner_min_resource >= 0, "pruner_min_resource", "must be >= 0 (0 = train.eval_every)")
         rule(self.pruner_reduction_factor >= 2, "pruner_reduction_factor", "must be >= 2")

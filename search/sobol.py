@@ -1,13 +1,7 @@
-"""The `qmc` sampler: a scrambled Sobol sequence (quasi-random search) indexed by the trial number.
-
-A scrambled Sobol sequence covers the space more evenly than independent random draws: with a
-dozen trials, every quarter of a log learning-rate range gets its share instead of whatever the
-draws happen to give. optuna's ``QMCSampler`` hands out sequence positions from a counter in the
-study's attributes, read and written in two steps, so two workers that ask at once can get the
-same point. Here the position is the trial's number, which the storage hands out atomically: any
-number of workers, and a resumed study, walk one sequence with no point twice. Every worker must
-therefore share the scramble seed (``search.seed``), not derive its own.
-"""
+"""The `qmc` sampler: trial N gets point N of one scrambled Sobol sequence (docs/search.md, "Samplers, seeds and
+known-good starting points"). optuna's ``QMCSampler`` reads and writes its sequence position in two steps, so two
+workers asking at once can get the same point; the trial number is handed out atomically, so no point runs twice.
+Every worker must therefore share the scramble seed (``search.seed``), not derive its own."""
 
 from __future__ import annotations
 
@@ -43,8 +37,6 @@ def scale(u: float, dist: BaseDistribution) -> Any:
 
 
 class SobolSampler(BaseSampler):
-    """Trial N gets point N of one scrambled Sobol sequence, whose seed every worker shares."""
-
     def __init__(self, space: dict[str, BaseDistribution], seed: int) -> None:
         self._space = dict(space)
         self._seed = seed

@@ -1,5 +1,4 @@
-"""The search space: each searched parameter, the values it may take, and the fixed sets
-(``[[search.enqueue]]``) tried first."""
+"""The search space: each searched parameter, the values it may take, and the [[search.enqueue]] sets tried first."""
 
 from __future__ import annotations
 
@@ -134,9 +133,8 @@ class Param:
         return int(value) if self.type == "int" else float(value)
 
     def checked_values(self) -> list[Any]:
-        """The values that must each make a valid trial: every choice, every value of an int
-        range that is not huge (a rule such as "a multiple of micro_batch_size" can fail
-        inside a range whose ends pass), else the ends."""
+        """The values that must each make a valid trial: every choice, every value of an int range not huge (a rule
+        such as "a multiple of micro_batch_size" can fail inside a range whose ends pass), else the ends."""
         if self.type == "categorical":
             return list(self.choices or [])
         assert self.low is not None and self.high is not None
@@ -166,8 +164,8 @@ def toml_text(value: Any) -> str:
 
 
 def check_type_fits(param: Param, hint: Any, table: str = "train") -> None:
-    """The parameter's values must be of the [train] field's type as they are: the worker puts
-    the sampled value into TrainConfig unconverted (a float batch_size would reach the trainer)."""
+    """The parameter's values must be of the [train] field's type as they are: the worker puts the sampled value
+    into TrainConfig unconverted (a float batch_size would reach the trainer)."""
     where, kind = f"search.space.{param.name}", describe(hint)
     field_name = param.name.removeprefix(ADAPTER_PREFIX)
     if param.type == "categorical":
@@ -177,10 +175,8 @@ def check_type_fits(param: Param, hint: Any, table: str = "train") -> None:
         return
     if fits(1.5 if param.type == "float" else 1, hint):
         return
-    if fits(1, hint):
-        fix = 'use type = "int" (low, high, optional step) or type = "categorical" with integer choices'
-    else:
-        fix = 'use type = "categorical" with choices'
+    int_fix = 'use type = "int" (low, high, optional step) or type = "categorical" with integer choices'
+    fix = int_fix if fits(1, hint) else 'use type = "categorical" with choices'
     raise SpecError(f'{where}: type = "{param.type}" does not fit {table}.{field_name}, which takes {kind}; {fix}')
 
 

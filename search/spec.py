@@ -1,11 +1,9 @@
-"""The study spec: a TOML file (or a built-in preset) that says what to train and what to search.
-
-Stored with the study, so a worker that knows only the study name and the storage URL can run its
-trials. Its [search] table is search_config.py, [search.space] space.py; here they meet and are checked.
-"""
+"""The study spec: a TOML file (or a built-in preset) that says what to train and what to search, stored with the
+study so a worker needs only its name and the storage URL. [search] is search_config.py, [search.space] space.py."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import typing
@@ -38,9 +36,8 @@ from hpsearch.trainer.config import AdapterConfig, ConfigError, DataConfig, Mode
 BUDGET_KEYS = ("n_trials", "timeout_minutes", "gpu_hours", "keep_top_k", "max_disk_gb")
 UNSEARCHABLE = {"devices_per_trial": "the workers' device groups are fixed when they start; set it in [train]"}
 LORA_LEARNING_RATE = 5e-4
-"""train.learning_rate when [adapter] method = "lora" and none is given: 10x the full fine-tune's
-default (5e-5), as the best LoRA learning rate is about 10x the best full fine-tune's
-(Schulman et al., "LoRA Without Regret", Thinking Machines 2025; Biderman et al. 2024)."""
+"""train.learning_rate of a LoRA spec that gives none, 10x the full fine-tune's default (5e-5): docs/decisions.md,
+"LoRA trains at 10x the full fine-tune's learning rate by default"."""
 
 
 @dataclass
@@ -55,7 +52,6 @@ class StudySpec:
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     """``[adapter]``: train a LoRA adapter on the frozen base instead of every weight."""
 
-    # -- construction -------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, base_dir: Path | None = None) -> StudySpec:
         allowed = {"model", "data", "train", "search", "adapter"}
@@ -139,16 +135,11 @@ class StudySpec:
             for value in checked[name]:
                 self._check_trial({name: value}, f"search.space.{name}: value {value!r}")
         # ... and so must every pair: batch_size 16 and micro_batch_size 32 are each fine alone.
-        names = list(checked)
-        for i, a in enumerate(names):
-            for b in names[i + 1 :]:
-                values_a, values_b = checked[a], checked[b]
-                if len(values_a) * len(values_b) > MAX_CHECKED_VALUES:
-                    continue  # the trainer still checks each trial's values when it starts
-                for va in values_a:
-                    for vb in values_b:
-                        where = f"search.space: {a} = {va!r} with {b} = {vb!r}"
-                        self._check_trial({a: va, b: vb}, where)
+        for a, b in itertools.combinations(checked, 2):
+            if len(checked[a]) * len(checked[b]) > MAX_CHECKED_VALUES:
+                continue  # the trainer still checks each trial's values when it starts
+            for va, vb in itertools.product(checked[a], checked[b]):
+                self._check_trial({a: va, b: vb}, f"search.space: {a} = {va!r} with {b} = {vb!r}")
         # An enqueued trial runs with exactly these values over [train]: it must be a valid trial.
         for i, entry in enumerate(self.enqueue):
             try:
@@ -194,8 +185,7 @@ class StudySpec:
         if key not in keys:
             known = ", ".join(ADAPTER_PREFIX + k for k in sorted(keys))
             raise SpecError(f"search.space.{param.name}: not an [adapter] key; searchable adapter keys: {known}")
-        hint = typing.get_type_hints(AdapterConfig)[key]
-        check_type_fits(param, hint, table="adapter")
+        check_type_fits(param, typing.get_type_hints(AdapterConfig)[key], table="adapter")
 
     def _validate_sampler(self) -> None:
         sampler = self.search.sampler
@@ -220,7 +210,6 @@ class StudySpec:
                         'use sampler = "qmc" (the default) or "tpe", or give the parameter low/high'
                     )
 
-    # -- persistence ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         search = asdict(self.search)
         search["space"] = {name: p.to_dict() for name, p in self.space.items()}
@@ -233,9 +222,8 @@ class StudySpec:
         return d
 
     def readable(self) -> dict[str, str]:
-        """The spec as a few short user attributes, one per table ("spec: search" =
-        "n_trials = 20, sampler = qmc, ..."), for the dashboard, where the stored spec
-        (``attrs.SPEC``) is one long JSON string."""
+        """The spec as one short user attribute per table ("spec: search" = "n_trials = 20, ..."), for the dashboard,
+        where the stored spec (``attrs.SPEC``) is one long JSON string."""
         d = self.to_dict()
         space = d["search"].pop("space")
         d["search"].pop("enqueue", None)

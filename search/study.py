@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import uuid
 import warnings
@@ -28,11 +29,9 @@ class SpecMismatchError(SpecError):
 
 
 def create_or_resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
-    """Create the study with ``spec``, or check that the existing one was made with the same.
-
-    Under the study's creation lock (``Storage.creation_lock``), so of several `start`s at once
-    exactly one creates it, and the others find it whole (its spec stored) and resume it or are
-    refused with the difference."""
+    """Create the study with ``spec``, or resume the one made with the same spec, under the study's creation lock:
+    of several `start`s at once exactly one creates it, the others find it whole (its spec stored) and resume it or
+    are refused with the difference."""
     storage.prepare()  # our tables and WAL: only now that the study is going ahead
     with storage.creation_lock(name):
         try:
@@ -75,10 +74,8 @@ def _create(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
 
 
 def _unmark(storage: Storage, name: str) -> None:
-    storage.db.run(
-        lambda s: s.execute(delete(StudyCreation).where(StudyCreation.study_name == name)),
-        what=f"mark study {name!r} as created",
-    )
+    what = f"mark study {name!r} as created"
+    storage.db.run(lambda s: s.execute(delete(StudyCreation).where(StudyCreation.study_name == name)), what=what)
 
 
 def _resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
@@ -148,9 +145,8 @@ def stored_spec(storage: Storage, name: str) -> StudySpec:
 
 
 def check_spec_before_create(storage: Storage, name: str, spec: StudySpec) -> tuple[bool, str | None]:
-    """Raise on a spec mismatch without writing anything (bad input leaves storage untouched).
-
-    Returns whether the study exists, and its id if it has one (``attrs.UID``)."""
+    """Raise on a spec mismatch without writing anything (bad input leaves storage untouched); return whether
+    the study exists, and its id (``attrs.UID``) if it has one."""
     try:
         study_id = storage.optuna.get_study_id_from_name(name)
     except KeyError:
@@ -170,13 +166,9 @@ def check_spec_before_create(storage: Storage, name: str, spec: StudySpec) -> tu
 
 
 def _refuse_foreign(storage: Storage, name: str, study_id: int, spec: StudySpec, *, outside_lock: bool) -> bool:
-    """Refuse a spec-less study that hpsearch is not creating, nor was when a `start` was cut short.
-
-    A study someone made with Optuna itself, even an empty one of the same direction: its
-    trials were never judged by this spec, and hpsearch does not adopt it. Returns True for a
-    study hpsearch is creating (``outside_lock``: another `start` may be inside its creation
-    now) or whose creation was cut short; False, only ``outside_lock``, once its spec is stored.
-    """
+    """Refuse a spec-less study hpsearch is not creating (nor was, when a `start` was cut short): one made with
+    Optuna itself, even empty, was never judged by this spec. True for a study being created (``outside_lock``:
+    another `start` may be inside its creation now) or cut short; False (only ``outside_lock``) once it has a spec."""
     if _being_created(storage, name):
         if outside_lock or _cut_short(storage, study_id, spec):
             return True
@@ -191,14 +183,10 @@ def _refuse_foreign(storage: Storage, name: str, study_id: int, spec: StudySpec,
 
 
 def _being_created(storage: Storage, name: str) -> bool:
-    """Whether a `start` marked ``name`` as being created (``StudyCreation``), now or when it was cut short."""
     if not sqlalchemy.inspect(storage.optuna.engine).has_table(StudyCreation.__tablename__):
         return False  # a storage no hpsearch with creation marks has created a study in
-    return bool(
-        storage.db.run(
-            lambda s: s.get(StudyCreation, name) is not None, what=f"read whether study {name!r} is being created"
-        )
-    )
+    what = f"read whether study {name!r} is being created"
+    return bool(storage.db.run(lambda s: s.get(StudyCreation, name) is not None, what=what))
 
 
 def _cut_short(storage: Storage, study_id: int, spec: StudySpec) -> bool:
@@ -216,11 +204,7 @@ def n_trials(study: optuna.Study, spec: StudySpec) -> int:
 
 
 def budget_left(study: optuna.Study, spec: StudySpec, now: float) -> str | None:
-    """Why no new trial may start (timeout reached, device hours used), or None.
-
-    ``now`` is the database clock. Device time is the sum over the study's trials of their
-    ``device_seconds`` (training wall time on their device), running trials counted so far.
-    """
+    """Why no new trial may start (timeout reached at ``now``, the database clock; device hours used), or None."""
     deadline = study.user_attrs.get(attrs.DEADLINE)
     if deadline is not None and now >= float(deadline):
         return f"timeout of {spec.search.timeout_minutes:g} minutes reached"
@@ -232,8 +216,7 @@ def budget_left(study: optuna.Study, spec: StudySpec, now: float) -> str | None:
 
 
 def device_seconds(study: optuna.Study) -> float:
-    import datetime as dt
-
+    """The study's trials' training wall time on their device, running trials' so far included."""
     total = 0.0
     for t in study.get_trials(deepcopy=False):
         total += float(t.user_attrs.get(attrs.DEVICE_SECONDS, 0.0))
@@ -244,9 +227,8 @@ def device_seconds(study: optuna.Study) -> float:
 
 
 def worker_seed(spec: StudySpec, place: str, n_existing: int) -> int:
-    """A sampler seed per worker: with one shared seed, parallel workers (and a resumed run)
-    would draw the same random start-up trials. Mixing in the host/device and the study's
-    progress keeps a single-worker search reproducible from ``search.seed``."""
+    """A sampler seed per worker: with one shared seed, parallel workers (and a resumed run) would draw the same
+    random start-up trials. Mixing in host/device and progress keeps one worker reproducible from ``search.seed``."""
     return (spec.search.seed * 1_000_003 + zlib.crc32(place.encode()) + n_existing * 7919) % 2**31
 
 
@@ -280,41 +262,26 @@ def make_sampler(spec: StudySpec, seed: int) -> optuna.samplers.BaseSampler:
 
 def grid_space(spec: StudySpec) -> dict[str, list[Any]]:
     """Every point of every parameter (spec validation guarantees choices or a step)."""
-    grid: dict[str, list[Any]] = {}
-    for name, p in spec.space.items():
-        grid[name] = p.grid()
-    return grid
+    return {name: p.grid() for name, p in spec.space.items()}
 
 
 def make_pruner(spec: StudySpec) -> optuna.pruners.BasePruner:
-    """The spec's pruner; its resource unit is the optimizer step the trainer reports at.
-
-    Defaults suit short fine-tunes, where a trial has a handful of validation points: pruning
-    may start after 2 finished trials (not optuna's 5), and the first rung of asha/hyperband is
-    the first validation point (``train.eval_every``), not optuna's guess from the first trial.
-    """
+    """The spec's pruner, in optimizer steps. Its defaults suit a few validation points a trial (docs/decisions.md,
+    "Patient pruning"): asha/hyperband's first rung is ``train.eval_every``, not optuna's guess from the first trial."""
     s = spec.search
     kind = s.pruner
     if kind == "none":
         return optuna.pruners.NopPruner()
+    judged = {"n_startup_trials": s.pruner_startup_trials, "n_warmup_steps": s.pruner_warmup_steps}
     if kind == "median":
-        return optuna.pruners.MedianPruner(
-            n_startup_trials=s.pruner_startup_trials, n_warmup_steps=s.pruner_warmup_steps
-        )
+        return optuna.pruners.MedianPruner(**judged)
     if kind == "percentile":
-        return optuna.pruners.PercentilePruner(
-            s.pruner_percentile, n_startup_trials=s.pruner_startup_trials, n_warmup_steps=s.pruner_warmup_steps
-        )
+        return optuna.pruners.PercentilePruner(s.pruner_percentile, **judged)
     min_resource = s.pruner_min_resource or max(1, spec.train.eval_every)
+    rungs = {"min_resource": min_resource, "reduction_factor": s.pruner_reduction_factor}
     if kind == "asha":
-        return optuna.pruners.SuccessiveHalvingPruner(
-            min_resource=min_resource, reduction_factor=s.pruner_reduction_factor
-        )
-    return optuna.pruners.HyperbandPruner(
-        min_resource=min_resource,
-        max_resource="auto",
-        reduction_factor=s.pruner_reduction_factor,
-    )
+        return optuna.pruners.SuccessiveHalvingPruner(**rungs)
+    return optuna.pruners.HyperbandPruner(max_resource="auto", **rungs)
 
 
 def distribution(p: Param) -> optuna.distributions.BaseDistribution:

@@ -1,6 +1,5 @@
-"""What ships with hpsearch: the built-in presets (``--study bert-lr``), the files they name
-(``pkg://package/path``) and the models built from its own code (``builtin://tiny-gpt2``),
-turned into local paths on each host."""
+"""What ships with hpsearch: the built-in presets (``--study bert-lr``), the files they name (``pkg://package/path``)
+and the models built from its own code (``builtin://tiny-gpt2``), turned into local paths on each host."""
 
 from __future__ import annotations
 
@@ -22,9 +21,7 @@ BUILTIN_MODELS = ("tiny-gpt2", "tiny-llama-chat")
 
 
 def preset_file(name: str) -> Path | None:
-    if name not in PRESETS:
-        return None
-    return Path(str(resources.files("hpsearch.search.presets") / f"{name}.toml"))
+    return Path(str(resources.files("hpsearch.search.presets") / f"{name}.toml")) if name in PRESETS else None
 
 
 def relative_to(value: str, base_dir: Path, *, hub: bool = False) -> str:
@@ -61,6 +58,6 @@ def resolved(spec: StudySpec, output_dir: Path = Path("hpsearch-runs")) -> Study
         from hpsearch.search.presets import tiny_gpt2, tiny_llama_chat
 
         builder = tiny_llama_chat if name == BUILTIN_SCHEME + tiny_llama_chat.NAME else tiny_gpt2
-        name = str(builder.ensure_built(output_dir.resolve() / "builtin"))
+        name = str(tiny_gpt2.ensure_built(output_dir.resolve() / "builtin", builder.NAME, builder.build))
     model = replace(spec.model, name=locate(name))
     return replace(spec, data=data, model=model)

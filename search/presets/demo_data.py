@@ -1,10 +1,6 @@
-"""The bert-lr preset's demo task: short movie-review sentences with their sentiment.
-
-Generated from a fixed seed (so the shipped files are reproducible with
-``python -m hpsearch.search.presets.demo_data``) and deliberately not trivial: negation
-flips a phrase ("not good"), and in "X, but Y" the clause after "but" decides the label,
-so a model must read word order, not count positive words.
-"""
+"""The bert-lr preset's demo task: short movie-review sentences with their sentiment, from a fixed seed
+(``python -m hpsearch.search.presets.demo_data`` rewrites the shipped files). Not trivial: negation flips a phrase
+("not good") and in "X, but Y" the clause after "but" decides, so a model must read word order."""
 
 from __future__ import annotations
 

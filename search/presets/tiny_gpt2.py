@@ -1,12 +1,6 @@
-"""The gpt2-lr preset's model and data: a tiny GPT-2 built from code, and short review texts.
-
-No hub download: the model (``builtin://tiny-gpt2`` in the preset) is built on first use
-under the output folder, from a fixed seed, with a byte-level BPE tokenizer trained on
-generated texts; both load with ``from_pretrained``. It starts from random weights, so a
-trial's loss falls from ~ln(vocabulary) as it learns the texts' grammar.
-
-The shipped data files are reproducible with ``python -m hpsearch.search.presets.tiny_gpt2``.
-"""
+"""The gpt2-lr preset's model and data: a tiny GPT-2 (``builtin://tiny-gpt2``) built from code and a fixed seed on
+first use, no download, from random weights (a trial's loss falls from ~ln(vocabulary)), and short review texts
+(``python -m hpsearch.search.presets.tiny_gpt2`` rewrites the shipped files)."""
 
 from __future__ import annotations
 
@@ -17,6 +11,7 @@ import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from hpsearch.search.presets import demo_data
 
@@ -38,16 +33,15 @@ def write_data(folder: Path, n_train: int = 400, n_validation: int = 100) -> Non
                 f.write(json.dumps({"text": text}) + "\n")
 
 
-def ensure_built(root: Path, name: str = NAME, builder: Callable[[Path], Path] | None = None) -> Path:
-    """The model's folder under ``root``, built there first if it is not yet (safe to race);
-    ``name`` and ``builder``: another built-in model (lora-chat's tiny Llama)."""
+def ensure_built(root: Path, name: str, builder: Callable[[Path], Path]) -> Path:
+    """The built-in model ``name``'s folder under ``root``, built there first if it is not yet (safe to race)."""
     target = root / name
     if (target / "config.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        (builder or build)(tmp)
+        builder(tmp)
         # Several workers may build at once: the first rename wins, the others drop theirs.
         os.rename(tmp, target)
         log.info("built %s in %s", name, target)
@@ -64,23 +58,12 @@ def build(
 ) -> Path:
     """Write a randomly initialised GPT-2 (seed 0) and its tokenizer to ``folder``."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars would clutter the CLI's output
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=[EOS, PAD],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # any text encodes, no unknown token
-        show_progress=False,
-    )
-    bpe.train_from_iterator(texts(2000, seed=99), trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS, eos_token=EOS, pad_token=PAD)
+    tokenizer = bpe_tokenizer(texts(2000, seed=99), [EOS], vocab)
     config = GPT2Config(
         vocab_size=len(tokenizer),
         n_positions=256,
@@ -99,6 +82,24 @@ def build(
     GPT2LMHeadModel(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def bpe_tokenizer(texts: list[str], specials: list[str], vocab: int) -> Any:
+    """A byte-level BPE tokenizer trained on ``texts``, with ``specials`` (the first is BOS and EOS) and PAD."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=[*specials, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # any text encodes, no unknown token
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=specials[0], eos_token=specials[0], pad_token=PAD)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,6 @@
-"""The lora-chat preset's model and data: a tiny Llama with a ChatML chat template, and review conversations.
-
-No hub download: the model (``builtin://tiny-llama-chat``) is built on first use under the
-output folder, from a fixed seed: a byte-level BPE tokenizer trained on generated reviews, a
-2-layer Llama (the architecture of Llama 3 and Qwen2.5: RMSNorm, rotary positions, SwiGLU,
-grouped-query attention) and a chat template like Qwen's. LoRA trains a few low-rank matrices on
-a *frozen* base, and a frozen random base knows nothing for them to adapt, so the build also
-pre-trains it briefly (seconds on one CPU thread, deterministic) on plain reviews ending in
-"verdict: ..." and on chat turns of another task: the base knows the words and the chat format,
-and the adapter must learn to answer a review in the chat with its verdict, the one right answer.
-
-The shipped data files are reproducible with ``python -m hpsearch.search.presets.tiny_llama_chat``.
-"""
+"""The lora-chat preset's model and data: a tiny Llama with a ChatML chat template (``builtin://tiny-llama-chat``,
+built and briefly pre-trained on first use: see docs/presets.md, "lora-chat: LoRA on chat data"), and review
+conversations (``python -m hpsearch.search.presets.tiny_llama_chat`` rewrites the shipped files)."""
 
 from __future__ import annotations
 
@@ -21,7 +11,7 @@ from typing import Any
 from hpsearch.search.presets import demo_data, tiny_gpt2
 
 NAME = "tiny-llama-chat"
-EOS, PAD, IM_START, IM_END = "<|endoftext|>", "<pad>", "<|im_start|>", "<|im_end|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
@@ -31,10 +21,7 @@ CHAT_TEMPLATE = (
 
 def conversations(n: int, seed: int) -> list[list[dict[str, str]]]:
     return [
-        [
-            {"role": "user", "content": row["text"]},
-            {"role": "assistant", "content": f"verdict: {row['label']}"},
-        ]
+        [{"role": "user", "content": row["text"]}, {"role": "assistant", "content": f"verdict: {row['label']}"}]
         for row in demo_data.generate(n, seed)
     ]
 
@@ -46,29 +33,9 @@ def write_data(folder: Path, n_train: int = 400, n_validation: int = 100) -> Non
                 f.write(json.dumps({"messages": messages}) + "\n")
 
 
-def ensure_built(root: Path) -> Path:
-    """The model's folder under ``root``, built there first if it is not yet (safe to race)."""
-    return tiny_gpt2.ensure_built(root, NAME, build)
-
-
 def chat_tokenizer(texts: list[str], specials: list[str], *, vocab: int = 512, template: str = CHAT_TEMPLATE) -> Any:
-    """A byte-level BPE tokenizer trained on ``texts``, with ``specials`` (the first is EOS) and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=[*specials, PAD],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # any text encodes, no unknown token
-        show_progress=False,
-    )
-    bpe.train_from_iterator(texts, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token=specials[0], eos_token=specials[0], pad_token=PAD
-    )
+    """tiny_gpt2's BPE tokenizer trained on ``texts``, with ``specials`` (the first is EOS) and a chat template."""
+    tokenizer = tiny_gpt2.bpe_tokenizer(texts, specials, vocab)
     tokenizer.chat_template = template
     return tokenizer
 
@@ -83,8 +50,8 @@ def build(folder: Path, *, layers: int = 2, hidden: int = 64, pretrain_steps: in
     rows = demo_data.generate(2000, seed=99)
     # Plain reviews ending in their verdict, and chat turns of another task (say the review's
     # first two words): the base knows the words and the format, and the adapter must join them.
-    texts = [f"{row['text']}. verdict: {row['label']}" for row in rows[:1000]]
-    tokenizer = chat_tokenizer([*texts, "user assistant system"], [EOS, IM_START, IM_END])
+    texts = tiny_gpt2.texts(1000, seed=99)  # rows[:1000], as the generator draws them in order
+    tokenizer = chat_tokenizer([*texts, "user assistant system"], [tiny_gpt2.EOS, IM_START, IM_END])
     for row in rows[1000:]:
         turns = [{"role": "user", "content": row["text"]}, {"role": "assistant", "content": row["text"][:12]}]
         texts.append(tokenizer.apply_chat_template(turns, tokenize=False))
