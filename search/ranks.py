@@ -1,20 +1,12 @@
-"""The other ranks of a trial that spans several devices (train.devices_per_trial > 1).
+"""The other ranks of a trial that spans several devices (train.devices_per_trial > 1; docs/multi-gpu.md).
 
-The worker process of a device group is rank 0, and the only one that talks to the study.
-When it starts, it spawns one peer process per other device of its group (ranks 1..N-1),
-which join its torch.distributed group. For every trial, rank 0 sends each peer what to
-train (a ``TrialJob``: the same inputs its own fit() gets) and they run fit() together;
-inside fit, rank 0's stop and prune decisions are broadcast, so every rank ends the trial
-at the same step. Peers keep their tokenizer, data and pre-trained model between trials.
-
-Every way a rank can end reaches the supervisor as the end of the worker process (rank 0):
-
-- a peer dies (killed, OOM, an error): rank 0's watchdog sees it at once, kills the other
-  peers and exits with ``ExitCode.PEER_DIED``; the supervisor hands the trial back as for any crash;
-- rank 0 dies: each peer sees its parent gone and exits;
-- a trial fails with an exception on rank 0: the ranks' collectives are no longer in step,
-  so rank 0 records the failure and exits with ``ExitCode.GROUP_RESTART``; the supervisor starts the
-  group afresh.
+The worker process of a device group is rank 0, the only one that talks to the study. It spawns a peer
+process per other device (ranks 1..N-1), which keep their tokenizer, data and model between trials; for
+every trial it sends each a ``TrialJob`` (the inputs of its own fit()) and they run fit() together.
+Every way a rank can end reaches the supervisor as the end of rank 0: a peer dies (rank 0's watchdog kills
+the others and exits with ``ExitCode.PEER_DIED``); rank 0 dies (each peer sees its parent gone and exits);
+a trial fails on rank 0 (the collectives are out of step: it records the failure and exits with
+``ExitCode.GROUP_RESTART``, and the group starts afresh).
 """
 
 from __future__ import annotations
@@ -50,8 +42,6 @@ class GroupRestart(Exception):
 
 @dataclass(frozen=True)
 class TrialJob:
-    """What rank 0 sends its peers for one trial."""
-
     trial: int
     model: ModelConfig
     data: DataConfig
@@ -66,8 +56,7 @@ class PeerArgs:
     rank: int
     size: int
     port: int
-    device: str
-    """"cpu" or "cuda" (CUDA_VISIBLE_DEVICES is narrowed to this rank's GPU)."""
+    device: str  # "cpu" or "cuda" (CUDA_VISIBLE_DEVICES is narrowed to this rank's GPU)
     name: str
     output_dir: str
     threads: int | None
@@ -78,8 +67,7 @@ class Peers:
     """Rank 0's side: spawns ranks 1..N-1, sends them trials, and watches them."""
 
     def __init__(self, kind: str, ids: tuple[str, ...], name: str, output_dir: str, threads: int | None) -> None:
-        self.kind, self.ids, self.name = kind, ids, name
-        self.output_dir, self.threads = output_dir, threads
+        self.kind, self.ids, self.name, self.output_dir, self.threads = kind, ids, name, output_dir, threads
         self.size = 1 + len(ids)
         self.processes: list[Any] = []
         self.conns: list[Connection] = []
