@@ -104,8 +104,8 @@ def take_over(storage: Storage, study_name: str, trial: optuna.Trial, here: Tria
         return None
     old = TrialDir(here.root, of)
     if Path(source).resolve() != old.state.resolve():
-        why = "not the resumable state of trial %d in %s; training from the start"
-        log.warning("trial %d: refusing resume_from %s: " + why, trial.number, source, of, here.root)
+        msg = "trial %d: refusing resume_from %s: not the resumable state of trial %d in %s; training from the start"
+        log.warning(msg, trial.number, source, of, here.root)
         return None
     if not old.state.is_file() or not old.holds(old.state) or not _failed(storage, study_name, of):
         return None
