@@ -33,8 +33,7 @@ class TrialReporter(AttrReporter):
 
     def __init__(self, trial: optuna.Trial) -> None:
         self.trial = trial
-        # When a call last reached the storage: the device time of an attempt that storage failed
-        # is counted up to here, not through the minutes of retrying.
+        # When a call last reached the storage: a storage-failed attempt's device time counts up to here.
         self.last_ok = time.monotonic()
 
     def report(self, value: float, step: int, metrics: object = None) -> None:
@@ -88,7 +87,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
             resume_from = str(resume) if resume else None
             job = ranks.TrialJob(trial.number, spec.model, spec.data, cfg, spec.search.metric, files, resume_from)
             w.peers.run(job)
-        data = w.data()
+        data = w.data
         model = w.models.trial_model(w.spec.model.name, data.labels, cfg.seed, adapter)
         run = Run(
             model=model,

@@ -3,6 +3,7 @@ is used, with the tokenizer, data and pre-trained weights loaded once for every 
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import time
@@ -60,8 +61,7 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         torch.backends.cudnn.allow_tf32 = True
     from hpsearch.trainer.distributed import World
 
-    # A device group's peer ranks start first and join this rank's process group; they stay
-    # for every trial of this worker (see ranks.py).
+    # A device group's peer ranks start first and join this rank's process group, for every trial (ranks.py).
     peers = None
     if args.peer_devices:
         peers = ranks.Peers(args.device, args.peer_devices, args.name, args.output_dir, args.threads)
@@ -72,11 +72,10 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     except stop_signals.StorageLost as exc:
         _exit(ExitCode.STORAGE_LOST, f"{exc}; exiting", peers)
     if storage is None:
-        _exit(128 + stop.signum, "stopped before the storage answered", peers)
+        _exit(ExitCode.signalled(stop.signum), "stopped before the storage answered", peers)
     try:
         # Registered (and heartbeating) from the start, so status shows a worker still loading.
-        device = args.device_label or args.device
-        with registry.Registration(storage.db, args.study, args.name, device) as reg:
+        with registry.Registration(storage.db, args.study, args.name, args.device_label or args.device) as reg:
             worker = Worker(args, storage, stop, conn, registration=reg, world=world, peers=peers)
             # Every worker also reaps trials of workers that vanished (see reap.py).
             with Reaper(storage, args.study, max_retries=worker.spec.search.max_retries, interval_s=reg.interval_s):
@@ -86,8 +85,7 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     except Exception as exc:
         if not isinstance(exc, stop_signals.StorageLost) and not stop_signals.is_storage_failure(exc):
             raise
-        # Also a storage call outside a trial (reading the spec while loading) that ran out
-        # of retries after a stop: one line, not a traceback.
+        # Also a storage call outside a trial (reading the spec) out of retries after a stop: one line, no traceback.
         why = f"{stop_signals.describe(exc)}; exiting (a held trial is retried once the storage is back)"
         _exit(ExitCode.STORAGE_LOST, why, peers)
     finally:
@@ -96,8 +94,7 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         peers.close()
         world.close()
     if stop.requested:
-        # Tell the supervisor we were stopped (its trial is already handed back), so it
-        # restarts us unless it is stopping too.
+        # Tell the supervisor we were stopped (our trial is handed back already): it restarts us unless stopping too.
         raise SystemExit(ExitCode.signalled(stop.signum))
 
 
@@ -119,6 +116,7 @@ class Worker:
         world: Any = None,
         peers: ranks.Peers | None = None,
     ) -> None:
+        from hpsearch.trainer.adapters import quantization_config
         from hpsearch.trainer.distributed import World
         from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 
@@ -134,32 +132,24 @@ class Worker:
         self.study = optuna.load_study(study_name=args.study, storage=storage.optuna, sampler=sampler, pruner=pruner)
         self.device = torch_device(args.device)
         self.tokenizer = load_tokenizer(self.spec.model.name)
-        from hpsearch.trainer.adapters import quantization_config
-
         # One base per worker; with [adapter], every trial's adapter goes onto that same one.
         self.models = PretrainedCache(quantization_config(self.spec.model))
         self.root = Path(args.output_dir) / args.study
-        self._data: Any = None
 
+    @functools.cached_property
     def data(self) -> Any:
         from hpsearch.trainer.dataset import prepare
 
-        if self._data is None:
-            # One cache folder for every study under this output folder: same files, same
-            # tokenizer and max_length are tokenised once per host, whatever the study.
-            cache = Path(self.args.output_dir) / "token-cache"
-            model = self.spec.model
-            self._data = prepare(self.spec.data, self.tokenizer, model.max_length, cache, task=model.task)
-        return self._data
+        # One token cache for every study under this output folder: the same inputs are tokenised once per host.
+        cache, model = Path(self.args.output_dir) / "token-cache", self.spec.model
+        return prepare(self.spec.data, self.tokenizer, model.max_length, cache, task=model.task)
 
     def run(self) -> None:
         finished = 0
-        # A trial left RUNNING by a worker that died before the registry knew it has no
-        # heartbeat to go stale: it would hold its slot (and, counted as running, use up
-        # gpu_hours) for ever. Failed and retried here, before the budget is judged.
+        # A trial left RUNNING by a worker that died before the registry knew it has no heartbeat to go stale: it
+        # would hold its slot (and use up gpu_hours) for ever. Failed and retried here, before the budget is judged.
         reap.reap(self.storage, self.args.study, max_retries=self.spec.search.max_retries, orphans=True, stale=False)
-        # Trials that an earlier start on this host left running (killed with its instance, or
-        # stopped while the database was away) are retried now, before a new one is asked for.
+        # Trials an earlier start on this host left running (killed, or stopped during an outage) are retried first.
         reap.reap_gone_here(self.storage, self.args.study, max_retries=self.spec.search.max_retries)
         self._tidy(retain=True)  # checkpoints may have fallen out of the top k while this host was away
         while not self.stop():
@@ -187,8 +177,7 @@ class Worker:
             try:
                 self.run_trial(trial)
             except (ranks.GroupRestart, stop_signals.StorageLost):
-                # GroupRestart: the failure is recorded; the device group's ranks must start
-                # afresh. StorageLost: nothing can be recorded; the worker exits.
+                # GroupRestart (recorded; the ranks restart) and StorageLost (nothing can be recorded) end the worker.
                 raise
             except Exception as exc:
                 if stop_signals.is_storage_failure(exc):
@@ -249,8 +238,7 @@ class Worker:
         retries = self.spec.search.max_retries
         done = outcome.finish(self.storage, self.study, trial._trial_id, ended, max_retries=retries, **how)
         if done is None:
-            # Our heartbeat went stale (a long network cut) and a reaper failed the trial and
-            # queued a retry; the retry owns it now, so this attempt's result is dropped.
+            # Our heartbeat went stale (a long network cut): a reaper failed the trial, and its retry owns it now.
             log.warning("trial %d was reaped while it ran here; dropping this attempt", trial.number)
         return done
 
@@ -270,8 +258,7 @@ class Worker:
         candidates = [
             retention.candidate(t._trial_id, t.number, float(t.value), self.root, t.user_attrs)
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            # Deleted ones stay in the ranking (their path no longer exists): a trial deleted for
-            # the disk cap keeps its place, so a worse one is not kept instead.
+            # Deleted ones keep their place in the ranking, so a worse one is not kept instead of one deleted for disk.
             if t.value is not None and t.user_attrs.get(attr)
         ]
         retention.retain(
