@@ -107,7 +107,6 @@ class Peers:
             conn.send(job)
 
     def close(self, *, kill: bool = False) -> None:
-        """Tell the peers to exit (or kill them) and wait for them."""
         self.closing = True
         for conn, process in zip(self.conns, self.processes, strict=True):
             if kill:
@@ -143,12 +142,17 @@ class Peers:
 def peer_main(args: PeerArgs, conn: Connection) -> None:
     """Entry point of a spawned peer rank: train whatever rank 0 sends, until it says stop."""
     cli.setup_logging(args.log_level, args.name)
-    # Rank 0 decides when to stop and broadcasts it; a Ctrl-C in the terminal reaches every
-    # process of the group, so the peers must not act on it themselves.
+    # Rank 0 decides when to stop and broadcasts it; a terminal's Ctrl-C reaches every process: ignored here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
-    _exit_with_parent(parent)
+
+    def exit_with_parent() -> None:  # a peer blocked in a collective would otherwise wait for rank 0 forever
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=exit_with_parent, name="hpsearch-parent-watch", daemon=True).start()
     import torch
 
     from hpsearch.trainer import distributed
@@ -161,7 +165,7 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
     device = torch_device(args.device)
     world = distributed.join(args.rank, args.size, args.port, device)
     models = PretrainedCache()
-    loaded: dict[str, Any] = {}
+    loaded: str | None = None  # the model whose tokenizer and data are loaded
     while True:
         try:
             job: TrialJob | None = conn.recv()
@@ -169,15 +173,13 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
             break
         if job is None:
             break
-        if loaded.get("name") != job.model.name:
-            tokenizer = load_tokenizer(job.model.name)
+        if loaded != job.model.name:
+            loaded, tokenizer = job.model.name, load_tokenizer(job.model.name)
             cache = Path(args.output_dir) / "token-cache"  # rank 0 tokenised already: a cache hit
             data = prepare(job.data, tokenizer, job.model.max_length, cache, task=job.model.task)
-            loaded = {"name": job.model.name, "tokenizer": tokenizer, "data": data}
-        data = loaded["data"]
         run = Run(
             model=models.trial_model(job.model.name, data.labels, job.cfg.seed),
-            tokenizer=loaded["tokenizer"],
+            tokenizer=tokenizer,
             data=data,
             cfg=job.cfg,
             metric=job.metric,
@@ -189,22 +191,10 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
         try:
             result = fit(run, NullReporter())
         except Exception:
-            # A collective fails at once when rank 0 dies; give its death a moment to show, as
-            # that is the news (the supervisor reports it), not this rank's error.
+            # A collective fails at once when rank 0 dies: give that death (the news) a moment to show, not this error.
             time.sleep(1.0)
             if os.getppid() != parent:
                 os._exit(1)
             raise
         log.info("trial %d ended on rank %d: %s at step %d", job.trial, args.rank, result.status, result.steps)
     world.close()
-
-
-def _exit_with_parent(parent: int) -> None:
-    """Exit when rank 0 dies: a peer blocked in a collective would otherwise wait for it forever."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="hpsearch-parent-watch", daemon=True).start()
