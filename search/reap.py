@@ -91,8 +91,14 @@ def _reap_orphans(storage: Storage, study: optuna.Study, max_retries: int, grace
             reaped.append(Reaped(number, "unknown", "unknown", grace, retried))
 
     running_trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-    for number in _unbound(storage, name, running_trials, grace):
-        fail(number, "as it asked for the trial")
+    if running_trials:
+        # Running trials no slot or live registry row names: their worker died between ask() and binding a slot.
+        # Aged by the asking host's clock (Optuna's start time): a grace of minutes dwarfs clock drift.
+        named = slots.bound_trials(storage.db, name) | registry.held_trials(storage.db, name)
+        cutoff = datetime.datetime.now() - datetime.timedelta(seconds=grace)
+        for t in running_trials:
+            if t.number not in named and t.datetime_start is not None and t.datetime_start < cutoff:
+                fail(t.number, "as it asked for the trial")
     running = {t.number for t in running_trials}
     for slot, number in slots.orphaned_slots(storage.db, name, older_than_s=grace):
         if number is None:
@@ -163,21 +169,6 @@ def _retry_stale(storage: Storage, study: optuna.Study, s: lost.StaleTrial, max_
     log.warning("trial %d: %s; failing it for a retry", s.trial_number, why)
     retried = _fail_for_retry(storage, study, s.trial_number, max_retries, device_seconds=s.device_seconds)
     return [] if retried is None else [Reaped(s.trial_number, s.worker, s.host, s.heartbeat_age_s, retried)]
-
-
-def _unbound(storage: Storage, study_name: str, running: list[optuna.trial.FrozenTrial], grace: float) -> list[int]:
-    """Running trials older than ``grace`` that no slot and no live registry row name: left by a worker that
-    died between ``ask()`` and binding its slot. Aged by the asking host's clock (Optuna's start time): a
-    grace of minutes dwarfs the drift of synchronised clocks."""
-    if not running:
-        return []
-    named = slots.bound_trials(storage.db, study_name) | registry.held_trials(storage.db, study_name)
-    cutoff = datetime.datetime.now() - datetime.timedelta(seconds=grace)
-    return [
-        t.number
-        for t in running
-        if t.number not in named and t.datetime_start is not None and t.datetime_start < cutoff
-    ]
 
 
 def _fail_for_retry(
