@@ -54,8 +54,7 @@ def parse(value: str | None) -> list[Device]:
             return [Device("cuda", i) for i in gpus]
         unusable = host_nvidia_gpus()
         if unusable and not _gpus_hidden():
-            # Training on the CPU of a GPU instance costs GPU-hours for a fraction of the speed:
-            # say so instead of falling back.
+            # On a GPU instance the CPU costs GPU-hours for a fraction of the speed: say so, do not fall back.
             raise DeviceError(
                 f"--devices (default: every GPU): this host has {unusable} NVIDIA GPU(s) but {_why_torch_sees_none()}; "
                 "install a CUDA build of torch that the driver supports (nvidia-smi shows its CUDA version), "
@@ -174,7 +173,6 @@ def threads_per_worker(devices: list[Device]) -> int | None:
 
 
 def torch_device(kind: str) -> Any:
-    """The torch device a worker or peer rank of ``kind`` ("cuda" or "cpu") trains on."""
     import torch  # not at import time: the CLI starts without torch
 
     # The supervisor narrowed CUDA_VISIBLE_DEVICES to the process's own GPU: it is always cuda:0.

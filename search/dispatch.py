@@ -38,8 +38,7 @@ _DIED = {
     # The worker recorded its failed trial; its ranks start afresh (counted as a crash).
     ExitCode.GROUP_RESTART: "restart after a failed trial",
     ExitCode.PEER_DIED: "a peer rank died",
-    # Its resumable state is on disk; the trial is handed back here if the storage answers, else
-    # reaped and resumed once it is back.
+    # Its resumable state is on disk; the trial is handed back here, or reaped once the storage is back.
     ExitCode.STORAGE_LOST: "storage unreachable",
 }
 
@@ -126,7 +125,6 @@ class Supervisor:
         return True
 
     def _collect(self, sentinel: int) -> None:
-        """A child process ended: join it, read its last messages, and act on its exit code."""
         child = self.children.pop(sentinel)
         child.process.join()
         # Messages sent just before exit are still in the pipe.
@@ -173,8 +171,7 @@ class Supervisor:
             with contextlib.closing(open_storage(self.storage_url, create=False)) as storage:
                 self._hand_back_dead(storage, child, how)
         except StorageError as err:
-            # Its registry row then stays open: the trial is reaped once its heartbeat is
-            # stale and the storage answers again.
+            # Its registry row stays open: the trial is reaped once the storage answers and its heartbeat is stale.
             msg = "could not hand back the trial of worker %s (it is retried once the storage is back): %s"
             log.error(msg, child.name, err)
 

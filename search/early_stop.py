@@ -30,12 +30,9 @@ AT_CHANCE = "at_chance"
 
 @dataclass(frozen=True)
 class ChanceLevel:
-    loss: float
-    """Entropy of the validation labels: the cross-entropy of the best constant prediction."""
-    accuracy: float
-    """Share of the most frequent validation label."""
-    margin: float
-    """One standard error of an accuracy at that rate on this many examples."""
+    loss: float  # entropy of the validation labels: the cross-entropy of the best constant prediction
+    accuracy: float  # share of the most frequent validation label
+    margin: float  # one standard error of an accuracy at that rate on this many examples
 
     @classmethod
     def of(cls, labels: Sequence[int]) -> ChanceLevel | None:
@@ -72,15 +69,12 @@ class ChanceLevel:
 class PruningGate:
     """Counts a run's points at chance, and says when the pruner may judge a point."""
 
-    chance: ChanceLevel | None
-    """Of the validation labels; None for a causal LM (no chance test, no accuracy)."""
+    chance: ChanceLevel | None  # of the validation labels; None for a causal LM (no chance test, no accuracy)
     warmup: int
     total_steps: int
     metric: str
-    prune_at_chance: int = 0
-    """Stop after this many judged points in a row at chance (0 = never)."""
-    patient: bool = False
-    """Ask the pruner only about points that say something of the hyperparameters."""
+    prune_at_chance: int = 0  # stop after this many judged points in a row at chance (0 = never)
+    patient: bool = False  # ask the pruner only about points that say something of the hyperparameters
     at_chance: int = 0
 
     @classmethod
@@ -113,7 +107,6 @@ class PruningGate:
         return 0 < self.prune_at_chance <= self.at_chance
 
     def may_prune(self, step: int, metrics: Metrics) -> bool:
-        """Whether the pruner may be asked about this point."""
         if not self.patient:
             return True
         if step < self.warmup:
@@ -128,8 +121,7 @@ class EarlyStop:
 
     def __init__(self, inner: Reporter, gate: PruningGate) -> None:
         self.inner, self.gate = inner, gate
-        self.reason: str | None = None
-        """Why the run was pruned, where the pruner was not the one to decide."""
+        self.reason: str | None = None  # why the run was pruned, where the pruner was not the one to decide
         self._last: tuple[int, Metrics] | None = None
 
     def report(self, value: float, step: int, metrics: Metrics | None = None) -> None:

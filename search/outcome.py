@@ -58,8 +58,7 @@ class Ending:
     best: Files
     resume: Files
     resumes_from: Resume
-    reason: str | None
-    """The ``fail_reason``; ``{}`` stands for the caller's detail."""
+    reason: str | None  # the fail_reason; "{}" stands for the caller's detail
     device_time: DeviceTime
 
 

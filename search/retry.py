@@ -118,8 +118,7 @@ def take_over(storage: Storage, study_name: str, trial: optuna.Trial, here: Tria
         retention.mark_deleted(storage.db, trial_id(storage, study_name, of), note)
     if not old.move(RESUME, here):
         return None
-    # fit() loads the state and records resumed_from_step; reading it here too would load
-    # the weights and optimizer moments twice.
+    # fit() loads the state (and records resumed_from_step): reading it here too would load it twice.
     return here.state
 
 

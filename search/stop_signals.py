@@ -85,11 +85,8 @@ class StopFlag:
     """First SIGTERM/SIGINT: finish the step, checkpoint, hand the trial back. Second: exit now."""
 
     def __init__(self) -> None:
-        self.requested = False
-        self.signum = 0
-        self.requested_at = 0.0
-        self.signalled = False
-        """A SIGTERM or SIGINT came from outside (not the supervisor's forwarded request)."""
+        self.requested, self.signum, self.requested_at = False, 0, 0.0
+        self.signalled = False  # a SIGTERM or SIGINT came from outside (not the supervisor's forwarded request)
 
     def outage_retry_over(self) -> bool:
         return self.requested and time.monotonic() - self.requested_at > STOP_OUTAGE_RETRY_S
@@ -97,8 +94,7 @@ class StopFlag:
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._handle)
         signal.signal(signal.SIGINT, self._handle)
-        # Graceful stops, never the second signal's exit: the kernel sends the parent-death signal once
-        # per thread of the dead supervisor (it re-parents to each in turn).
+        # Graceful stops, never the second signal's exit: the parent-death signal comes once per supervisor thread.
         signal.signal(PARENT_DIED, lambda *_: self.request(signal.SIGTERM, "the supervisor died"))
         signal.signal(STOP_REQUEST, lambda *_: self.request(signal.SIGTERM, "the supervisor is stopping"))
 
