@@ -44,12 +44,6 @@ class ChanceLevel:
         top = max(shares)
         return cls(loss=-sum(p * math.log(p) for p in shares), accuracy=top, margin=math.sqrt(top * (1 - top) / n))
 
-    @staticmethod
-    def judged_from(warmup_steps: int, total_steps: int) -> int:
-        """First step a run is judged at: after its warm-up and a fifth of its steps (any run is
-        at chance at first, and a long run may validate every few steps)."""
-        return max(warmup_steps, -(-total_steps // 5))
-
     def matches(self, metrics: Metrics) -> bool:
         """Whether a validation point is no better than the label prior."""
         return self._accuracy_at_chance(metrics) and metrics.loss >= self.loss
@@ -94,7 +88,9 @@ class PruningGate:
 
     @property
     def judged_from(self) -> int:
-        return ChanceLevel.judged_from(self.warmup, self.total_steps)
+        """First step a run is judged at chance: after its warm-up and a fifth of its steps (any run is at
+        chance at first, and a long run may validate every few steps)."""
+        return max(self.warmup, -(-self.total_steps // 5))
 
     def see(self, step: int, metrics: Metrics) -> None:
         """Count the points in a row, from judged_from on, that were no better than chance."""

@@ -142,12 +142,9 @@ def _clear(storage: Storage, trial_id: int, folder: TrialDir, ending: Ending, ou
 
 
 def _tell(storage: Storage, study: optuna.Study, frozen: FrozenTrial, value: float | None, state: TrialState) -> None:
-    """``study.tell``, taking the grid sampler's end of the grid for what it is.
-
-    Once every point has run, GridSampler's ``after_trial`` calls ``study.stop()`` (RuntimeError outside
-    ``optimize``); with one left, it reads the grid index that a retry or enqueued trial lacks (KeyError).
-    tell stores the trial all the same (in a ``finally``): neither is a failure, nor "the trial was reaped".
-    """
+    """``study.tell``, taking the grid's end for what it is: once every point has run, GridSampler calls
+    ``study.stop()`` (RuntimeError outside ``optimize``); with one left, it reads the grid index a retry or an
+    enqueued trial lacks (KeyError). tell stores the trial all the same: neither is a failure, nor "reaped"."""
     try:
         study.tell(frozen.number, value, state=state)
     except (RuntimeError, KeyError):

@@ -52,13 +52,10 @@ def reap(
     stale: bool = True,
     watched_since: float | None = None,
 ) -> list[Reaped]:
-    """One pass: fail and retry every trial whose worker is past the grace period.
-
-    ``orphans``: also trial slots whose worker vanished before the registry knew its trial (a window of
-    milliseconds); it reads every slot, so the background reaper leaves it to `hpsearch reap` and to
-    workers that find the budget used. ``stale=False`` skips the heartbeat rows: only a reaper whose own
-    connection was healthy for a whole grace period, since ``watched_since``, judges those.
-    """
+    """One pass: fail and retry every trial whose worker is past the grace period. ``orphans``: also the slots
+    whose worker vanished before the registry knew its trial (it reads every slot: not for the background reaper).
+    ``stale=False`` skips heartbeat rows: only a reaper whose connection was healthy for a grace period (since
+    ``watched_since``) may judge those."""
     with _ONE_PASS:
         stale_rows = (
             lost.stale_trials(storage.db, study_name, grace_s=grace_s, watched_since=watched_since) if stale else []
@@ -112,12 +109,8 @@ def _reap_orphans(storage: Storage, study: optuna.Study, max_retries: int, grace
 def reap_by_hand(
     storage: Storage, study_name: str, *, max_retries: int, grace_s: float | None = None, poll_s: float = 1.0
 ) -> list[Reaped]:
-    """`hpsearch reap`: one pass, with the background ``Reaper``'s guard.
-
-    Right after an outage every heartbeat is old, so a worker's silence counts only from this process's
-    first prompt answer (a slow one, retrying through an outage, starts again), and a stale-looking row is
-    watched until silent for its whole grace since then; a beat meanwhile keeps its trial.
-    """
+    """`hpsearch reap`: one pass, with the ``Reaper``'s guard: after an outage every heartbeat is old, so silence
+    counts from this process's first prompt answer, and a stale-looking row is watched for its whole grace."""
     reaped = reap_gone_here(storage, study_name, max_retries=max_retries)
     since: float | None = None
     told = False

@@ -29,12 +29,9 @@ def hand_back(
     max_retries: int,
     local: bool = True,
 ) -> bool:
-    """Mark the trial failed and, retries permitting, queue it again; True if queued.
-
-    ``local=False``: the resumable state may be on another host (the reaper's case); its path is recorded
-    as it is, for ``take_over`` to check. The retry is enqueued before the slot is released, so whichever
-    worker claims the slot next pops exactly this retry.
-    """
+    """Mark the trial failed and, retries permitting, queue it again (before its slot is released, so the next
+    worker to claim the slot pops exactly this retry); True if queued. ``local=False``: the resumable state may
+    be on another host (the reaper's case), so its path is recorded unchecked, for ``take_over`` to check."""
     frozen = storage.optuna.get_trial(trial_id)
     if frozen.state.is_finished():
         return False
@@ -74,10 +71,8 @@ def waiting_retries(study: optuna.Study) -> list[int]:
 
 
 def pop_retry(study: optuna.Study) -> optuna.Trial | None:
-    """Start a waiting retry, never a new trial: what a worker may still run past the deadline.
-
-    ``Study.ask`` would pop the oldest waiting trial (maybe an unstarted ``[[search.enqueue]]`` one) or make
-    a new one. The claim is optuna's own: WAITING to RUNNING, which only one worker wins.
+    """Start a waiting retry, never a new trial (``Study.ask`` might pop an unstarted ``[[search.enqueue]]`` one,
+    or make one): what a worker may still run past the deadline. Optuna's WAITING to RUNNING claim has one winner.
     """
     storage = study._storage
     for frozen in storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.WAITING,)):
@@ -92,12 +87,9 @@ def pop_retry(study: optuna.Study) -> optuna.Trial | None:
 
 
 def take_over(storage: Storage, study_name: str, trial: optuna.Trial, here: TrialDir) -> Path | None:
-    """Move the failed attempt's best model and resumable state into this retry's folder; the state to
-    resume from, or None to train from the start.
-
-    Moved, not read in place: this attempt owns them, so the usual clean-up covers them, and a crash
-    before it writes its own state hands back this same state. The source is ``trial-M`` of this host's
-    study folder, M the failed trial retried: ``resume_from`` naming anything else is refused (trialdir.py).
+    """Move the failed attempt's best model and resumable state into this retry's folder (then the usual clean-up
+    covers them, and a crash before this attempt saves its own hands back the same); the state to resume from,
+    or None. The source is ``trial-M`` of this host's study folder, M the retried trial: anything else is refused.
     """
     source, of = trial.user_attrs.get(attrs.RESUME_FROM), trial.user_attrs.get(attrs.RETRY_OF)
     if not source or not isinstance(of, int) or isinstance(of, bool):

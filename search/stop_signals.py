@@ -59,12 +59,8 @@ STOP_REQUEST = signal.SIGUSR2
 
 
 def die_with_parent() -> bool:
-    """Have the kernel signal this worker when its supervisor dies; False if it is gone already.
-
-    A supervisor killed with SIGKILL cannot stop its workers, and an orphan would train with nobody to hand
-    its trial back; with this signal it takes the graceful SIGTERM path. Not SIGTERM itself: it comes once
-    per supervisor thread, and a second SIGTERM means "exit now". The pid check covers a parent that died
-    before prctl took effect.
+    """Have the kernel signal this worker when its supervisor dies (a SIGKILLed one cannot stop it, and an orphan
+    would train with nobody to hand its trial back); False if it is gone already, even before prctl took effect.
     """
     parent = mp.parent_process()
     if parent is None:
@@ -114,11 +110,8 @@ class StopFlag:
 
 
 def open_retrying(url: str, policy: RetryPolicy, stop: StopFlag) -> Storage | None:
-    """The storage, waited for as every later call waits for it; None if a stop came first.
-
-    The supervisor checked the URL a moment ago, so a refused connection is an outage, not a typo:
-    failing at once would count as a crash, and three of them give the device up.
-    """
+    """The storage, waited for as every later call waits for it; None if a stop came first. The URL was checked
+    a moment ago: a refused connection is an outage, and failing would count as a crash (3 give the device up)."""
     delays = policy.delays()
     while True:
         try:
