@@ -190,7 +190,7 @@ class Supervisor:
         # The attempt used its devices from its start (this host's clock wrote it) until now.
         now = datetime.datetime.now()
         started = (frozen.datetime_start or now).timestamp()
-        spent = outcome.device_seconds(started, now.timestamp(), len(child.device.child_ids()))
+        spent = outcome.device_seconds(started, now.timestamp(), child.device.count)
         folder = TrialDir(self.output_dir / self.study, frozen.number)
         outcome.finish(
             storage, study, trial_id, Outcome.CRASHED, max_retries=retries, folder=folder, detail=how, spent=spent
