@@ -1,7 +1,6 @@
 """One attempt of a trial on a worker: train it with the trainer's ``fit``, then end it.
 
-How it ended is the worker's to name; what that means for the trial is outcome.py's table.
-"""
+How it ended is the worker's to name; what that means for the trial is outcome.py's table."""
 
 from __future__ import annotations
 

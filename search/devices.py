@@ -112,8 +112,7 @@ def cuda_ids(indices: Iterable[int]) -> tuple[str, ...]:
     """What CUDA_VISIBLE_DEVICES must hold for a child to see this process's GPU ``i``, for each of ``indices``.
 
     Under CUDA_VISIBLE_DEVICES=2,3, GPU 0 here is the host's GPU 2: a child told "0" would train on somebody
-    else's. The entries are passed on as written (indices, GPU-... UUIDs, MIG-...).
-    """
+    else's. The entries are passed on as written (indices, GPU-... UUIDs, MIG-...)."""
     visible = os.environ.get(CUDA_VISIBLE_DEVICES)
     if visible is None:
         return tuple(str(i) for i in indices)

@@ -1,8 +1,7 @@
 """The supervisor: one spawned worker per device, and a record of every way one can end.
 
 Like rq's work-horse supervision: the parent sees a child die at once (process sentinels), hands its
-trial back for a retry, and restarts the child within a bound.
-"""
+trial back for a retry, and restarts the child within a bound."""
 
 from __future__ import annotations
 

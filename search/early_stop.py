@@ -4,8 +4,7 @@ The search's rules, not the trainer's: ``EarlyStop`` sits between the trainer an
 reporter, sees every validation point, and answers the trainer's ``should_prune``. The rules and
 why: docs/search.md, "Pruners"; docs/decisions.md, "Patient pruning", "The chance stop" and
 "Early stopping belongs to the search" (why a run at chance stops only once an outage's backlog
-has gone through). A run on several ranks is judged on rank 0 alone.
-"""
+has gone through). A run on several ranks is judged on rank 0 alone."""
 
 from __future__ import annotations
 

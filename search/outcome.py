@@ -1,8 +1,7 @@
 """How an attempt ends: one table (``ENDINGS``), and one ``finish`` that the worker, the supervisor and the reaper call.
 
 Like rq's single ``handle_job_failure``: whoever sees an attempt end names its ``Outcome``; the table decides
-the Optuna state, the retry, what stays of ``best/`` and ``resume/``, the ``fail_reason`` and the device time.
-"""
+the Optuna state, the retry, what stays of ``best/`` and ``resume/``, the ``fail_reason`` and the device time."""
 
 from __future__ import annotations
 
@@ -97,8 +96,7 @@ def finish(
     """End a running trial's attempt as ``ENDINGS`` says; whether a retry was queued, None if it was not running
     (finished meanwhile by a reaper, or by the worker telling its result late: left alone).
 
-    ``folder``: the trial's folder on this host (None: none to touch); ``spent``: this attempt's device time.
-    """
+    ``folder``: the trial's folder on this host (None: none to touch); ``spent``: this attempt's device time."""
     ending = ENDINGS[outcome]
     frozen = storage.optuna.get_trial(trial_id)
     if frozen.state != TrialState.RUNNING:

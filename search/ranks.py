@@ -6,8 +6,7 @@ every trial it sends each a ``TrialJob`` (the inputs of its own fit()) and they 
 Every way a rank can end reaches the supervisor as the end of rank 0: a peer dies (rank 0's watchdog kills
 the others and exits with ``ExitCode.PEER_DIED``); rank 0 dies (each peer sees its parent gone and exits);
 a trial fails on rank 0 (the collectives are out of step: it records the failure and exits with
-``ExitCode.GROUP_RESTART``, and the group starts afresh).
-"""
+``ExitCode.GROUP_RESTART``, and the group starts afresh)."""
 
 from __future__ import annotations
 

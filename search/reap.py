@@ -2,8 +2,7 @@
 
 A crashed child on a live host is handed back by its supervisor (dispatch.py); a vanished host's
 workers just stop beating. Every worker runs a ``Reaper`` thread (`hpsearch reap` one pass by hand)
-that fails and requeues a trial whose heartbeat is past the grace period by the database clock.
-"""
+that fails and requeues a trial whose heartbeat is past the grace period by the database clock."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Handing a trial back: record why it stopped and queue the same parameters again, at most ``max_retries`` times.
 
-Called by outcome.py ``finish`` for every ending its table retries (a stop, a crash, a lost host...).
-"""
+Called by outcome.py ``finish`` for every ending its table retries (a stop, a crash, a lost host...)."""
 
 from __future__ import annotations
 
@@ -72,8 +71,7 @@ def waiting_retries(study: optuna.Study) -> list[int]:
 
 def pop_retry(study: optuna.Study) -> optuna.Trial | None:
     """Start a waiting retry, never a new trial (``Study.ask`` might pop an unstarted ``[[search.enqueue]]`` one,
-    or make one): what a worker may still run past the deadline. Optuna's WAITING to RUNNING claim has one winner.
-    """
+    or make one): what a worker may still run past the deadline. Optuna's WAITING to RUNNING claim has one winner."""
     storage = study._storage
     for frozen in storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.WAITING,)):
         if attrs.RETRY_OF not in frozen.user_attrs:
@@ -89,8 +87,7 @@ def pop_retry(study: optuna.Study) -> optuna.Trial | None:
 def take_over(storage: Storage, study_name: str, trial: optuna.Trial, here: TrialDir) -> Path | None:
     """Move the failed attempt's best model and resumable state into this retry's folder (then the usual clean-up
     covers them, and a crash before this attempt saves its own hands back the same); the state to resume from,
-    or None. The source is ``trial-M`` of this host's study folder, M the retried trial: anything else is refused.
-    """
+    or None. The source is ``trial-M`` of this host's study folder, M the retried trial: anything else is refused."""
     source, of = trial.user_attrs.get(attrs.RESUME_FROM), trial.user_attrs.get(attrs.RETRY_OF)
     if not source or not isinstance(of, int) or isinstance(of, bool):
         return None

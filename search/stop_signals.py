@@ -1,8 +1,7 @@
 """How a worker notices that it must stop: a signal, its supervisor gone, or its storage gone.
 
 Either way the trial is not the worker's to finish: it stops and lets the trial be handed back (by the
-supervisor, or by a reaper once the storage answers again), instead of training on unsupervised or failing it.
-"""
+supervisor, or by a reaper once the storage answers again), instead of training on unsupervised or failing it."""
 
 from __future__ import annotations
 
@@ -60,8 +59,7 @@ STOP_REQUEST = signal.SIGUSR2
 
 def die_with_parent() -> bool:
     """Have the kernel signal this worker when its supervisor dies (a SIGKILLed one cannot stop it, and an orphan
-    would train with nobody to hand its trial back); False if it is gone already, even before prctl took effect.
-    """
+    would train with nobody to hand its trial back); False if it is gone already, even before prctl took effect."""
     parent = mp.parent_process()
     if parent is None:
         return True  # not a spawned child (run in-process by a test or a benchmark)

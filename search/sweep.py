@@ -2,8 +2,7 @@
 
 What killed or reaped attempts leave behind: temp folders of a checkpoint write cut short, finished trials'
 resumable state, and a failed attempt's best/ and resume/ once no retry will take them over (retry.py
-``take_over``). A running trial's folder is never touched, nor one its retry may still resume from.
-"""
+``take_over``). A running trial's folder is never touched, nor one its retry may still resume from."""
 
 from __future__ import annotations
 
