@@ -1,8 +1,6 @@
 """One attempt of a trial on a worker: train it with the trainer's ``fit``, then end it.
 
-How it ended (complete, pruned, failed, interrupted, storage lost) is the worker's to name;
-what that means for the trial is outcome.py's table.
-"""
+How it ended is the worker's to name; what that means for the trial is outcome.py's table."""
 
 from __future__ import annotations
 
@@ -11,7 +9,6 @@ import os
 import time
 import traceback
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import optuna
@@ -35,9 +32,8 @@ class TrialReporter(AttrReporter):
 
     def __init__(self, trial: optuna.Trial) -> None:
         self.trial = trial
+        # When a call last reached the storage: a storage-failed attempt's device time counts up to here.
         self.last_ok = time.monotonic()
-        """When a call last reached the storage: the device time of an attempt that storage
-        failed is counted up to here, not through the minutes of retrying."""
 
     def report(self, value: float, step: int, metrics: object = None) -> None:
         self.trial.report(value, step)
@@ -72,19 +68,14 @@ def run(w: Worker, trial: optuna.Trial) -> None:
         return
     files = RunFiles(best=folder.best, state=folder.state, curves=folder.curves)
     reporter = TrialReporter(trial)
+    where = {attrs.DEVICE: _device_name(w), attrs.HOST: registry.this_host(), attrs.WORKER: w.args.name}
     # Where the resumable state goes, on record before the first one is written: a stop
     # during a database outage saves one that no later call could name (see reap.py).
-    state = folder.state
-    reporter.set_attrs(
-        {
-            attrs.DEVICE: _device_name(w),
-            attrs.HOST: registry.this_host(),
-            attrs.WORKER: w.args.name,
-            attrs.RESUME_CHECKPOINT: str(state.resolve()),
-        }
-    )
+    reporter.set_attrs(where | {attrs.RESUME_CHECKPOINT: str(folder.state.resolve())})
     resume = retry.take_over(w.storage, w.args.study, trial, folder)
-    handler = _trial_log(folder.log)
+    handler = logging.FileHandler(folder.log)  # the trial's own log
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
     log.info("trial %d starts: %s", trial.number, params)
     started = time.monotonic()  # first_step_seconds and device time count from here
     model: Any = None
@@ -95,7 +86,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
             resume_from = str(resume) if resume else None
             job = ranks.TrialJob(trial.number, spec.model, spec.data, cfg, spec.search.metric, files, resume_from)
             w.peers.run(job)
-        data = w.data()
+        data = w.data
         model = w.models.trial_model(w.spec.model.name, data.labels, cfg.seed, adapter)
         run = Run(
             model=model,
@@ -112,8 +103,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
             started=started,
             world=w.world,
         )
-        gate = PruningGate.of_search(data, cfg, w.spec.search)
-        early = EarlyStop(reporter, gate)
+        early = EarlyStop(reporter, PruningGate.of_search(data, cfg, w.spec.search))
         result = fit(run, early)
         result.fail_reason = result.fail_reason or early.reason
     except CheckpointError as exc:
@@ -151,13 +141,8 @@ def run(w: Worker, trial: optuna.Trial) -> None:
     if w.end_attempt(trial, ended, folder=folder, detail=detail, value=result.best_value, spent=spent) is None:
         return
     if ended is Outcome.COMPLETE:
-        log.info(
-            "trial %d complete: %s = %.4f at step %s",
-            trial.number,
-            w.spec.search.metric,
-            result.best_value,
-            result.best_step,
-        )
+        msg = "trial %d complete: %s = %.4f at step %s"
+        log.info(msg, trial.number, w.spec.search.metric, result.best_value, result.best_step)
     elif ended is Outcome.PRUNED:
         log.info("trial %d pruned at step %d%s", trial.number, result.steps, f" ({detail})" if detail else "")
     if ended is not Outcome.INTERRUPTED:
@@ -167,11 +152,8 @@ def run(w: Worker, trial: optuna.Trial) -> None:
 def _hand_back_after_storage_failure(
     w: Worker, trial: optuna.Trial, folder: TrialDir, reporter: TrialReporter, started: float, exc: Exception
 ) -> None:
-    """Queue a retry that resumes from the trial's resumable state, like a crash.
-
-    The retry waits until the storage answers again (each call retries through the outage); if it
-    does not, ``StorageLost`` ends the worker and the trial is reaped later.
-    """
+    """Queue a retry that resumes from the trial's resumable state, like a crash, once the storage answers
+    again (each call retries through the outage); if it does not, ``StorageLost`` ends the worker."""
     # Counted up to the storage's last answer: training may have gone on through the outage
     # (see trainer/report_queue.py), but so may a run that ended and waited for its record.
     spent = device_seconds(started, reporter.last_ok, w.world.size)
@@ -193,10 +175,3 @@ def _device_name(w: Worker) -> str:
 
         return f"cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', '0')} ({torch.cuda.get_device_name(0)})"
     return "cpu"
-
-
-def _trial_log(path: Path) -> logging.Handler:
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger().addHandler(handler)
-    return handler

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import multiprocessing as mp
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -18,8 +19,7 @@ class DeviceError(ValueError):
 
 @dataclass(frozen=True)
 class Device:
-    """What one worker process trains on: one device, or a group of them (its first one and
-    ``peers``, the others, for train.devices_per_trial > 1)."""
+    """What one worker process trains on: one device, or a group (``peers``: train.devices_per_trial > 1)."""
 
     kind: str  # "cuda" or "cpu"
     index: int  # GPU index as the host numbers it, or the CPU worker's ordinal
@@ -34,8 +34,7 @@ class Device:
         return 1 + len(self.peers)
 
     def child_ids(self) -> tuple[str, ...]:
-        """Each device of the group as the process that runs it is told: a GPU's
-        CUDA_VISIBLE_DEVICES entry (see ``cuda_ids``), a CPU rank's ordinal."""
+        """Each device of the group as its process is told: a CUDA_VISIBLE_DEVICES entry, a CPU rank's ordinal."""
         indices = (self.index, *self.peers)
         return cuda_ids(indices) if self.kind == "cuda" else tuple(map(str, indices))
 
@@ -55,8 +54,7 @@ def parse(value: str | None) -> list[Device]:
             return [Device("cuda", i) for i in gpus]
         unusable = host_nvidia_gpus()
         if unusable and not _gpus_hidden():
-            # Training on the CPU of a GPU instance costs GPU-hours for a fraction of the speed:
-            # say so instead of falling back.
+            # On a GPU instance the CPU costs GPU-hours for a fraction of the speed: say so, do not fall back.
             raise DeviceError(
                 f"--devices (default: every GPU): this host has {unusable} NVIDIA GPU(s) but {_why_torch_sees_none()}; "
                 "install a CUDA build of torch that the driver supports (nvidia-smi shows its CUDA version), "
@@ -65,11 +63,9 @@ def parse(value: str | None) -> list[Device]:
         return [Device("cpu", 0)]
     value = value.strip()
     if value == "cpu" or value.startswith("cpu:"):
-        count_text = value.partition(":")[2] or "1"
-        if not _is_number(count_text) or not 1 <= int(count_text) <= (os.cpu_count() or 1) * 4:
-            raise DeviceError(
-                f"--devices {value}: the CPU worker count must be an integer from 1 to {(os.cpu_count() or 1) * 4}"
-            )
+        count_text, most = value.partition(":")[2] or "1", (os.cpu_count() or 1) * 4
+        if not _is_number(count_text) or not 1 <= int(count_text) <= most:
+            raise DeviceError(f"--devices {value}: the CPU worker count must be an integer from 1 to {most}")
         return [Device("cpu", i) for i in range(int(count_text))]
     # "cuda:0,cuda:1" is how PyTorch spells them; the same as "0,1".
     parts = [p.strip().removeprefix("cuda:") for p in value.split(",")]
@@ -94,8 +90,7 @@ def _is_number(text: str) -> bool:
 
 
 def host_nvidia_gpus() -> int:
-    """NVIDIA GPUs that the driver gives this machine or container (/dev/nvidia0, /dev/nvidia1,
-    ...), whether or not this torch can use them."""
+    """NVIDIA GPUs the driver gives this machine or container (/dev/nvidiaN), whether or not torch can use them."""
     return len(glob.glob("/dev/nvidia[0-9]*"))
 
 
@@ -114,13 +109,10 @@ def _why_torch_sees_none() -> str:
 
 
 def cuda_ids(indices: Iterable[int]) -> tuple[str, ...]:
-    """What CUDA_VISIBLE_DEVICES must hold for a child process to see this process's GPU ``i``,
-    for each ``i`` of ``indices``.
+    """What CUDA_VISIBLE_DEVICES must hold for a child to see this process's GPU ``i``, for each of ``indices``.
 
-    The indices count the GPUs this process sees. On a machine shared through
-    CUDA_VISIBLE_DEVICES=2,3, GPU 0 here is the host's GPU 2: a child told "0" would train on
-    somebody else's GPU 0. The entries are passed on as written (indices, GPU-... UUIDs, MIG-...).
-    """
+    Under CUDA_VISIBLE_DEVICES=2,3, GPU 0 here is the host's GPU 2: a child told "0" would train on somebody
+    else's. The entries are passed on as written (indices, GPU-... UUIDs, MIG-...)."""
     visible = os.environ.get(CUDA_VISIBLE_DEVICES)
     if visible is None:
         return tuple(str(i) for i in indices)
@@ -130,12 +122,8 @@ def cuda_ids(indices: Iterable[int]) -> tuple[str, ...]:
 
 @contextmanager
 def only_gpu(cuda_id: str | None) -> Iterator[None]:
-    """Processes started in the block see only the GPU ``cuda_id`` (a CUDA_VISIBLE_DEVICES
-    entry, from ``cuda_ids``) and number it 0; ``None`` changes nothing.
-
-    A spawned child copies the environment when it starts, before its torch exists: narrowing
-    ours around ``Process.start()`` is how it gets a GPU of its own.
-    """
+    """Processes started in the block see only the GPU ``cuda_id`` (from ``cuda_ids``) as GPU 0; None: no change.
+    A spawned child copies the environment at its start, before its torch exists."""
     if cuda_id is None:
         yield
         return
@@ -151,10 +139,8 @@ def only_gpu(cuda_id: str | None) -> Iterator[None]:
 
 
 def group(devices: list[Device], per_trial: int, flag: str | None) -> list[Device]:
-    """The devices in groups of ``per_trial`` (train.devices_per_trial), one worker per group.
-
-    With no ``--devices`` on a host without GPUs, the default is one group of CPU ranks.
-    """
+    """The devices in groups of ``per_trial`` (train.devices_per_trial), one worker per group; with no
+    ``--devices`` on a host without GPUs, one group of CPU ranks."""
     if per_trial == 1:
         return devices
     if flag is None and devices == [Device("cpu", 0)]:
@@ -174,12 +160,8 @@ def group(devices: list[Device], per_trial: int, flag: str | None) -> list[Devic
 
 
 def threads_per_worker(devices: list[Device]) -> int | None:
-    """CPU ranks split the cores, or take ``OMP_NUM_THREADS`` each when it is set; GPU
-    workers keep torch's default.
-
-    On a machine shared with other jobs, fewer threads than cores is often faster: OpenMP
-    threads that wait for a busy core stall every operation of the step.
-    """
+    """CPU ranks split the cores, or take ``OMP_NUM_THREADS`` each when set (on a shared machine fewer
+    is often faster: an OpenMP thread waiting for a busy core stalls every operation); GPU workers: torch's."""
     cpu = sum(d.count for d in devices if d.kind == "cpu")  # a device group runs one rank per device
     if not cpu:
         return None
@@ -190,7 +172,6 @@ def threads_per_worker(devices: list[Device]) -> int | None:
 
 
 def torch_device(kind: str) -> Any:
-    """The torch device a worker or peer rank of ``kind`` ("cuda" or "cpu") trains on."""
     import torch  # not at import time: the CLI starts without torch
 
     # The supervisor narrowed CUDA_VISIBLE_DEVICES to the process's own GPU: it is always cuda:0.
@@ -198,8 +179,8 @@ def torch_device(kind: str) -> Any:
 
 
 def check_precision(requested: str, devices: list[Device]) -> None:
-    """Refuse a train.precision that a listed device cannot run (fp16 on a CPU, bf16 on a GPU
-    older than Ampere) before anything is stored: every trial would fail on it."""
+    """Refuse a train.precision that a listed device cannot run (fp16 on a CPU, bf16 before Ampere) before
+    anything is stored: every trial would fail on it."""
     import torch
 
     from hpsearch.trainer import precision
@@ -211,8 +192,6 @@ def check_precision(requested: str, devices: list[Device]) -> None:
     if requested == "bf16" and gpus:
         # Asked in a throwaway process: a CUDA context in the supervisor would hold memory on
         # GPU 0 for the whole search. Only an explicit bf16 can fail on a GPU (fp16 runs anywhere).
-        import multiprocessing as mp
-
         with mp.get_context("spawn").Pool(1) as pool:
             capability = pool.apply(_capabilities, (gpus,))
         old = [i for i, major in zip(gpus, capability, strict=True) if major < 8]

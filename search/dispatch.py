@@ -1,11 +1,11 @@
 """The supervisor: one spawned worker per device, and a record of every way one can end.
 
-Like rq's work-horse supervision: the parent sees a child die at once (process sentinels),
-hands the trial it was running back for a retry, and restarts the child within a bound.
-"""
+Like rq's work-horse supervision: the parent sees a child die at once (process sentinels), hands its
+trial back for a retry, and restarts the child within a bound."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import multiprocessing as mp
@@ -20,18 +20,26 @@ from typing import Any
 
 import optuna
 
-from hpsearch.search import outcome, progress, stop_signals, study as studies, worker
+from hpsearch.search import outcome, progress, retry, stop_signals, study as studies, worker
 from hpsearch.search.devices import Device, only_gpu, threads_per_worker
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.outcome import Outcome
 from hpsearch.storage import lost, registry
 from hpsearch.storage.errors import StorageError
-from hpsearch.storage.open import open_storage
+from hpsearch.storage.open import Storage, open_storage
 from hpsearch.storage.trialdir import TrialDir
 
 log = logging.getLogger(__name__)
 CRASH_LIMIT = 3
 CRASH_WINDOW_S = 600.0
+# How an unexpected exit is logged and recorded (fail_reason "worker_crash (...)"), by its exit code.
+_DIED = {
+    # The worker recorded its failed trial; its ranks start afresh (counted as a crash).
+    ExitCode.GROUP_RESTART: "restart after a failed trial",
+    ExitCode.PEER_DIED: "a peer rank died",
+    # Its resumable state is on disk; the trial is handed back here, or reaped once the storage is back.
+    ExitCode.STORAGE_LOST: "storage unreachable",
+}
 
 
 @dataclass
@@ -53,11 +61,9 @@ class Supervisor:
         self.ctx = mp.get_context("spawn")
         self.threads = threads_per_worker(devices)
         self.children: dict[int, Child] = {}  # keyed by sentinel
-        self.stopping = 0
-        self.stop_signal = 0
+        self.stopping, self.stop_signal = 0, 0
         self.failed_devices: list[str] = []
-        self.storage_lost = False
-        """A worker stopped without reaching the storage: nothing more is asked of it."""
+        self.storage_lost = False  # a worker stopped without reaching the storage: nothing more is asked of it
         self.progress = progress.for_terminal(study, storage_url, devices)
 
     def run(self) -> int:
@@ -118,7 +124,6 @@ class Supervisor:
         return True
 
     def _collect(self, sentinel: int) -> None:
-        """A child process ended: join it, read its last messages, and act on its exit code."""
         child = self.children.pop(sentinel)
         child.process.join()
         # Messages sent just before exit are still in the pipe.
@@ -135,17 +140,7 @@ class Supervisor:
             if not self.stopping:
                 self._spawn(child.device, child.crashes)
             return
-        if code == ExitCode.GROUP_RESTART:
-            # The worker recorded its failed trial; its ranks start afresh (counted as a crash).
-            how = "restart after a failed trial"
-        elif code == ExitCode.PEER_DIED:
-            how = "a peer rank died"
-        elif code == ExitCode.STORAGE_LOST:
-            # Its resumable state is on disk; the trial is handed back here if the storage
-            # answers, else reaped and resumed once it is back.
-            how = "storage unreachable"
-        else:
-            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        how = _DIED.get(code) or (f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
         during = f" during trial {child.trial[1]}" if child.trial else ""
         if self.stopping and code == ExitCode.STORAGE_LOST:
             # It stopped after the storage went quiet: another try from here would only add
@@ -162,12 +157,8 @@ class Supervisor:
         while child.crashes and now - child.crashes[0] > CRASH_WINDOW_S:
             child.crashes.popleft()
         if len(child.crashes) >= CRASH_LIMIT:
-            log.error(
-                "worker on %s crashed %d times in %d minutes; giving that device up (see its trial logs)",
-                child.device.label,
-                len(child.crashes),
-                CRASH_WINDOW_S // 60,
-            )
+            msg = "worker on %s crashed %d times in %d minutes; giving that device up (see its trial logs)"
+            log.error(msg, child.device.label, len(child.crashes), CRASH_WINDOW_S // 60)
             self.failed_devices.append(child.device.label)
             return
         self._spawn(child.device, child.crashes)
@@ -175,50 +166,34 @@ class Supervisor:
     def _record_crash(self, child: Child, how: str) -> None:
         """End the dead child's registry row and hand its trial back for a retry."""
         try:
-            self._hand_back_dead(child, how)
-        except StorageError as err:
-            # Its registry row then stays open: the trial is reaped once its heartbeat is
-            # stale and the storage answers again.
-            log.error(
-                "could not hand back the trial of worker %s (it is retried once the storage is back): %s",
-                child.name,
-                err,
-            )
-
-    def _hand_back_dead(self, child: Child, how: str) -> None:
-        storage = open_storage(self.storage_url, create=False)
-        try:
-            # Ended here, not left to turn "lost": other workers would wait for it to be reaped.
-            held = lost.end_dead(storage.db, self.study, host=registry.this_host(), pid=child.process.pid)
-            if child.trial is not None:
-                trial_id = child.trial[0]
-            elif held is not None:
-                # It died after recording its trial in the registry, before telling us.
-                study_id = storage.optuna.get_study_id_from_name(self.study)
-                trial_id = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, held)
-            else:
-                return
-            spec = studies.stored_spec(storage, self.study)
-            study = optuna.load_study(study_name=self.study, storage=storage.optuna)
-            frozen = storage.optuna.get_trial(trial_id)
-            # The attempt used its devices from its start (this host's clock wrote it) until now.
-            now = datetime.datetime.now()
-            started = (frozen.datetime_start or now).timestamp()
-            spent = outcome.device_seconds(started, now.timestamp(), len(child.device.child_ids()))
-            folder = TrialDir(self.output_dir / self.study, frozen.number)
-            outcome.finish(
-                storage,
-                study,
-                trial_id,
-                Outcome.CRASHED,
-                max_retries=spec.search.max_retries,
-                folder=folder,
-                detail=how,
-                spent=spent,
-            )
-        finally:
             # The parent holds no connection while its children train.
-            storage.close()
+            with contextlib.closing(open_storage(self.storage_url, create=False)) as storage:
+                self._hand_back_dead(storage, child, how)
+        except StorageError as err:
+            # Its registry row stays open: the trial is reaped once the storage answers and its heartbeat is stale.
+            msg = "could not hand back the trial of worker %s (it is retried once the storage is back): %s"
+            log.error(msg, child.name, err)
+
+    def _hand_back_dead(self, storage: Storage, child: Child, how: str) -> None:
+        # Ended here, not left to turn "lost": other workers would wait for it to be reaped.
+        held = lost.end_dead(storage.db, self.study, host=registry.this_host(), pid=child.process.pid)
+        if child.trial is not None:
+            trial_id = child.trial[0]
+        elif held is not None:  # it died after recording its trial in the registry, before telling us
+            trial_id = retry.trial_id(storage, self.study, held)
+        else:
+            return
+        retries = studies.stored_spec(storage, self.study).search.max_retries
+        study = optuna.load_study(study_name=self.study, storage=storage.optuna)
+        frozen = storage.optuna.get_trial(trial_id)
+        # The attempt used its devices from its start (this host's clock wrote it) until now.
+        now = datetime.datetime.now()
+        started = (frozen.datetime_start or now).timestamp()
+        spent = outcome.device_seconds(started, now.timestamp(), child.device.count)
+        folder = TrialDir(self.output_dir / self.study, frozen.number)
+        outcome.finish(
+            storage, study, trial_id, Outcome.CRASHED, max_retries=retries, folder=folder, detail=how, spent=spent
+        )
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.stopping += 1

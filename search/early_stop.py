@@ -1,39 +1,10 @@
 """When a run is stopped early: by its own chance test, or by the search's pruner.
 
 The search's rules, not the trainer's: ``EarlyStop`` sits between the trainer and the trial's
-reporter, sees every validation point, and answers the trainer's ``should_prune``.
-
-Chance level (``ChanceLevel``).
-A learning rate too low to move the weights, or so high that training diverged, leaves a
-model that predicts the label prior. Searches over 1e-6..1e-3 draw such rates often, and a
-successive-halving pruner promotes the first trials to reach a rung for want of competitors,
-so without this test a run at chance level can train to its last step.
-
-The test needs both signs of "no signal", because each alone misleads early in a run:
-validation accuracy stays at the majority rate for a while after the loss has started to
-fall (a good rate just out of warm-up), and an over-confident model that does have signal
-can have a loss above the prior's.
-
-The pruning gate (``PruningGate``).
-A pruner compares a run's validation points with other runs'. Early in a short fine-tune two
-kinds of point say little about the run's hyperparameters, and a pruner that judges them stops
-good learning rates for noise (both seen in benchmarks/search_vs_hf.py):
-
-- a point inside the run's learning-rate warm-up: the rate has not reached its value yet, and
-  the curve sits at the majority label's share;
-- with an accuracy or F1 objective, a point where the loss has left the prior's but accuracy
-  has not: the model has learnt the label frequencies and predicts the majority label, while
-  an untrained random head can score a few points above that by luck.
-
-A patient gate asks the pruner about neither: not before the warm-up has ended, and not about
-the second kind before the step a run at chance is first judged at (warm-up and a fifth of its
-steps, see ChanceLevel.judged_from). Reports still go to the search at every point.
-
-A run on several ranks is judged on rank 0 alone, whose answer the trainer gives every rank.
-The trainer's calls reach ``EarlyStop`` in order on its report queue's thread
-(trainer/report_queue.py), so while the database is away a run at chance is stopped once the
-backlog has gone through.
-"""
+reporter, sees every validation point, and answers the trainer's ``should_prune``. The rules and
+why: docs/search.md, "Pruners"; docs/decisions.md, "Patient pruning", "The chance stop" and
+"Early stopping belongs to the search" (why a run at chance stops only once an outage's backlog
+has gone through). A run on several ranks is judged on rank 0 alone."""
 
 from __future__ import annotations
 
@@ -58,12 +29,9 @@ AT_CHANCE = "at_chance"
 
 @dataclass(frozen=True)
 class ChanceLevel:
-    loss: float
-    """Entropy of the validation labels: the cross-entropy of the best constant prediction."""
-    accuracy: float
-    """Share of the most frequent validation label."""
-    margin: float
-    """One standard error of an accuracy at that rate on this many examples."""
+    loss: float  # entropy of the validation labels: the cross-entropy of the best constant prediction
+    accuracy: float  # share of the most frequent validation label
+    margin: float  # one standard error of an accuracy at that rate on this many examples
 
     @classmethod
     def of(cls, labels: Sequence[int]) -> ChanceLevel | None:
@@ -73,26 +41,14 @@ class ChanceLevel:
         n = len(labels)
         shares = [c / n for c in Counter(labels).values()]
         top = max(shares)
-        return cls(
-            loss=-sum(p * math.log(p) for p in shares),
-            accuracy=top,
-            margin=math.sqrt(top * (1 - top) / n),
-        )
-
-    @staticmethod
-    def judged_from(warmup_steps: int, total_steps: int) -> int:
-        """First step at which a run is judged: once its rate has warmed up and it has had a
-        fifth of its steps, since any run is at chance at its first steps and validation may
-        come every few steps of a long run."""
-        return max(warmup_steps, -(-total_steps // 5))
+        return cls(loss=-sum(p * math.log(p) for p in shares), accuracy=top, margin=math.sqrt(top * (1 - top) / n))
 
     def matches(self, metrics: Metrics) -> bool:
         """Whether a validation point is no better than the label prior."""
         return self._accuracy_at_chance(metrics) and metrics.loss >= self.loss
 
     def not_yet_seen(self, metrics: Metrics) -> bool:
-        """Whether the loss has left the prior's but accuracy has not: the model has begun to
-        learn (at first, often just the label frequencies) and accuracy does not show it yet."""
+        """Whether the loss has left the prior's but accuracy has not (often the label frequencies, learnt first)."""
         return self._accuracy_at_chance(metrics) and metrics.loss < self.loss
 
     def _accuracy_at_chance(self, metrics: Metrics) -> bool:
@@ -106,15 +62,12 @@ class ChanceLevel:
 class PruningGate:
     """Counts a run's points at chance, and says when the pruner may judge a point."""
 
-    chance: ChanceLevel | None
-    """Of the validation labels; None for a causal LM (no chance test, no accuracy)."""
+    chance: ChanceLevel | None  # of the validation labels; None for a causal LM (no chance test, no accuracy)
     warmup: int
     total_steps: int
     metric: str
-    prune_at_chance: int = 0
-    """Stop after this many judged points in a row at chance (0 = never)."""
-    patient: bool = False
-    """Ask the pruner only about points that say something of the hyperparameters."""
+    prune_at_chance: int = 0  # stop after this many judged points in a row at chance (0 = never)
+    patient: bool = False  # ask the pruner only about points that say something of the hyperparameters
     at_chance: int = 0
 
     @classmethod
@@ -134,7 +87,9 @@ class PruningGate:
 
     @property
     def judged_from(self) -> int:
-        return ChanceLevel.judged_from(self.warmup, self.total_steps)
+        """First step a run is judged at chance: after its warm-up and a fifth of its steps (any run is at
+        chance at first, and a long run may validate every few steps)."""
+        return max(self.warmup, -(-self.total_steps // 5))
 
     def see(self, step: int, metrics: Metrics) -> None:
         """Count the points in a row, from judged_from on, that were no better than chance."""
@@ -147,7 +102,6 @@ class PruningGate:
         return 0 < self.prune_at_chance <= self.at_chance
 
     def may_prune(self, step: int, metrics: Metrics) -> bool:
-        """Whether the pruner may be asked about this point."""
         if not self.patient:
             return True
         if step < self.warmup:
@@ -157,14 +111,12 @@ class PruningGate:
 
 
 class EarlyStop:
-    """The trial's reporter as the trainer sees it: reports go through; ``should_prune`` is
-    True once the run has been at chance ``prune_at_chance`` points in a row (``reason`` then
-    says "at_chance"), else the pruner's answer, asked only where the gate lets it."""
+    """The trial's reporter as the trainer sees it: ``should_prune`` is True once the run is stuck
+    at chance (``reason`` then says "at_chance"), else the pruner's answer where the gate allows."""
 
     def __init__(self, inner: Reporter, gate: PruningGate) -> None:
         self.inner, self.gate = inner, gate
-        self.reason: str | None = None
-        """Why the run was pruned, where the pruner was not the one to decide."""
+        self.reason: str | None = None  # why the run was pruned, where the pruner was not the one to decide
         self._last: tuple[int, Metrics] | None = None
 
     def report(self, value: float, step: int, metrics: Metrics | None = None) -> None:

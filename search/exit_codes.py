@@ -1,5 +1,4 @@
-"""Every exit code an hpsearch process ends with, in one enum: what the supervisor reads from a
-worker's end, and what a user's script reads from a command's."""
+"""Every exit code an hpsearch process ends with: what the supervisor reads from a worker, a script from a command."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ class ExitCode(enum.IntEnum):
     GROUP_RESTART = 76
     """A failed trial left a device group's ranks out of step: the supervisor restarts the group."""
     STORAGE_LOST = 77
-    """The worker could not reach the storage past its outage retries; its trial is retried
-    once the storage is back."""
+    """The worker could not reach the storage past its outage retries; its trial is retried once it is back."""
 
     @staticmethod
     def signalled(signum: int) -> int:

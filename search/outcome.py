@@ -1,11 +1,7 @@
-"""How an attempt ends: one table, and one ``finish`` that the worker, the supervisor and the reaper call.
+"""How an attempt ends: one table (``ENDINGS``), and one ``finish`` that the worker, the supervisor and the reaper call.
 
-Like rq's single ``handle_job_failure``: whoever sees an attempt end (the worker itself, the
-supervisor of a crashed child, the reaper of a lost host) names its :class:`Outcome`, and
-:data:`ENDINGS` decides the rest: the Optuna state written, whether it is retried (retries
-permitting), what stays of the trial folder's ``best/`` and ``resume/``, its ``fail_reason``
-and how its device time is counted.
-"""
+Like rq's single ``handle_job_failure``: whoever sees an attempt end names its ``Outcome``; the table decides
+the Optuna state, the retry, what stays of ``best/`` and ``resume/``, the ``fail_reason`` and the device time."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.search import retry
 from hpsearch.storage import attrs, checkpoints as retention
@@ -28,18 +24,12 @@ log = logging.getLogger(__name__)
 class Outcome(enum.Enum):
     COMPLETE = "complete"
     PRUNED = "pruned"
-    FAILED = "failed"
-    """An error of the trial (or no validation point reached): not retried."""
-    INTERRUPTED = "interrupted"
-    """A stop request: the worker saved its resumable state."""
-    STORAGE_LOST = "storage_lost"
-    """The storage failed during the trial: not the trial's fault."""
-    CRASHED = "crashed"
-    """The worker process died; its supervisor saw it."""
-    LOST = "lost"
-    """The worker vanished (host gone, network cut); a reaper saw its heartbeat go stale."""
-    NOT_STARTED = "not_started"
-    """The worker could not register the trial it was given."""
+    FAILED = "failed"  # an error of the trial (or no validation point reached): not retried
+    INTERRUPTED = "interrupted"  # a stop request: the worker saved its resumable state
+    STORAGE_LOST = "storage_lost"  # the storage failed during the trial: not the trial's fault
+    CRASHED = "crashed"  # the worker process died; its supervisor saw it
+    LOST = "lost"  # the worker vanished (host gone, network cut); a reaper saw its heartbeat go stale
+    NOT_STARTED = "not_started"  # the worker could not register the trial it was given
 
 
 class Files(enum.Enum):
@@ -51,17 +41,13 @@ class Resume(enum.Enum):
     """Where a retry resumes from."""
 
     NOTHING = "nothing"
-    HERE = "here"
-    """The trial folder's resumable state on this host, if it is there."""
-    RECORDED = "recorded"
-    """The path the trial recorded at its start (``resume_checkpoint``): maybe on another host."""
+    HERE = "here"  # the trial folder's resumable state on this host, if it is there
+    RECORDED = "recorded"  # the path the trial recorded at its start (resume_checkpoint): maybe on another host
 
 
 class DeviceTime(enum.Enum):
-    MEASURED = "measured"
-    """The attempt measured its own: added to what the trial has."""
-    ESTIMATED = "estimated"
-    """Estimated by whoever saw it end: written only if the attempt recorded none."""
+    MEASURED = "measured"  # the attempt measured its own: added to what the trial has
+    ESTIMATED = "estimated"  # by whoever saw it end: written only if the attempt recorded none
 
 
 @dataclass(frozen=True)
@@ -71,8 +57,7 @@ class Ending:
     best: Files
     resume: Files
     resumes_from: Resume
-    reason: str | None
-    """The ``fail_reason``; ``{}`` stands for the caller's detail."""
+    reason: str | None  # the fail_reason; "{}" stands for the caller's detail
     device_time: DeviceTime
 
 
@@ -108,13 +93,10 @@ def finish(
     value: float | None = None,
     spent: float | None = None,
 ) -> bool | None:
-    """End a running trial's attempt as :data:`ENDINGS` says; None if it was not running.
+    """End a running trial's attempt as ``ENDINGS`` says; whether a retry was queued, None if it was not running
+    (finished meanwhile by a reaper, or by the worker telling its result late: left alone).
 
-    A trial finished by someone else meanwhile (a reaper, the worker telling its result late) is
-    left alone. Otherwise returns whether a retry was queued. ``folder``: the trial's folder on
-    this host (None: none to touch); ``spent``: this attempt's device time, if known; ``value``:
-    a complete trial's objective.
-    """
+    ``folder``: the trial's folder on this host (None: none to touch); ``spent``: this attempt's device time."""
     ending = ENDINGS[outcome]
     frozen = storage.optuna.get_trial(trial_id)
     if frozen.state != TrialState.RUNNING:
@@ -142,7 +124,7 @@ def finish(
         )
     if reason is not None:
         storage.optuna.set_trial_user_attr(trial_id, attrs.FAIL_REASON, reason)
-    _tell(storage, study, frozen.number, value if ending.state == TrialState.COMPLETE else None, ending.state)
+    _tell(storage, study, frozen, value if ending.state == TrialState.COMPLETE else None, ending.state)
     return False
 
 
@@ -157,24 +139,16 @@ def _clear(storage: Storage, trial_id: int, folder: TrialDir, ending: Ending, ou
         folder.remove(folder.resume)
 
 
-def _tell(storage: Storage, study: optuna.Study, number: int, value: float | None, state: TrialState) -> None:
-    """``study.tell``, taking the grid sampler's end of the grid for what it is.
-
-    Once every grid point has run, optuna's GridSampler calls ``study.stop()`` from
-    ``after_trial``, which raises RuntimeError outside ``study.optimize``; and with one
-    point left, it reads the trial's grid index, which a retry or an enqueued trial (fixed
-    parameters) lacks: KeyError. The trial is stored all the same (tell writes its state in
-    a ``finally``), so neither is a failure: without this they passed for "the trial was
-    reaped" and retention was skipped.
-    """
+def _tell(storage: Storage, study: optuna.Study, frozen: FrozenTrial, value: float | None, state: TrialState) -> None:
+    """``study.tell``, taking the grid's end for what it is: once every point has run, GridSampler calls
+    ``study.stop()`` (RuntimeError outside ``optimize``); with one left, it reads the grid index a retry or an
+    enqueued trial lacks (KeyError). tell stores the trial all the same: neither is a failure, nor "reaped"."""
     try:
-        study.tell(number, value, state=state)
+        study.tell(frozen.number, value, state=state)
     except (RuntimeError, KeyError):
         if not isinstance(study.sampler, optuna.samplers.GridSampler):
             raise
-        study_id = storage.optuna.get_study_id_from_name(study.study_name)
-        trial_id = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, number)
-        if storage.optuna.get_trial(trial_id).state != state:
+        if storage.optuna.get_trial(frozen._trial_id).state != state:
             raise
         # The budget, not the sampler, ends the search: a failed point's retry may wait.
-        log.info("trial %d was the last point of the grid", number)
+        log.info("trial %d was the last point of the grid", frozen.number)

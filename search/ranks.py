@@ -1,21 +1,12 @@
-"""The other ranks of a trial that spans several devices (train.devices_per_trial > 1).
+"""The other ranks of a trial that spans several devices (train.devices_per_trial > 1; docs/multi-gpu.md).
 
-The worker process of a device group is rank 0, and the only one that talks to the study.
-When it starts, it spawns one peer process per other device of its group (ranks 1..N-1),
-which join its torch.distributed group. For every trial, rank 0 sends each peer what to
-train (a ``TrialJob``: the same inputs its own fit() gets) and they run fit() together;
-inside fit, rank 0's stop and prune decisions are broadcast, so every rank ends the trial
-at the same step. Peers keep their tokenizer, data and pre-trained model between trials.
-
-Every way a rank can end reaches the supervisor as the end of the worker process (rank 0):
-
-- a peer dies (killed, OOM, an error): rank 0's watchdog sees it at once, kills the other
-  peers and exits with ``ExitCode.PEER_DIED``; the supervisor hands the trial back as for any crash;
-- rank 0 dies: each peer sees its parent gone and exits;
-- a trial fails with an exception on rank 0: the ranks' collectives are no longer in step,
-  so rank 0 records the failure and exits with ``ExitCode.GROUP_RESTART``; the supervisor starts the
-  group afresh.
-"""
+The worker process of a device group is rank 0, the only one that talks to the study. It spawns a peer
+process per other device (ranks 1..N-1), which keep their tokenizer, data and model between trials; for
+every trial it sends each a ``TrialJob`` (the inputs of its own fit()) and they run fit() together.
+Every way a rank can end reaches the supervisor as the end of rank 0: a peer dies (rank 0's watchdog kills
+the others and exits with ``ExitCode.PEER_DIED``); rank 0 dies (each peer sees its parent gone and exits);
+a trial fails on rank 0 (the collectives are out of step: it records the failure and exits with
+``ExitCode.GROUP_RESTART``, and the group starts afresh)."""
 
 from __future__ import annotations
 
@@ -50,8 +41,6 @@ class GroupRestart(Exception):
 
 @dataclass(frozen=True)
 class TrialJob:
-    """What rank 0 sends its peers for one trial."""
-
     trial: int
     model: ModelConfig
     data: DataConfig
@@ -66,8 +55,7 @@ class PeerArgs:
     rank: int
     size: int
     port: int
-    device: str
-    """"cpu" or "cuda" (CUDA_VISIBLE_DEVICES is narrowed to this rank's GPU)."""
+    device: str  # "cpu" or "cuda" (CUDA_VISIBLE_DEVICES is narrowed to this rank's GPU)
     name: str
     output_dir: str
     threads: int | None
@@ -78,8 +66,7 @@ class Peers:
     """Rank 0's side: spawns ranks 1..N-1, sends them trials, and watches them."""
 
     def __init__(self, kind: str, ids: tuple[str, ...], name: str, output_dir: str, threads: int | None) -> None:
-        self.kind, self.ids, self.name = kind, ids, name
-        self.output_dir, self.threads = output_dir, threads
+        self.kind, self.ids, self.name, self.output_dir, self.threads = kind, ids, name, output_dir, threads
         self.size = 1 + len(ids)
         self.processes: list[Any] = []
         self.conns: list[Connection] = []
@@ -119,7 +106,6 @@ class Peers:
             conn.send(job)
 
     def close(self, *, kill: bool = False) -> None:
-        """Tell the peers to exit (or kill them) and wait for them."""
         self.closing = True
         for conn, process in zip(self.conns, self.processes, strict=True):
             if kill:
@@ -155,12 +141,17 @@ class Peers:
 def peer_main(args: PeerArgs, conn: Connection) -> None:
     """Entry point of a spawned peer rank: train whatever rank 0 sends, until it says stop."""
     cli.setup_logging(args.log_level, args.name)
-    # Rank 0 decides when to stop and broadcasts it; a Ctrl-C in the terminal reaches every
-    # process of the group, so the peers must not act on it themselves.
+    # Rank 0 decides when to stop and broadcasts it; a terminal's Ctrl-C reaches every process: ignored here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
-    _exit_with_parent(parent)
+
+    def exit_with_parent() -> None:  # a peer blocked in a collective would otherwise wait for rank 0 forever
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=exit_with_parent, name="hpsearch-parent-watch", daemon=True).start()
     import torch
 
     from hpsearch.trainer import distributed
@@ -173,7 +164,7 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
     device = torch_device(args.device)
     world = distributed.join(args.rank, args.size, args.port, device)
     models = PretrainedCache()
-    loaded: dict[str, Any] = {}
+    loaded: str | None = None  # the model whose tokenizer and data are loaded
     while True:
         try:
             job: TrialJob | None = conn.recv()
@@ -181,15 +172,13 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
             break
         if job is None:
             break
-        if loaded.get("name") != job.model.name:
-            tokenizer = load_tokenizer(job.model.name)
+        if loaded != job.model.name:
+            loaded, tokenizer = job.model.name, load_tokenizer(job.model.name)
             cache = Path(args.output_dir) / "token-cache"  # rank 0 tokenised already: a cache hit
             data = prepare(job.data, tokenizer, job.model.max_length, cache, task=job.model.task)
-            loaded = {"name": job.model.name, "tokenizer": tokenizer, "data": data}
-        data = loaded["data"]
         run = Run(
             model=models.trial_model(job.model.name, data.labels, job.cfg.seed),
-            tokenizer=loaded["tokenizer"],
+            tokenizer=tokenizer,
             data=data,
             cfg=job.cfg,
             metric=job.metric,
@@ -201,22 +190,10 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
         try:
             result = fit(run, NullReporter())
         except Exception:
-            # A collective fails at once when rank 0 dies; give its death a moment to show, as
-            # that is the news (the supervisor reports it), not this rank's error.
+            # A collective fails at once when rank 0 dies: give that death (the news) a moment to show, not this error.
             time.sleep(1.0)
             if os.getppid() != parent:
                 os._exit(1)
             raise
         log.info("trial %d ended on rank %d: %s at step %d", job.trial, args.rank, result.status, result.steps)
     world.close()
-
-
-def _exit_with_parent(parent: int) -> None:
-    """Exit when rank 0 dies: a peer blocked in a collective would otherwise wait for it forever."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="hpsearch-parent-watch", daemon=True).start()

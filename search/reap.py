@@ -1,12 +1,8 @@
 """Reaping: a trial whose worker vanished (host shut down, network cut) is failed and retried.
 
-A crashed child on a live host is handed back at once by its supervisor (dispatch.py). When
-the whole host goes, nobody is left to do that, so the trial's registry row stops beating.
-Every worker runs a ``Reaper`` thread, and `hpsearch reap` runs one pass by hand: a trial
-whose worker's heartbeat is older than the grace period (by the database clock) is marked
-failed and queued again, resuming from the last resumable checkpoint it recorded when the
-retrying host can reach that path (the same instance after a restart, or a shared disk).
-"""
+A crashed child on a live host is handed back by its supervisor (dispatch.py); a vanished host's
+workers just stop beating. Every worker runs a ``Reaper`` thread (`hpsearch reap` one pass by hand)
+that fails and requeues a trial whose heartbeat is past the grace period by the database clock."""
 
 from __future__ import annotations
 
@@ -20,7 +16,7 @@ from dataclasses import dataclass
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import outcome
+from hpsearch.search import outcome, retry
 from hpsearch.search.outcome import Outcome
 from hpsearch.storage import lost, registry, slots
 from hpsearch.storage.errors import StorageError
@@ -55,79 +51,65 @@ def reap(
     stale: bool = True,
     watched_since: float | None = None,
 ) -> list[Reaped]:
-    """One pass: fail and retry every trial whose worker is past the grace period.
-
-    ``orphans`` also looks at trial slots whose worker vanished before the registry knew its
-    trial (a window of milliseconds); that scan reads every slot, so the background reaper
-    leaves it to `hpsearch reap` and to workers that find the budget used up. ``stale=False``
-    skips the heartbeat rows: only a reaper that knows its own connection was healthy for a
-    whole grace period (``Reaper``, or ``reap_by_hand``) should judge those; ``watched_since``
-    is when that began (see ``lost.stale_trials``).
-    """
+    """One pass: fail and retry every trial whose worker is past the grace period. ``orphans``: also the slots
+    whose worker vanished before the registry knew its trial (it reads every slot: not for the background reaper).
+    ``stale=False`` skips heartbeat rows: only a reaper whose connection was healthy for a grace period (since
+    ``watched_since``) may judge those."""
     with _ONE_PASS:
-        return _reap(storage, study_name, max_retries, grace_s, orphans, stale, watched_since)
-
-
-def _reap(
-    storage: Storage,
-    study_name: str,
-    max_retries: int,
-    grace_s: float | None,
-    orphans: bool,
-    stale: bool,
-    watched_since: float | None,
-) -> list[Reaped]:
-    stale_rows = (
-        lost.stale_trials(storage.db, study_name, grace_s=grace_s, watched_since=watched_since) if stale else []
-    )
-    if not stale_rows and not orphans:
-        return []
-    study = optuna.load_study(study_name=study_name, storage=storage.optuna)
-    reaped = []
-    for s in stale_rows:
-        # Of several reapers (every worker runs one), exactly one wins each trial.
-        if lost.release_stale(storage.db, s):
-            why = f"worker {s.worker} on {s.host} has not beaten for {s.heartbeat_age_s:.0f}s"
-            reaped += _retry_stale(storage, study, s, max_retries, why)
-    if not orphans:
+        stale_rows = (
+            lost.stale_trials(storage.db, study_name, grace_s=grace_s, watched_since=watched_since) if stale else []
+        )
+        if not stale_rows and not orphans:
+            return []
+        study = optuna.load_study(study_name=study_name, storage=storage.optuna)
+        reaped = []
+        for s in stale_rows:
+            # Of several reapers (every worker runs one), exactly one wins each trial.
+            if lost.release_stale(storage.db, s):
+                why = f"worker {s.worker} on {s.host} has not beaten for {s.heartbeat_age_s:.0f}s"
+                reaped += _retry_stale(storage, study, s, max_retries, why)
+        if orphans:
+            reaped += _reap_orphans(storage, study, max_retries, grace_s)
         return reaped
-    # By default the slowest worker's own interval, not this process's: a reaper that beats
-    # faster must not judge a slot a worker claimed a moment ago (a window of milliseconds,
-    # so a grace given by hand stands).
-    grace = grace_s if grace_s is not None else registry.MISSED_BEATS * lost.longest_interval(storage.db, study_name)
-    running_trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-    running = {t.number for t in running_trials}
-    for number in _unbound(storage, study_name, running_trials, grace):
+
+
+def _reap_orphans(storage: Storage, study: optuna.Study, max_retries: int, grace_s: float | None) -> list[Reaped]:
+    reaped = []
+    name = study.study_name
+    # By default the slowest worker's own interval, not this process's: a reaper that beats faster must
+    # not judge a slot a worker claimed a moment ago (a window of milliseconds: a grace given by hand stands).
+    grace = grace_s if grace_s is not None else registry.MISSED_BEATS * lost.longest_interval(storage.db, name)
+
+    def fail(number: int, when: str) -> None:
         retried = _fail_for_retry(storage, study, number, max_retries)
         if retried is not None:
-            log.warning("trial %d: its worker vanished as it asked for the trial; failing it for a retry", number)
+            log.warning("trial %d: its worker vanished %s; failing it for a retry", number, when)
             reaped.append(Reaped(number, "unknown", "unknown", grace, retried))
-    for slot, number in slots.orphaned_slots(storage.db, study_name, older_than_s=grace):
-        if number is not None and number not in running:
-            continue  # a finished trial keeps its slot
+
+    running_trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    if running_trials:
+        # Running trials no slot or live registry row names: their worker died between ask() and binding a slot.
+        # Aged by the asking host's clock (Optuna's start time): a grace of minutes dwarfs clock drift.
+        named = slots.bound_trials(storage.db, name) | registry.held_trials(storage.db, name)
+        cutoff = datetime.datetime.now() - datetime.timedelta(seconds=grace)
+        for t in running_trials:
+            if t.number not in named and t.datetime_start is not None and t.datetime_start < cutoff:
+                fail(t.number, "as it asked for the trial")
+    running = {t.number for t in running_trials}
+    for slot, number in slots.orphaned_slots(storage.db, name, older_than_s=grace):
         if number is None:
             log.warning("trial slot %d was claimed by a worker that vanished before its trial began", slot)
-            slots.release_slot(storage.db, study_name, slot=slot)
-            continue
-        retried = _fail_for_retry(storage, study, number, max_retries)
-        if retried is not None:
-            log.warning("trial %d: its worker vanished as the trial began; failing it for a retry", number)
-            reaped.append(Reaped(number, "unknown", "unknown", grace, retried))
+            slots.release_slot(storage.db, name, slot=slot)
+        elif number in running:  # a finished trial keeps its slot
+            fail(number, "as the trial began")
     return reaped
 
 
 def reap_by_hand(
     storage: Storage, study_name: str, *, max_retries: int, grace_s: float | None = None, poll_s: float = 1.0
 ) -> list[Reaped]:
-    """`hpsearch reap`: one pass, with the background ``Reaper``'s guard.
-
-    Right after an outage every heartbeat is old: the workers' beats could not reach the
-    database, and they beat again within an interval of its return. So a worker's silence
-    counts only from when this process saw its own connection answer promptly, and a row that
-    looks stale is watched until it has been silent for its whole grace since then (up to
-    3 of its interval); a beat meanwhile keeps its trial. A slow answer (the storage layer
-    retrying through an outage) starts the watch again.
-    """
+    """`hpsearch reap`: one pass, with the ``Reaper``'s guard: after an outage every heartbeat is old, so silence
+    counts from this process's first prompt answer, and a stale-looking row is watched for its whole grace."""
     reaped = reap_gone_here(storage, study_name, max_retries=max_retries)
     since: float | None = None
     told = False
@@ -153,12 +135,8 @@ def reap_by_hand(
 
 
 def reap_gone_here(storage: Storage, study_name: str, *, max_retries: int) -> list[Reaped]:
-    """Fail and retry the trials of this host's workers whose process is gone, and end their rows.
-
-    A worker starting on a host that an earlier start left without a word (killed with its
-    instance, or stopped while the database was away) resumes that start's trials first, at
-    once, instead of a reaper's grace later (see ``lost.end_gone``).
-    """
+    """Fail and retry the trials of this host's workers whose process is gone, and end their rows: at once,
+    not a reaper's grace later, for an earlier start killed with its instance (see ``lost.end_gone``)."""
     gone = lost.end_gone(storage.db, study_name, host=registry.this_host(), gone=_process_gone)
     if not gone:
         return []
@@ -174,8 +152,8 @@ def _process_gone(pid: int) -> bool:
         os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
         return True
-    except PermissionError:
-        return False  # exists, under another user
+    except PermissionError:  # exists, under another user
+        pass
     return False
 
 
@@ -185,34 +163,12 @@ def _retry_stale(storage: Storage, study: optuna.Study, s: lost.StaleTrial, max_
     return [] if retried is None else [Reaped(s.trial_number, s.worker, s.host, s.heartbeat_age_s, retried)]
 
 
-def _unbound(storage: Storage, study_name: str, running: list[optuna.trial.FrozenTrial], grace: float) -> list[int]:
-    """Running trials that no trial slot and no live registry row name, older than ``grace``.
-
-    A worker that dies between ``ask()`` and binding the trial to its slot (milliseconds)
-    leaves such a trial. Its age is judged by its start time, which the asking host's clock
-    wrote (Optuna's); a grace of minutes dwarfs the drift of synchronised clocks.
-    """
-    if not running:
-        return []
-    named = slots.bound_trials(storage.db, study_name) | registry.held_trials(storage.db, study_name)
-    cutoff = datetime.datetime.now() - datetime.timedelta(seconds=grace)
-    return [
-        t.number
-        for t in running
-        if t.number not in named and t.datetime_start is not None and t.datetime_start < cutoff
-    ]
-
-
 def _fail_for_retry(
     storage: Storage, study: optuna.Study, number: int, max_retries: int, *, device_seconds: float | None = None
 ) -> bool | None:
-    """Hand a running trial back for a retry; None if it is not running (its supervisor already
-    handed it back, or it finished in time: nothing to do).
-
-    A trial may finish while the reaper works on it (its worker was slow, not gone, and told
-    its result between our read and our write): that is no error, and the pass goes on."""
-    study_id = storage.optuna.get_study_id_from_name(study.study_name)
-    trial_id = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, number)
+    """Hand a running trial back for a retry; None if it is not running (handed back already, or finished
+    in time). One that finishes while being reaped (a slow worker, not a gone one) is no error either."""
+    trial_id = retry.trial_id(storage, study.study_name, number)
     try:
         # No folder: the resumable state it recorded may be on another host (take_over checks it).
         return outcome.finish(storage, study, trial_id, Outcome.LOST, max_retries=max_retries, spent=device_seconds)
@@ -222,12 +178,8 @@ def _fail_for_retry(
 
 
 class Reaper:
-    """A worker's background reaper: one pass every third of a heartbeat interval.
-
-    It only reaps once its own connection to the database has been healthy for a whole grace
-    period. After a database outage every worker's heartbeat is old at once; reaping then
-    would fail trials that are training fine and are about to beat again.
-    """
+    """A worker's background reaper: one pass every third of a heartbeat interval, once its own connection
+    has been healthy for a whole grace period (after an outage every heartbeat is old at once)."""
 
     def __init__(self, storage: Storage, study_name: str, *, max_retries: int, interval_s: float) -> None:
         self.storage, self.study_name, self.max_retries = storage, study_name, max_retries

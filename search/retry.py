@@ -1,8 +1,6 @@
-"""Handing a trial back: record why it stopped and queue the same parameters again.
+"""Handing a trial back: record why it stopped and queue the same parameters again, at most ``max_retries`` times.
 
-Called by outcome.py ``finish`` for every ending its table retries (a stop, a crash, a lost host...).
-Retries are explicit and counted: a trial is retried at most ``max_retries`` times.
-"""
+Called by outcome.py ``finish`` for every ending its table retries (a stop, a crash, a lost host...)."""
 
 from __future__ import annotations
 
@@ -30,15 +28,9 @@ def hand_back(
     max_retries: int,
     local: bool = True,
 ) -> bool:
-    """Mark the trial failed and, retries permitting, queue it again; True if queued.
-
-    ``local=False`` when the resumable state may live on another host (the reaper): its path
-    is recorded as it is, and the retrying worker resumes from it if it can reach it and it is
-    the failed trial's own state in its study folder (``take_over`` checks).
-
-    The retry is enqueued before the trial slot is released, so whichever worker claims
-    the slot next pops exactly this retry from Optuna's queue.
-    """
+    """Mark the trial failed and, retries permitting, queue it again (before its slot is released, so the next
+    worker to claim the slot pops exactly this retry); True if queued. ``local=False``: the resumable state may
+    be on another host (the reaper's case), so its path is recorded unchecked, for ``take_over`` to check."""
     frozen = storage.optuna.get_trial(trial_id)
     if frozen.state.is_finished():
         return False
@@ -63,14 +55,8 @@ def hand_back(
         skip_if_exists=False,
     )
     slots.release_slot(storage.db, study.study_name, trial_number=frozen.number)
-    log.warning(
-        "trial %d failed (%s); retry %d/%d queued%s",
-        frozen.number,
-        reason,
-        count + 1,
-        max_retries,
-        f", resuming {resume}" if resume else "",
-    )
+    resuming = f", resuming {resume}" if resume else ""
+    log.warning("trial %d failed (%s); retry %d/%d queued%s", frozen.number, reason, count + 1, max_retries, resuming)
     return True
 
 
@@ -84,12 +70,8 @@ def waiting_retries(study: optuna.Study) -> list[int]:
 
 
 def pop_retry(study: optuna.Study) -> optuna.Trial | None:
-    """Start a waiting retry, never a new trial: what a worker may still run past the deadline.
-
-    ``Study.ask`` would pop the oldest waiting trial, which may be a ``[[search.enqueue]]``
-    configuration that never started, or create a new trial if another worker took the retry.
-    The claim is optuna's own: WAITING to RUNNING, which only one worker wins.
-    """
+    """Start a waiting retry, never a new trial (``Study.ask`` might pop an unstarted ``[[search.enqueue]]`` one,
+    or make one): what a worker may still run past the deadline. Optuna's WAITING to RUNNING claim has one winner."""
     storage = study._storage
     for frozen in storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.WAITING,)):
         if attrs.RETRY_OF not in frozen.user_attrs:
@@ -103,30 +85,16 @@ def pop_retry(study: optuna.Study) -> optuna.Trial | None:
 
 
 def take_over(storage: Storage, study_name: str, trial: optuna.Trial, here: TrialDir) -> Path | None:
-    """Move the failed attempt's best model and resumable state into this retry's folder.
-
-    Moved, not read in place: this attempt then owns them, so the usual clean-up (resume/
-    goes when the trial ends, best/ goes with retention) covers them, and a crash of this
-    attempt before it writes its own state hands back this same state (the supervisor looks
-    in the trial's folder, the reaper at ``resume_checkpoint``, recorded at the trial's start).
-    Returns the state to resume from, or None to train from the start.
-
-    The failed attempt's folder is ``trial-M`` of this host's study folder, M the trial this
-    one retries (a failed one): the recorded ``resume_from`` only says that there is a state to
-    resume, and a path it names anywhere else is refused (see storage/trialdir.py).
-    """
+    """Move the failed attempt's best model and resumable state into this retry's folder (then the usual clean-up
+    covers them, and a crash before this attempt saves its own hands back the same); the state to resume from,
+    or None. The source is ``trial-M`` of this host's study folder, M the retried trial: anything else is refused."""
     source, of = trial.user_attrs.get(attrs.RESUME_FROM), trial.user_attrs.get(attrs.RETRY_OF)
     if not source or not isinstance(of, int) or isinstance(of, bool):
         return None
     old = TrialDir(here.root, of)
     if Path(source).resolve() != old.state.resolve():
-        log.warning(
-            "trial %d: refusing resume_from %s: not the resumable state of trial %d in %s; training from the start",
-            trial.number,
-            source,
-            of,
-            here.root,
-        )
+        msg = "trial %d: refusing resume_from %s: not the resumable state of trial %d in %s; training from the start"
+        log.warning(msg, trial.number, source, of, here.root)
         return None
     if not old.state.is_file() or not old.holds(old.state) or not _failed(storage, study_name, of):
         return None
@@ -134,31 +102,23 @@ def take_over(storage: Storage, study_name: str, trial: optuna.Trial, here: Tria
         return here.state
     # fit() takes the best point from the moved model's own meta (see _restored_best).
     if not here.best.exists() and old.move(BEST, here):
-        _mark_moved(storage, study_name, trial, old.best)
+        # The failed attempt's best_checkpoint must not name the folder its retry took.
+        note = retention.deleted_note(f"taken over by its retry, trial {trial.number}", old.best)
+        retention.mark_deleted(storage.db, trial_id(storage, study_name, of), note)
     if not old.move(RESUME, here):
         return None
-    # fit() loads the state and records resumed_from_step; reading it here too would load
-    # the weights and optimizer moments twice.
+    # fit() loads the state (and records resumed_from_step): reading it here too would load it twice.
     return here.state
+
+
+def trial_id(storage: Storage, study_name: str, number: int) -> int:
+    study_id = storage.optuna.get_study_id_from_name(study_name)
+    return storage.optuna.get_trial_id_from_study_id_trial_number(study_id, number)
 
 
 def _failed(storage: Storage, study_name: str, number: int) -> bool:
     """Whether trial ``number`` is a failed attempt: only those hand their folder to a retry."""
-    study_id = storage.optuna.get_study_id_from_name(study_name)
     try:
-        trial_id = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, number)
+        return storage.optuna.get_trial(trial_id(storage, study_name, number)).state == TrialState.FAIL
     except KeyError:
         return False
-    return storage.optuna.get_trial(trial_id).state == TrialState.FAIL
-
-
-def _mark_moved(storage: Storage, study_name: str, trial: optuna.Trial, was: Path) -> None:
-    """The failed attempt's ``best_checkpoint`` must not name the folder its retry took."""
-    of = trial.user_attrs.get(attrs.RETRY_OF)
-    if not isinstance(of, int):
-        return
-    study_id = storage.optuna.get_study_id_from_name(study_name)
-    failed = storage.optuna.get_trial_id_from_study_id_trial_number(study_id, of)
-    retention.mark_deleted(
-        storage.db, failed, retention.deleted_note(f"taken over by its retry, trial {trial.number}", was)
-    )

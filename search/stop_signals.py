@@ -1,10 +1,7 @@
 """How a worker notices that it must stop: a signal, its supervisor gone, or its storage gone.
 
-A supervisor killed with SIGKILL cannot stop its workers, and a worker whose database stays
-down past every retry cannot record anything. Either way the trial is not the worker's to
-finish: it stops and lets the trial be handed back (by the supervisor, or by a reaper once
-the storage answers again), instead of training on unsupervised or failing the trial.
-"""
+Either way the trial is not the worker's to finish: it stops and lets the trial be handed back (by the
+supervisor, or by a reaper once the storage answers again), instead of training on unsupervised or failing it."""
 
 from __future__ import annotations
 
@@ -25,11 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class StorageLost(Exception):
-    """The storage stayed unreachable past its retries while this worker held a trial.
-
-    Not the trial's fault: the worker exits without telling anything, and the trial is handed
-    back by its supervisor, or reaped once the storage is back and its heartbeat is stale.
-    """
+    """The storage stayed unreachable past its retries while this worker held a trial: not the trial's fault.
+    The worker exits without telling anything; its supervisor hands the trial back, or a reaper once it is back."""
 
     @classmethod
     def during(cls, trial_number: int, exc: BaseException) -> StorageLost:
@@ -47,8 +41,8 @@ def is_storage_failure(exc: BaseException) -> bool:
 
 
 def describe(exc: BaseException) -> str:
-    """One line on a storage failure: the driver's words, not Optuna's wrapper text (which
-    blames "invalid data in the commit" for a server that is simply down)."""
+    """One line on a storage failure: the driver's words, not Optuna's wrapper text (which blames "invalid
+    data in the commit" for a server that is simply down)."""
     from optuna.exceptions import StorageInternalError
 
     shown = exc.__cause__ if isinstance(exc, StorageInternalError) and exc.__cause__ else exc
@@ -57,23 +51,15 @@ def describe(exc: BaseException) -> str:
 
 
 PR_SET_PDEATHSIG = 1
-PARENT_DIED = signal.SIGUSR1
-"""The signal the kernel sends a worker when its supervisor dies (see ``die_with_parent``)."""
+PARENT_DIED = signal.SIGUSR1  # what the kernel sends a worker when its supervisor dies (see die_with_parent)
+# What a supervisor that got SIGTERM passes on to its workers: a graceful stop only. Not SIGTERM: a shutdown
+# (or `kill -TERM -PGID`) signals the whole group, and its own plus the forwarded one would mean "exit now".
 STOP_REQUEST = signal.SIGUSR2
-"""The signal a supervisor that got SIGTERM passes on to its workers: a graceful stop only.
-Not SIGTERM: a shutdown (or ``kill -TERM -PGID``) signals the whole process group, and the
-worker would take its own SIGTERM plus the forwarded one for "second signal: exit now"."""
 
 
 def die_with_parent() -> bool:
-    """Have the kernel signal this worker when its supervisor dies; False if it is gone already.
-
-    A supervisor killed with SIGKILL cannot stop its workers, and an orphan worker would train
-    (or ask a trial) with nobody to hand its trial back if it crashed. With the parent-death
-    signal it takes the graceful SIGTERM path instead: checkpoint, hand the trial back, exit.
-    Not SIGTERM itself: it comes once per supervisor thread, and a second SIGTERM means "exit
-    now". The parent may have died before prctl took effect, so its pid is checked afterwards.
-    """
+    """Have the kernel signal this worker when its supervisor dies (a SIGKILLed one cannot stop it, and an orphan
+    would train with nobody to hand its trial back); False if it is gone already, even before prctl took effect."""
     parent = mp.parent_process()
     if parent is None:
         return True  # not a spawned child (run in-process by a test or a benchmark)
@@ -84,21 +70,17 @@ def die_with_parent() -> bool:
     return os.getppid() == parent.pid
 
 
+# After a stop request, how long storage calls still retry through an outage: a shutting-down instance has
+# seconds, not OUTAGE_RETRY's minutes; the resumable state is on disk, resumed once the database is back.
 STOP_OUTAGE_RETRY_S = 20.0
-"""After a stop request, how long storage calls still retry through an outage. A shutting-down
-instance has seconds, not the minutes OUTAGE_RETRY waits; the resumable state is on disk and
-the trial is reaped and resumed once the database is back."""
 
 
 class StopFlag:
     """First SIGTERM/SIGINT: finish the step, checkpoint, hand the trial back. Second: exit now."""
 
     def __init__(self) -> None:
-        self.requested = False
-        self.signum = 0
-        self.requested_at = 0.0
-        self.signalled = False
-        """A SIGTERM or SIGINT came from outside (not the supervisor's forwarded request)."""
+        self.requested, self.signum, self.requested_at = False, 0, 0.0
+        self.signalled = False  # a SIGTERM or SIGINT came from outside (not the supervisor's forwarded request)
 
     def outage_retry_over(self) -> bool:
         return self.requested and time.monotonic() - self.requested_at > STOP_OUTAGE_RETRY_S
@@ -106,16 +88,9 @@ class StopFlag:
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._handle)
         signal.signal(signal.SIGINT, self._handle)
-        signal.signal(PARENT_DIED, self._parent_died)
-        signal.signal(STOP_REQUEST, self._supervisor_asks)
-
-    def _parent_died(self, _signum: int, _frame: Any) -> None:
-        # A graceful stop, never the second signal's exit: the kernel sends the parent-death
-        # signal once per thread of the dead supervisor (it re-parents to each in turn).
-        self.request(signal.SIGTERM, "the supervisor died")
-
-    def _supervisor_asks(self, _signum: int, _frame: Any) -> None:
-        self.request(signal.SIGTERM, "the supervisor is stopping")
+        # Graceful stops, never the second signal's exit: the parent-death signal comes once per supervisor thread.
+        signal.signal(PARENT_DIED, lambda *_: self.request(signal.SIGTERM, "the supervisor died"))
+        signal.signal(STOP_REQUEST, lambda *_: self.request(signal.SIGTERM, "the supervisor is stopping"))
 
     def _handle(self, signum: int, _frame: Any) -> None:
         if self.signalled:
@@ -133,11 +108,8 @@ class StopFlag:
 
 
 def open_retrying(url: str, policy: RetryPolicy, stop: StopFlag) -> Storage | None:
-    """The storage, waited for as every later call waits for it; None if a stop came first.
-
-    The supervisor checked the URL a moment ago, so a refused connection here is an outage,
-    not a typo: failing at once would count as a crash, and three of them give the device up.
-    """
+    """The storage, waited for as every later call waits for it; None if a stop came first. The URL was checked
+    a moment ago: a refused connection is an outage, and failing would count as a crash (3 give the device up)."""
     delays = policy.delays()
     while True:
         try:

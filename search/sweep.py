@@ -1,18 +1,8 @@
-"""Sweeping this host's trial folders of what no trial will read again.
+"""Sweeping this host's trial folders, at worker start and after every trial, of what no trial will read again.
 
-Retention (storage/checkpoints.py) keeps the top k best checkpoints of complete trials; a
-trial that ends cleanly deletes its own resumable state. What killed or reaped attempts leave
-behind is swept here, at worker start and after every trial:
-
-* temp folders of a checkpoint write cut short (``.best.tmp-*``, ``.resume.old-*``);
-* the resumable state of finished trials (a reaped worker may write one after it was reaped);
-* a failed attempt's best model and resumable state once nothing will take them over: its
-  retry either starts over (``resume_from`` empty) or has finished, so it moved them into its
-  own folder when it began (retry.py ``take_over``), or it is out of retries.
-
-A running trial's folder is never touched, nor that of a failed attempt whose retry is still
-waiting to resume from it or has just started to (it moves the folder's contents first).
-"""
+What killed or reaped attempts leave behind: temp folders of a checkpoint write cut short, finished trials'
+resumable state, and a failed attempt's best/ and resume/ once no retry will take them over (retry.py
+``take_over``). A running trial's folder is never touched, nor one its retry may still resume from."""
 
 from __future__ import annotations
 

@@ -38,8 +38,7 @@ class AttrReporter:
 class NullReporter(AttrReporter):
     """Runs a fine-tune outside any search: records values and attributes as a trial would, never prunes."""
 
-    immediate = True
-    """Called directly, not through a report queue: its calls never wait (see StateSavingReporter)."""
+    immediate = True  # called directly, not through a report queue: its calls never wait (see StateSavingReporter)
 
     def __init__(self) -> None:
         self.values: dict[int, float] = {}

@@ -1,11 +1,9 @@
-"""A worker process: ask -> train -> tell on one device until the study's budget is used.
-
-Runs in a spawned child (see dispatch.py). It loads the tokenizer, the data and the
-pre-trained weights once and keeps them for every trial it runs.
-"""
+"""A worker process (a spawned child, see dispatch.py): ask -> train -> tell on one device until the budget
+is used, with the tokenizer, data and pre-trained weights loaded once for every trial it runs."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import time
@@ -36,18 +34,13 @@ log = logging.getLogger(__name__)
 class WorkerArgs:
     study: str
     storage_url: str
-    device: str
-    """"cpu" or "cuda" (the parent narrows CUDA_VISIBLE_DEVICES to this worker's GPU)."""
-    name: str
-    """Unique worker name: host/device/pid-ish, recorded on every trial it runs."""
+    device: str  # "cpu" or "cuda" (the parent narrows CUDA_VISIBLE_DEVICES to this worker's GPU)
+    name: str  # unique: host/device/pid-ish, recorded on every trial it runs
     output_dir: str
     threads: int | None = None
     log_level: int = logging.INFO
-    device_label: str = ""
-    """The device as the registry shows it ("cuda:1", "cpu:0", "cuda:0+1"); defaults to ``device``."""
-    peer_devices: tuple[str, ...] = ()
-    """The other devices of this worker's group (train.devices_per_trial > 1), one peer rank each,
-    as ``Device.child_ids`` names them."""
+    device_label: str = ""  # as the registry shows it ("cuda:1", "cpu:0", "cuda:0+1"); defaults to device
+    peer_devices: tuple[str, ...] = ()  # the group's other devices, one peer rank each (Device.child_ids)
 
 
 def main(args: WorkerArgs, conn: Connection | None = None) -> None:
@@ -68,8 +61,7 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         torch.backends.cudnn.allow_tf32 = True
     from hpsearch.trainer.distributed import World
 
-    # A device group's peer ranks start first and join this rank's process group; they stay
-    # for every trial of this worker (see ranks.py).
+    # A device group's peer ranks start first and join this rank's process group, for every trial (ranks.py).
     peers = None
     if args.peer_devices:
         peers = ranks.Peers(args.device, args.peer_devices, args.name, args.output_dir, args.threads)
@@ -80,11 +72,10 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     except stop_signals.StorageLost as exc:
         _exit(ExitCode.STORAGE_LOST, f"{exc}; exiting", peers)
     if storage is None:
-        _exit(128 + stop.signum, "stopped before the storage answered", peers)
+        _exit(ExitCode.signalled(stop.signum), "stopped before the storage answered", peers)
     try:
         # Registered (and heartbeating) from the start, so status shows a worker still loading.
-        device = args.device_label or args.device
-        with registry.Registration(storage.db, args.study, args.name, device) as reg:
+        with registry.Registration(storage.db, args.study, args.name, args.device_label or args.device) as reg:
             worker = Worker(args, storage, stop, conn, registration=reg, world=world, peers=peers)
             # Every worker also reaps trials of workers that vanished (see reap.py).
             with Reaper(storage, args.study, max_retries=worker.spec.search.max_retries, interval_s=reg.interval_s):
@@ -94,21 +85,16 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     except Exception as exc:
         if not isinstance(exc, stop_signals.StorageLost) and not stop_signals.is_storage_failure(exc):
             raise
-        # Also a storage call outside a trial (reading the spec while loading) that ran out
-        # of retries after a stop: one line, not a traceback.
-        _exit(
-            ExitCode.STORAGE_LOST,
-            f"{stop_signals.describe(exc)}; exiting (a held trial is retried once the storage is back)",
-            peers,
-        )
+        # Also a storage call outside a trial (reading the spec) out of retries after a stop: one line, no traceback.
+        why = f"{stop_signals.describe(exc)}; exiting (a held trial is retried once the storage is back)"
+        _exit(ExitCode.STORAGE_LOST, why, peers)
     finally:
         storage.close()
     if peers:
         peers.close()
         world.close()
     if stop.requested:
-        # Tell the supervisor we were stopped (its trial is already handed back), so it
-        # restarts us unless it is stopping too.
+        # Tell the supervisor we were stopped (our trial is handed back already): it restarts us unless stopping too.
         raise SystemExit(ExitCode.signalled(stop.signum))
 
 
@@ -130,6 +116,7 @@ class Worker:
         world: Any = None,
         peers: ranks.Peers | None = None,
     ) -> None:
+        from hpsearch.trainer.adapters import quantization_config
         from hpsearch.trainer.distributed import World
         from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 
@@ -139,44 +126,30 @@ class Worker:
         self.peers = peers
         self.spec: StudySpec = resolved(studies.stored_spec(storage, args.study), Path(args.output_dir))
         place = args.name.rsplit("/", 1)[0]  # host/device, without the pid
-        n_existing = len(
-            storage.optuna.get_all_trials(storage.optuna.get_study_id_from_name(args.study), deepcopy=False)
-        )
-        seed = studies.worker_seed(self.spec, place, n_existing)
-        self.study = optuna.load_study(
-            study_name=args.study,
-            storage=storage.optuna,
-            sampler=studies.make_sampler(self.spec, seed),
-            pruner=studies.make_pruner(self.spec),
-        )
+        study_id = storage.optuna.get_study_id_from_name(args.study)
+        seed = studies.worker_seed(self.spec, place, len(storage.optuna.get_all_trials(study_id, deepcopy=False)))
+        sampler, pruner = studies.make_sampler(self.spec, seed), studies.make_pruner(self.spec)
+        self.study = optuna.load_study(study_name=args.study, storage=storage.optuna, sampler=sampler, pruner=pruner)
         self.device = torch_device(args.device)
         self.tokenizer = load_tokenizer(self.spec.model.name)
-        from hpsearch.trainer.adapters import quantization_config
-
         # One base per worker; with [adapter], every trial's adapter goes onto that same one.
         self.models = PretrainedCache(quantization_config(self.spec.model))
         self.root = Path(args.output_dir) / args.study
-        self._data: Any = None
 
+    @functools.cached_property
     def data(self) -> Any:
         from hpsearch.trainer.dataset import prepare
 
-        if self._data is None:
-            # One cache folder for every study under this output folder: same files, same
-            # tokenizer and max_length are tokenised once per host, whatever the study.
-            cache = Path(self.args.output_dir) / "token-cache"
-            model = self.spec.model
-            self._data = prepare(self.spec.data, self.tokenizer, model.max_length, cache, task=model.task)
-        return self._data
+        # One token cache for every study under this output folder: the same inputs are tokenised once per host.
+        cache, model = Path(self.args.output_dir) / "token-cache", self.spec.model
+        return prepare(self.spec.data, self.tokenizer, model.max_length, cache, task=model.task)
 
     def run(self) -> None:
         finished = 0
-        # A trial left RUNNING by a worker that died before the registry knew it has no
-        # heartbeat to go stale: it would hold its slot (and, counted as running, use up
-        # gpu_hours) for ever. Failed and retried here, before the budget is judged.
+        # A trial left RUNNING by a worker that died before the registry knew it has no heartbeat to go stale: it
+        # would hold its slot (and use up gpu_hours) for ever. Failed and retried here, before the budget is judged.
         reap.reap(self.storage, self.args.study, max_retries=self.spec.search.max_retries, orphans=True, stale=False)
-        # Trials that an earlier start on this host left running (killed with its instance, or
-        # stopped while the database was away) are retried now, before a new one is asked for.
+        # Trials an earlier start on this host left running (killed, or stopped during an outage) are retried first.
         reap.reap_gone_here(self.storage, self.args.study, max_retries=self.spec.search.max_retries)
         self._tidy(retain=True)  # checkpoints may have fallen out of the top k while this host was away
         while not self.stop():
@@ -204,16 +177,14 @@ class Worker:
             try:
                 self.run_trial(trial)
             except (ranks.GroupRestart, stop_signals.StorageLost):
-                # GroupRestart: the failure is recorded; the device group's ranks must start
-                # afresh. StorageLost: nothing can be recorded; the worker exits.
+                # GroupRestart (recorded; the ranks restart) and StorageLost (nothing can be recorded) end the worker.
                 raise
             except Exception as exc:
                 if stop_signals.is_storage_failure(exc):
                     raise stop_signals.StorageLost.during(trial.number, exc) from exc
-                if not self._finished_elsewhere(trial):
+                if not self.storage.optuna.get_trial(trial._trial_id).state.is_finished():
                     raise
-                # Our heartbeat went stale (a long network cut) and a reaper failed the trial
-                # and queued a retry; the retry owns it now, so this attempt's result is dropped.
+                # Reaped meanwhile (see end_attempt).
                 log.warning("trial %d was reaped while it ran here; dropping this attempt", trial.number)
             if self.registration:
                 # A trial cut short by a stop request is handed back, not finished here.
@@ -224,35 +195,25 @@ class Worker:
 
     def _begin(self, trial: optuna.Trial, slot: int) -> None:
         """Bind the trial to its slot and to this worker's registry row, then tell the supervisor.
-
-        Until the registry row names the trial, nothing would ever notice this worker dying
-        with it (no heartbeat covers it): a failure in between hands the trial back here.
-        """
+        Until the row names the trial, no heartbeat covers it: a failure in between hands it back here."""
         try:
             slots.bind_slot(self.storage.db, self.args.study, slot, trial.number)
             if self.registration:
                 self.registration.trial_started(trial.number)
         except BaseException:
             log.error("trial %d could not be registered; handing it back", trial.number)
-            self._hand_back_unstarted(trial)
+            try:
+                self.end_attempt(trial, Outcome.NOT_STARTED)
+            except StorageError as err:
+                # Left RUNNING: the next worker to start finds it orphaned, fails and retries it (reap.py).
+                log.warning("could not hand trial %d back: %s", trial.number, err)
             raise
         self._notify("trial", trial._trial_id, trial.number)
 
-    def _hand_back_unstarted(self, trial: optuna.Trial) -> None:
-        try:
-            self.end_attempt(trial, Outcome.NOT_STARTED)
-        except StorageError as err:
-            # Left RUNNING: the next worker to start finds it orphaned, fails and retries it (reap.py).
-            log.warning("could not hand trial %d back: %s", trial.number, err)
-
     def _wait_for_missing_workers(self) -> bool:
-        """True (after a pause, if needed) when the used-up budget may still free a slot here.
-
-        A trial whose worker missed heartbeats may come back for a retry, and this worker
-        should be there to run it rather than leave the study a trial short. A worker that
-        vanished before the registry knew its trial leaves no stale row, only a slot: that
-        one is freed (or its trial retried) at once.
-        """
+        """True (after a pause, if needed) when the used-up budget may still free a slot here: a trial whose
+        worker missed heartbeats may come back for a retry, and this worker should be there to run it. A slot
+        whose worker vanished before the registry knew its trial is freed (or its trial retried) at once."""
         study, retries = self.args.study, self.spec.search.max_retries
         # Stale heartbeat rows are left to the Reaper thread, which knows our connection was healthy.
         reap.reap(self.storage, study, max_retries=retries, orphans=True, stale=False)
@@ -261,19 +222,13 @@ class Worker:
         waiting = lost.stale_trials(self.storage.db, study, missed_beats=1.5)
         if not waiting:
             return False
-        log.info(
-            "waiting for trial(s) %s: their workers missed heartbeats (reaped after %d missed beats)",
-            ", ".join(str(w.trial_number) for w in waiting),
-            registry.MISSED_BEATS,
-        )
+        msg = "waiting for trial(s) %s: their workers missed heartbeats (reaped after %d missed beats)"
+        log.info(msg, ", ".join(str(w.trial_number) for w in waiting), registry.MISSED_BEATS)
         interval = self.registration.interval_s if self.registration else registry.heartbeat_interval()
         deadline = time.monotonic() + interval
         while time.monotonic() < deadline and not self.stop():
             time.sleep(0.2)
         return True
-
-    def _finished_elsewhere(self, trial: optuna.Trial) -> bool:
-        return self.storage.optuna.get_trial(trial._trial_id).state.is_finished()
 
     def run_trial(self, trial: optuna.Trial) -> None:
         attempt.run(self, trial)
@@ -283,14 +238,12 @@ class Worker:
         retries = self.spec.search.max_retries
         done = outcome.finish(self.storage, self.study, trial._trial_id, ended, max_retries=retries, **how)
         if done is None:
-            # Our heartbeat went stale (a long network cut) and a reaper failed the trial and
-            # queued a retry; the retry owns it now, so this attempt's result is dropped.
+            # Our heartbeat went stale (a long network cut): a reaper failed the trial, and its retry owns it now.
             log.warning("trial %d was reaped while it ran here; dropping this attempt", trial.number)
         return done
 
     def _tidy(self, *, retain: bool = False) -> None:
-        """Delete what no trial needs from this host's folders (see sweep.py), and, with
-        ``retain``, the checkpoints that fell out of the top k (maybe while this host was away)."""
+        """Sweep this host's folders (sweep.py) and, with ``retain``, delete checkpoints that left the top k."""
         try:
             if retain:
                 self.retain()
@@ -305,8 +258,7 @@ class Worker:
         candidates = [
             retention.candidate(t._trial_id, t.number, float(t.value), self.root, t.user_attrs)
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            # Deleted ones stay in the ranking (their path no longer exists): a trial deleted for
-            # the disk cap keeps its place, so a worse one is not kept instead.
+            # Deleted ones keep their place in the ranking, so a worse one is not kept instead of one deleted for disk.
             if t.value is not None and t.user_attrs.get(attr)
         ]
         retention.retain(
