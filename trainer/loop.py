@@ -127,7 +127,7 @@ def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResu
     if metrics is None:
         return TrainResult(status="failed", fail_reason="oom")
     loop.curves.validation(state.step, metrics)
-    point = Point(metrics.objective(run.metric), metrics.loss, state.step)
+    point = Point(metrics.values()[run.metric], metrics.loss, state.step)
     shown = " ".join(f"val_{k} {v:.4f}" for k, v in metrics.values().items())
     log.info("step %d/%d train_loss %.4f %s", state.step, loop.total_steps, train_loss, shown)
     if point.beats(state.best, run.metric):
