@@ -1,7 +1,5 @@
 """One fine-tune: the training loop, in the spirit of nanoGPT's train.py and litgpt's fit().
-
-When a run ends early is the search's business: the reporter says whether to prune (search/early_stop.py).
-"""
+When a run ends early is the search's business: the reporter says whether to prune (search/early_stop.py)."""
 
 from __future__ import annotations
 
@@ -83,12 +81,10 @@ class Loop:
 def fit(run: Run, reporter: Reporter) -> TrainResult:
     started = run.started if run.started is not None else time.monotonic()
     loop, state = _setup(run, reporter)
-    first_step: float | None = None
+    # How long the trial took to get going (model copy, optimizer, data, resume); None without a step to take.
+    first_step = time.monotonic() - started if state.step < loop.total_steps else None
     result: TrainResult | None = None
     while result is None and state.step < loop.total_steps:
-        if first_step is None:
-            # How long the trial took to get going (model copy, optimizer, data, resume).
-            first_step = time.monotonic() - started
         loop.speed.resume()
         loss = train_step(
             loop.model, run.model, loop.parts, loop.batches, state.step, loop.precision, run.device, loop.speed

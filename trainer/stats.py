@@ -53,10 +53,7 @@ def peak_tflops(device_name: str) -> float | None:
     override = os.environ.get(PEAK_ENV)
     if override:
         return float(override)
-    for fragment, tflops in PEAK_BF16_TFLOPS:
-        if fragment.lower() in device_name.lower():
-            return tflops
-    return None
+    return next((tflops for fragment, tflops in PEAK_BF16_TFLOPS if fragment.lower() in device_name.lower()), None)
 
 
 def mfu(flops_per_token: float, tokens: int, seconds: float, peak: float) -> float:
@@ -69,13 +66,9 @@ class Throughput:
     ``mfu`` (see docs/speed.md): padding counts as waste, not work."""
 
     def __init__(self, device: torch.device, flops_per_token: float = 0.0) -> None:
-        self.device = device
-        self.flops_per_token = flops_per_token
-        self.examples = 0
-        self.tokens = 0
-        self.padded = 0
-        self.seconds = 0.0
-        self._t0 = 0.0
+        self.device, self.flops_per_token = device, flops_per_token
+        self.examples = self.tokens = self.padded = 0
+        self.seconds = self._t0 = 0.0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 

@@ -54,9 +54,8 @@ class Batches:
         return self._batches[group * self.per_step : (group + 1) * self.per_step]
 
     def halve(self) -> None:
-        """Same effective batch in smaller pieces: the largest divisor of the micro-batch up to half
-        of it, so the batch stays a whole number of micro-batches; cutting each drawn micro-batch
-        into equal pieces keeps this epoch's data order and its step boundaries."""
+        """Same effective batch in smaller pieces (the largest divisor up to half): each drawn micro-batch
+        is cut in equal pieces, which keeps this epoch's data order and its step boundaries."""
         self.micro = max(d for d in range(1, self.micro // 2 + 1) if self.micro % d == 0)
         self._batches = [b[i : i + self.micro] for b in self._batches for i in range(0, len(b), self.micro)]
 
@@ -72,11 +71,9 @@ def train_step(
     speed: Throughput,
 ) -> torch.Tensor | None:
     """Forward, backward and the optimizer step of ``step``; its loss on the device (summed over
-    targets, normalised by the step's), or None when even micro-batch 1 runs out of memory.
-
-    Out of memory, the step is redone from its first micro-batch with the micro-batch halved and
-    the accumulation doubled (not on several ranks: one cannot re-plan while the others wait in
-    an all-reduce)."""
+    targets, normalised by the step's), or None when even micro-batch 1 runs out of memory. Out of
+    memory, the step is redone with the micro-batch halved (not on several ranks: one cannot re-plan
+    while the others wait in an all-reduce; see docs/failures.md, "CUDA out of memory")."""
     world, data, optimizer = batches.world, batches.data, parts.optimizer
     while True:
         group = batches.of_step(step)
@@ -150,21 +147,17 @@ def validate(
 
 
 def compile_model(model: torch.nn.Module) -> torch.nn.Module:
-    """torch.compile with dynamic shapes: dynamic padding changes the sequence length every batch,
-    and a static graph would be recompiled for each. ``HPSEARCH_COMPILE_BACKEND`` picks another
-    backend ("aot_eager" tells a compiler bug from a model bug, "eager" tests the wiring without a C++ build)."""
+    """torch.compile with dynamic shapes, since every batch has its own width (docs/speed.md).
+    ``HPSEARCH_COMPILE_BACKEND`` picks another backend ("eager" tests the wiring without a C++ build)."""
     backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
     return torch.compile(model, dynamic=True, backend=backend)  # type: ignore[return-value]
 
 
 def flops_per_token(model: torch.nn.Module) -> float:
-    """Training FLOPs per real token, 6 x parameters (forward 2, backward 4; Kaplan et al.).
-
-    A frozen parameter (an adapter's base) costs 4: forward 2, backward 2 for its input's gradient (none for its own).
-    Embedding tables are left out (a lookup multiplies nothing; counting them would inflate the
-    figure by ~28% for BERT-base), and so are attention's own matmuls. A 4-bit (QLoRA) weight
-    counts as the matrix it stands for: bitsandbytes packs two a byte and keeps the shape in its quant_state.
-    """
+    """Training FLOPs per real token, 6 x parameters (forward 2, backward 4; Kaplan et al.). A frozen parameter
+    (an adapter's base) costs 4: forward 2, backward 2 for its input's gradient (none for its own). Embedding
+    tables are left out (a lookup multiplies nothing: counting them inflates BERT-base's figure ~28%), and so are
+    attention's own matmuls. A 4-bit (QLoRA) weight counts as its matrix: bitsandbytes packs two a byte."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     counted = [p for p in model.parameters() if id(p) not in embeddings]
     trained = sum(_weights(p) for p in counted if p.requires_grad)
