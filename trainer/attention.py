@@ -7,18 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import Tensor
 
 NAME = "hpsearch_sdpa"  # the attention implementation's registered name (transformers' AttentionInterface)
 
 
 def sdpa_fp32_on_cpu(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, Any]:
+    module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, **kwargs: Any
+) -> tuple[Tensor, Any]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if query.device.type != "cpu" or query.dtype == torch.float32:

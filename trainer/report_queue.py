@@ -21,7 +21,6 @@ class Parcel:
         self.fn, self.args = fn, args
         self.sent = time.monotonic()
         self.result: Any = None
-        self.error: BaseException | None = None
         self.done = threading.Event()
 
 
@@ -83,9 +82,8 @@ class ReportQueue:
 
     def _make(self, parcel: Parcel) -> None:
         if self.error is not None:
-            parcel.error = self.error
             return
         try:
             parcel.result = parcel.fn(*parcel.args)
         except BaseException as exc:
-            parcel.error = self.error = exc
+            self.error = exc
