@@ -23,6 +23,9 @@ class Metrics:
     f1: float | None = None
     perplexity: float | None = None  # causal LM: exp(loss)
 
+    def objective(self, metric: str) -> float:
+        return self.values()[metric]
+
     def values(self) -> dict[str, float]:
         """The metrics this task has, by name: loss, accuracy, f1 or loss, perplexity."""
         named = {"loss": self.loss, "accuracy": self.accuracy, "f1": self.f1, "perplexity": self.perplexity}

@@ -62,8 +62,7 @@ class Loop:
     batches: Batches
     speed: Throughput = field(init=False)
     curves: Curves = field(init=False)
-    # The train loss summed on the device since the last validation point: read with .item() only
-    # there, since .item() forces a host-device sync that would stall the GPU's queue.
+    # The train loss summed on the device since the last validation point, read there only: .item() is a host sync.
     running_loss: torch.Tensor = field(init=False)
     reporter: StateSavingReporter = field(init=False)
     # The step and path of the resumable state last written: a stop and a failing call at one step need one copy.
@@ -86,9 +85,7 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
     result: TrainResult | None = None
     while result is None and state.step < loop.total_steps:
         loop.speed.resume()
-        loss = train_step(
-            loop.model, run.model, loop.parts, loop.batches, state.step, loop.precision, run.device, loop.speed
-        )
+        loss = train_step(loop.model, loop.parts, loop.batches, state.step, loop.precision, run.device, loop.speed)
         state.micro = loop.batches.micro
         if loss is None:
             result = TrainResult(status="failed", fail_reason="oom")
@@ -123,7 +120,7 @@ def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResu
     if metrics is None:
         return TrainResult(status="failed", fail_reason="oom")
     loop.curves.validation(state.step, metrics)
-    point = Point(metrics.values()[run.metric], metrics.loss, state.step)
+    point = Point(metrics.objective(run.metric), metrics.loss, state.step)
     shown = " ".join(f"val_{k} {v:.4f}" for k, v in metrics.values().items())
     log.info("step %d/%d train_loss %.4f %s", state.step, loop.total_steps, train_loss, shown)
     if point.beats(state.best, run.metric):
@@ -132,8 +129,8 @@ def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResu
             path = ckpt.save_best(run.model, run.tokenizer, run.files.best, _meta(run, metrics, state.step))
             loop.reporter.best_saved(path.resolve(), state.step, metrics.values())
     if world.is_main:
-        # The resumable state (weights + optimizer moments, ~3x the model) is costly to write,
-        # so it is refreshed at most every resume_every_minutes.
+        # The resumable state (weights and optimizer moments, ~3x the model) is costly to write: it is
+        # refreshed at most every resume_every_minutes.
         due = time.monotonic() - loop.last_resume >= run.cfg.resume_every_minutes * 60
         if state.step < loop.total_steps and due:
             # Recorded so that a retry on another worker can find it (see search/reap.py).

@@ -55,8 +55,8 @@ class StateSavingReporter:
     """
 
     POLL_S = 0.2
-    # How long a pruning question is waited for, and how far behind the search may fall before the
-    # run stops asking it: far above a healthy storage's milliseconds.
+    # How long a pruning question is waited for, and how far behind the search may fall before the run stops
+    # asking: far above a healthy storage's milliseconds.
     ANSWER_S = 10.0
 
     def __init__(

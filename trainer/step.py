@@ -43,12 +43,9 @@ class Batches:
         """The micro-batches of optimizer step ``step``, over every rank."""
         epoch, group = divmod(step, self.steps_per_epoch)
         if epoch != self._epoch:  # the epoch's order is drawn once, not every step
+            cfg = self.cfg
             drawn = micro_batches(
-                self.data.train.lengths,
-                self.micro,
-                seed=self.cfg.seed,
-                epoch=epoch,
-                group_by_length=self.cfg.group_by_length,
+                self.data.train.lengths, self.micro, seed=cfg.seed, epoch=epoch, group_by_length=cfg.group_by_length
             )
             self._batches, self._epoch = even_shards(drawn, self.world.size), epoch
         return self._batches[group * self.per_step : (group + 1) * self.per_step]
@@ -62,7 +59,6 @@ class Batches:
 
 def train_step(
     model: torch.nn.Module,
-    plain: torch.nn.Module,
     parts: Trainable,
     batches: Batches,
     step: int,
@@ -106,14 +102,12 @@ def train_step(
             log.warning(
                 "out of memory at step %d: micro-batch %d, accumulation %d", step, batches.micro, batches.per_step
             )
-    for indices in mine:
-        speed.add(
-            examples=len(indices), tokens=data.train.real_tokens(indices), padded=data.train.padded_tokens(indices)
-        )
+    for ids in mine:
+        speed.add(examples=len(ids), tokens=data.train.real_tokens(ids), padded=data.train.padded_tokens(ids))
     if batches.cfg.max_grad_norm > 0:
         parts.scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
         # Returns the norm as a device tensor: no host sync.
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), batches.cfg.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(parts.model.parameters(), batches.cfg.max_grad_norm)
     prec.optimizer_step(optimizer, parts.scheduler, parts.scaler)
     optimizer.zero_grad(set_to_none=True)
     return loss
