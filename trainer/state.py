@@ -86,10 +86,9 @@ def restored_best(best: Path, metric: str, saved_step: int | None) -> tuple[Poin
     """The best point a resumed run starts from, and its metrics, from the meta of the model in the run's
     folder, not from the resumable state: that may be older than the last best model, and a best point
     whose model is gone would leave the trial a value no checkpoint has (then the best starts over)."""
-    meta = ckpt.best_meta(best)
-    value = meta.get(f"val_{metric}") if meta else None
-    step = meta.get("step") if meta else None
-    if meta is None or not isinstance(value, int | float) or not isinstance(step, int):
+    meta = ckpt.best_meta(best) or {}
+    value, step = meta.get(f"val_{metric}"), meta.get("step")
+    if not isinstance(value, int | float) or not isinstance(step, int):
         if saved_step is not None:
             log.warning("the best model of step %d is not in %s: the best point starts over", saved_step, best)
         return None, None
