@@ -1,30 +1,20 @@
-"""Attention kernels: SDPA, with the CPU's bf16 weak spot worked around.
-
-Under bf16 autocast on CPU, PyTorch runs scaled_dot_product_attention in bf16, and its CPU
-kernels are slow there: on this project's test machine (AMD EPYC, AVX512-BF16) a BERT-sized
-attention took 5x longer in bf16 than in fp32, while bf16 matmuls ran 2x faster. So on CPU
-the linear layers keep bf16 and only attention is computed in fp32 (a few percent of the
-model's FLOPs at fine-tuning lengths). GPUs keep bf16 attention: there it is the fast path.
-"""
+"""Attention kernels: SDPA, in fp32 on a CPU under bf16 autocast, where PyTorch's bf16 attention
+kernel is 5x slower than fp32 (see docs/decisions.md, "Attention in fp32 on a CPU under bf16
+autocast"). GPUs keep bf16 attention: there it is the fast path."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch import Tensor
 
-NAME = "hpsearch_sdpa"
-"""The attention implementation's registered name (transformers' AttentionInterface)."""
+NAME = "hpsearch_sdpa"  # the attention implementation's registered name (transformers' AttentionInterface)
 
 
 def sdpa_fp32_on_cpu(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, Any]:
+    module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, **kwargs: Any
+) -> tuple[Tensor, Any]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if query.device.type != "cpu" or query.dtype == torch.float32:

@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,7 @@ import torch
 
 from hpsearch.trainer.model import unwrap
 
-META = "hpsearch.json"
-"""Beside the best model: the study, trial, step, validation metrics and training config."""
+META = "hpsearch.json"  # beside the best model: the study, trial, step, validation metrics and training config
 
 
 @dataclass(frozen=True)
@@ -25,12 +25,9 @@ class RunFiles:
     """Where one run writes. The owner of the run's folder hands them over (for a trial,
     storage/trialdir.py's ``TrialDir``), so the trainer names no file or folder of its own."""
 
-    best: Path
-    """The best model's folder, replaced whole at each new best point."""
-    state: Path
-    """The resumable state's file; its folder is replaced whole at each save."""
-    curves: Path
-    """The folder of the TensorBoard event files."""
+    best: Path  # the best model's folder, replaced whole at each new best point
+    state: Path  # the resumable state's file; its folder is replaced whole at each save
+    curves: Path  # the folder of the TensorBoard event files
 
 
 class CheckpointError(OSError):
@@ -63,16 +60,14 @@ def best_meta(best: Path) -> dict[str, Any] | None:
 
 
 def save_resume(path: Path, state: dict[str, Any]) -> Path:
-    """Everything needed to continue exactly: weights, optimizer, scheduler, scaler, RNG, position."""
     state = {**state, "rng": rng_state()}
     _atomic_dir(path.parent, lambda tmp: torch.save(state, tmp / path.name))
     return path
 
 
 def load_resume(path: Path) -> dict[str, Any]:
-    """The state :func:`save_resume` wrote. ``weights_only``: tensors, numbers, strings and
-    containers only, never an arbitrary object, since a shared runs folder or a path another
-    machine recorded may hold a file that someone else wrote (a pickle can run any code)."""
+    """The state :func:`save_resume` wrote: ``weights_only``, never a pickle (a shared runs folder may hold a
+    file someone else wrote; see docs/decisions.md, "No pickle from disk")."""
     state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
     return state
 
@@ -91,7 +86,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _atomic_dir(target: Path, write: Any) -> None:
+def _atomic_dir(target: Path, write: Callable[[Path], object]) -> None:
     """Write into a sibling temp folder, then swap it in: a crash never leaves half a checkpoint."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -103,13 +98,11 @@ def _atomic_dir(target: Path, write: Any) -> None:
             os.replace(target, old)
         os.replace(tmp, target)
         shutil.rmtree(old, ignore_errors=True)
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise CheckpointError(f"disk full while saving {target}: {exc}", "disk_full") from exc
-        raise CheckpointError(f"cannot save checkpoint {target}: {exc}", "checkpoint_error") from exc
-    except RuntimeError as exc:
         # torch.save reports a full disk as a RuntimeError from its zip writer.
-        shutil.rmtree(tmp, ignore_errors=True)
-        reason = "disk_full" if "No space left" in str(exc) or "file write failed" in str(exc) else "checkpoint_error"
+        full = isinstance(exc, RuntimeError) and ("No space left" in str(exc) or "file write failed" in str(exc))
+        reason = "disk_full" if full else "checkpoint_error"
         raise CheckpointError(f"cannot save checkpoint {target}: {exc}", reason) from exc

@@ -1,9 +1,6 @@
-"""Per-trial training curves as TensorBoard event files (``tensorboard --logdir <output-dir>/<study>``).
+"""Per-trial training curves as TensorBoard event files, written with tensorboardX (docs/watching.md).
 
-Written with tensorboardX, which needs neither TensorBoard nor TensorFlow to write them.
-Points are written at the loop's log points only (where the loss is read from the device
-anyway), and flushed at once, so a crashed trial keeps its curve. A curve must never stop a
-fine-tune: the first I/O error disables the writer with a warning.
+A curve must never stop a fine-tune: the first I/O error disables the writer with a warning.
 """
 
 from __future__ import annotations
@@ -25,26 +22,24 @@ class Curves:
 
     def __init__(self, folder: Path, device: torch.device, *, enabled: bool = True) -> None:
         self.device = device
-        self.path: Path | None = folder
-        """The event files' folder; None once disabled (or on data-parallel ranks other than 0)."""
+        # The event files' folder; None once disabled, and on data-parallel ranks other than 0 (one curve per trial).
+        self.path: Path | None = folder if enabled else None
         self._writer: Any = None
-        self._last_examples = 0
-        self._last_seconds = 0.0
-        if not enabled:  # data-parallel ranks other than 0: one curve per trial
-            self.path = None
+        self._last_examples, self._last_seconds = 0, 0.0
+        if not enabled:
             return
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(parents=True, exist_ok=True)
             from tensorboardX import SummaryWriter
 
             # One file per attempt (the suffix tells two attempts of one second apart): a resumed
             # trial continues the same curve in a second file, which TensorBoard merges by step.
-            self._writer = SummaryWriter(str(self.path), filename_suffix=f".{os.getpid()}.{id(self)}")
+            self._writer = SummaryWriter(str(folder), filename_suffix=f".{os.getpid()}.{id(self)}")
         except OSError as exc:
             self._disable(exc)
 
     def train(self, step: int, *, loss: float, lr: float, speed: Throughput) -> None:
-        """A log point: mean train loss since the last one, learning rate, throughput, memory."""
+        """A validation point: mean train loss since the last one, learning rate, throughput, memory."""
         examples, seconds = speed.examples - self._last_examples, speed.seconds - self._last_seconds
         self._last_examples, self._last_seconds = speed.examples, speed.seconds
         scalars = {"train/loss": loss, "train/learning_rate": lr}
@@ -62,7 +57,7 @@ class Curves:
         try:
             for tag, value in scalars.items():
                 self._writer.add_scalar(tag, float(value), step)
-            # A few points a minute: flushed each time, so a trial that dies keeps its curve.
+            # At validation points only (a few a minute): flushed each time, so a trial that dies keeps its curve.
             self._writer.flush()
         except OSError as exc:
             self._disable(exc)
@@ -88,7 +83,7 @@ class Curves:
 
 
 def _rss_mb() -> float:
-    """Current resident memory (not the peak) of this process, from /proc where it exists."""
+    """Current resident memory (not the peak), from /proc where it exists."""
     try:
         pages = int(Path("/proc/self/statm").read_text().split()[1])
     except (OSError, ValueError, IndexError):

@@ -1,12 +1,7 @@
-"""Data parallelism over the devices of one host, with torch.distributed.
+"""Data parallelism over the devices of one host, with torch.distributed (see docs/multi-gpu.md).
 
-A trial that spans N devices (``train.devices_per_trial``) runs in N processes, its ranks.
-Every rank holds the same model wrapped in DDP and trains on its own share of each optimizer
-step's micro-batches; DDP averages the gradients, so the parameters stay identical. Rank 0
-alone talks to the search, and decides when the loop ends (stop request, pruning): its
-decision is broadcast, so every rank leaves the loop at the same step.
-
-With one device, ``World()`` is a single rank and every method here is a no-op.
+Rank 0 alone talks to the search; its decisions are broadcast, so every rank leaves the loop at
+the same step. With one device, ``World()`` is a single rank and every method here is a no-op.
 """
 
 from __future__ import annotations
@@ -31,15 +26,13 @@ LOOPBACK_IFNAME = "lo"
 class World:
     rank: int = 0
     size: int = 1
-    control: Any = None
-    """A gloo group for decisions: a broadcast of a CPU flag there never waits for the GPU."""
+    control: Any = None  # a gloo group for decisions: a broadcast of a CPU flag there never waits for the GPU
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-        """The model as this rank trains it: DDP-wrapped when there are several ranks."""
         if self.size == 1:
             return model
         from torch.nn.parallel import DistributedDataParallel
@@ -48,15 +41,13 @@ class World:
         return DistributedDataParallel(model, device_ids=ids)
 
     def no_sync(self, model: torch.nn.Module, is_accumulating: bool) -> contextlib.AbstractContextManager[Any]:
-        """DDP all-reduces the gradients in every backward pass; while a step is still
-        accumulating micro-batches that would be wasted traffic, so only its last one syncs."""
+        """DDP all-reduces the gradients in every backward pass: while a step accumulates, only its last one syncs."""
         if self.size == 1 or not is_accumulating:
             return contextlib.nullcontext()
         sync: contextlib.AbstractContextManager[Any] = model.no_sync()  # type: ignore[operator]
         return sync
 
-    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over the ranks, in place."""
+    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:  # in place
         if self.size > 1:
             dist.all_reduce(tensor)
         return tensor
@@ -83,19 +74,15 @@ class World:
 
 
 def main_store(size: int) -> dist.TCPStore:
-    """Rank 0's rendezvous store on a free loopback port (``store.port``), created before the
-    others start.
-
-    The socket is bound here and handed over: given only a host name, TCPStore's server listens
-    on every interface, and anyone who reaches the port could join or stall the trial's group.
-    """
+    """Rank 0's rendezvous store on a free loopback port (``store.port``), created before the others start.
+    The socket is bound here and handed over: given only a host name, TCPStore's server listens on
+    every interface, and anyone who reaches the port could join or stall the trial's group."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((HOST, 0))
     listener.listen(128)
     port = listener.getsockname()[1]
-    # detach(): the store owns the descriptor from now on (a garbage-collected socket object
-    # would close it under the store).
+    # detach(): the store owns the descriptor now (a garbage-collected socket would close it under the store).
     return dist.TCPStore(HOST, port, size, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach())
 
 

@@ -16,14 +16,12 @@ from hpsearch.trainer.distributed import World
 
 @dataclass(frozen=True)
 class Metrics:
-    loss: float
-    """Mean cross-entropy per example (classification) or per predicted token (causal LM)."""
+    loss: float  # mean cross-entropy per example (classification) or per predicted token (causal LM)
     accuracy: float | None = None
+    # Macro F1: the mean of per-label F1, so a rare label counts as much as a frequent one
+    # (accuracy rewards always predicting the majority label).
     f1: float | None = None
-    """Macro F1: the mean over labels of per-label F1, so a rare label counts as much as a
-    frequent one (accuracy rewards always predicting the majority label)."""
-    perplexity: float | None = None
-    """Causal LM: exp(loss)."""
+    perplexity: float | None = None  # causal LM: exp(loss)
 
     def objective(self, metric: str) -> float:
         return self.values()[metric]
@@ -42,12 +40,8 @@ class Point(NamedTuple):
     step: int
 
     def beats(self, other: Point | None, metric: str) -> bool:
-        """Whether this point ranks above ``other``: a better objective or, at an equal one, a lower loss.
-
-        Accuracy and F1 count right answers on a few hundred examples, so two points (or two
-        trials) often tie, while the loss still says how sure the right answers were; at ties
-        the lower-loss model scored higher on held-out data more often than not (benchmarks/README.md,
-        "ties"). storage/checkpoints.py ranks finished trials the same way."""
+        """Whether this point ranks above ``other``: a better objective or, at an equal one, a lower loss
+        (see docs/decisions.md, "A tie goes to the lower validation loss"; storage/checkpoints.py ranks alike)."""
         if other is None:
             return True
         if self.value != other.value:

@@ -1,10 +1,5 @@
 """One fine-tune: the training loop, in the spirit of nanoGPT's train.py and litgpt's fit().
-
-``fit`` reads top to bottom: set up, restore, then one optimizer step after another
-(``train_step``, trainer/step.py), with a validation point every ``eval_every`` steps
-(``validation_point``) that may end the run. When a run ends early is the search's business:
-the reporter says whether to prune (see search/early_stop.py); the trainer knows no study.
-"""
+When a run ends early is the search's business: the reporter says whether to prune (search/early_stop.py)."""
 
 from __future__ import annotations
 
@@ -48,13 +43,10 @@ class Run:
     files: ckpt.RunFiles
     resume_from: Path | None = None
     should_stop: Callable[[], bool] = lambda: False
-    stop_waiting: Callable[[], bool] = lambda: False
-    """After a stop, when a reporter call still on its way is given up (see StateSavingReporter)."""
+    stop_waiting: Callable[[], bool] = lambda: False  # after a stop: when a hanging reporter call is given up
     meta: dict[str, Any] = field(default_factory=dict)
-    started: float | None = None
-    """time.monotonic() when the trial began (before the model copy); default: fit's entry."""
-    world: World = field(default_factory=World)
-    """The trial's data-parallel ranks (one by default); only rank 0 reports and saves."""
+    started: float | None = None  # time.monotonic() at the trial's start (before the model copy); default: fit's entry
+    world: World = field(default_factory=World)  # the data-parallel ranks; only rank 0 reports and saves
 
 
 @dataclass
@@ -62,66 +54,49 @@ class Loop:
     """What ``fit`` set up for the run: its parts, the trainable objects, and the loop's bookkeeping."""
 
     run: Run
-    model: torch.nn.Module
-    """What trains: DDP-wrapped on several ranks, compiled with train.compile."""
-    compiled: torch.nn.Module
-    """What validates (not DDP-wrapped: each rank scores its own share)."""
+    model: torch.nn.Module  # what trains: DDP-wrapped on several ranks, compiled with train.compile
+    compiled: torch.nn.Module  # what validates (not DDP-wrapped: each rank scores its own share)
     parts: Trainable
     precision: str
     total_steps: int
     batches: Batches
-    speed: Throughput
-    curves: Curves
-    running_loss: torch.Tensor
-    """The train loss summed on the device since the last validation point: read with .item()
-    only there, since .item() forces a host-device sync that would stall the GPU's queue."""
+    speed: Throughput = field(init=False)
+    curves: Curves = field(init=False)
+    # The train loss summed on the device since the last validation point, read there only: .item() is a host sync.
+    running_loss: torch.Tensor = field(init=False)
     reporter: StateSavingReporter = field(init=False)
-    """Set once the loop exists: it saves the loop's resumable state when the search is away."""
+    # The step and path of the resumable state last written: a stop and a failing call at one step need one copy.
     saved: tuple[int, Path] | None = None
-    """The step of the resumable state last written, and where: a stop and a failing call at
-    the same step need one copy."""
     last_resume: float = field(default_factory=time.monotonic)
     running_steps: int = 0
+
+    def __post_init__(self) -> None:
+        run = self.run
+        self.speed = Throughput(run.device, flops_per_token=flops_per_token(run.model))
+        self.curves = Curves(run.files.curves, run.device, enabled=run.world.is_main)
+        self.running_loss = torch.zeros((), device=run.device)
 
 
 def fit(run: Run, reporter: Reporter) -> TrainResult:
     started = run.started if run.started is not None else time.monotonic()
     loop, state = _setup(run, reporter)
-    first_step: float | None = None
+    # How long the trial took to get going (model copy, optimizer, data, resume); None without a step to take.
+    first_step = time.monotonic() - started if state.step < loop.total_steps else None
     result: TrainResult | None = None
     while result is None and state.step < loop.total_steps:
-        if first_step is None:
-            # How long the trial took to get going (model copy, optimizer, data, resume).
-            first_step = time.monotonic() - started
         loop.speed.resume()
-        parts = loop.parts
-        loss = train_step(
-            loop.model,
-            run.model,
-            parts.optimizer,
-            parts.scheduler,
-            parts.scaler,
-            loop.batches,
-            state.step,
-            loop.precision,
-            run.device,
-            loop.speed,
-        )
+        loss = train_step(loop.model, loop.parts, loop.batches, state.step, loop.precision, run.device, loop.speed)
         state.micro = loop.batches.micro
-        result = TrainResult(status="failed", fail_reason="oom") if loss is None else _stepped(loop, state, loss)
+        if loss is None:
+            result = TrainResult(status="failed", fail_reason="oom")
+            break
+        loop.running_loss += loss
+        loop.running_steps += 1
+        state.step += 1
+        stopping = run.world.from_main(run.should_stop())  # rank 0's stop request ends every rank here
+        if state.step % run.cfg.eval_every == 0 or state.step == loop.total_steps or stopping:
+            result = validation_point(loop, state, stopping)
     return _finish(loop, state, result or TrainResult(status="complete"), first_step)
-
-
-def _stepped(loop: Loop, state: TrainState, loss: torch.Tensor) -> TrainResult | None:
-    """Count the step taken; at a validation point (or a stop), how the run ends if it does."""
-    loop.running_loss += loss
-    loop.running_steps += 1
-    state.step += 1
-    run = loop.run
-    stopping = run.world.from_main(run.should_stop())  # rank 0's stop request ends every rank here
-    if state.step % run.cfg.eval_every == 0 or state.step == loop.total_steps or stopping:
-        return validation_point(loop, state, stopping)
-    return None
 
 
 def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResult | None:
@@ -154,8 +129,8 @@ def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResu
             path = ckpt.save_best(run.model, run.tokenizer, run.files.best, _meta(run, metrics, state.step))
             loop.reporter.best_saved(path.resolve(), state.step, metrics.values())
     if world.is_main:
-        # The resumable state (weights + optimizer moments, ~3x the model) is costly to write,
-        # so it is refreshed at most every resume_every_minutes.
+        # The resumable state (weights and optimizer moments, ~3x the model) is costly to write: it is
+        # refreshed at most every resume_every_minutes.
         due = time.monotonic() - loop.last_resume >= run.cfg.resume_every_minutes * 60
         if state.step < loop.total_steps and due:
             # Recorded so that a retry on another worker can find it (see search/reap.py).
@@ -188,31 +163,15 @@ def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
     micro = cfg.batch_size // world.size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
     total_steps, steps_per_epoch = plan_steps(len(run.data.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
     optimizer = build_optimizer(run.model, cfg, device)
-    parts = Trainable(
-        run.model,
-        optimizer,
-        build_scheduler(optimizer, cfg, total_steps),
-        prec.grad_scaler(precision, device),
-        run.files,
-        vars(cfg),
-    )
+    scheduler, scaler = build_scheduler(optimizer, cfg, total_steps), prec.grad_scaler(precision, device)
+    parts = Trainable(run.model, optimizer, scheduler, scaler, run.files, vars(cfg))
     state = parts.restore(run.resume_from, run.metric, micro)
     if state.resumed_from is not None and world.is_main:
         reporter.resumed(state.resumed_from)
         if state.best is not None and state.best_values is not None:
             reporter.best_saved(run.files.best.resolve(), state.best.step, state.best_values)
-    loop = Loop(
-        run,
-        world.wrap(compiled, device),
-        compiled,
-        parts,
-        precision,
-        total_steps,
-        Batches(run.data, cfg, state.micro, world, steps_per_epoch),
-        Throughput(device, flops_per_token=flops_per_token(run.model)),
-        Curves(run.files.curves, device, enabled=world.is_main),
-        torch.zeros((), device=device),
-    )
+    batches = Batches(run.data, cfg, state.micro, world, steps_per_epoch)
+    loop = Loop(run, world.wrap(compiled, device), compiled, parts, precision, total_steps, batches)
     loop.reporter = StateSavingReporter(reporter, lambda: _save_state(loop, state), run.should_stop, run.stop_waiting)
     return loop, state
 
@@ -246,15 +205,15 @@ def _finish(loop: Loop, state: TrainState, result: TrainResult, first_step: floa
     )
     if world.is_main:
         loop.reporter.measured(result.figures)
-        # Reports went out in the background (see report_queue.py); the search must have them all
+        # Reports went out in the background (report_queue.py): the search must have them all
         # before the worker tells it how the run ended.
         loop.reporter.flush()
     return result
 
 
 def _rank_digests(world: World, speed: Throughput, model: torch.nn.Module) -> list[str] | None:
-    """With several ranks, each rank's parameter digest (equal digests are the evidence that data
-    parallelism kept the ranks' parameters identical), and ``speed`` summed over every rank."""
+    """With several ranks, each rank's parameter digest (equal: data parallelism kept the ranks'
+    parameters identical), and ``speed`` summed over every rank."""
     if world.size == 1:
         return None
     digest = parameter_digest(model)

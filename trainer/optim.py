@@ -24,12 +24,8 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
             continue
         # Weight decay on biases and norm scales only shrinks them toward zero for no benefit.
         (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    # The fused kernel (CUDA, and CPU since torch 2.4) updates all parameters in one pass
-    # instead of a chain of per-tensor ops; elsewhere fall back to the multi-tensor version.
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # The fused kernel (CUDA, and CPU since torch 2.4) updates all parameters in one pass; else multi-tensor.
     fused = device.type == "cuda" or (device.type == "cpu" and _torch_at_least(2, 4))
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=fused)
 

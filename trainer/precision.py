@@ -49,12 +49,11 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scheduler: Any, scaler: torch.amp.GradScaler) -> bool:
-    """One update and one step of the learning-rate schedule; False when fp16's loss scaler
-    skipped the update (inf/NaN gradients: its scale was too high, as in the first steps of most
-    fp16 runs). The schedule then waits too, as accelerate's does, so that warm-up counts real
-    updates (and torch does not warn of a scheduler stepped before its optimizer)."""
-    # get_scale() reads the scale from the GPU, one sync per step, only under fp16; a disabled
-    # scaler (bf16, fp32) answers 1.0 without a sync, steps the optimizer and never backs off.
+    """One update and one step of the learning-rate schedule; False when fp16's loss scaler skipped
+    the update (inf/NaN gradients, as in most fp16 runs' first steps). The schedule then waits too, as
+    accelerate's does, so warm-up counts real updates (and torch does not warn of a scheduler stepped first)."""
+    # get_scale() syncs with the GPU once per step, only under fp16; a disabled scaler (bf16, fp32)
+    # answers 1.0 without a sync and never backs off.
     before = scaler.get_scale()
     scaler.step(optimizer)
     scaler.update()

@@ -26,12 +26,11 @@ class Reporter(Protocol):
         """Record the objective at optimizer step ``step``, with every metric of that point."""
 
     def should_prune(self) -> bool:
-        """Whether the search wants this run stopped after the last report (its pruner, or its
-        own early-stopping rules: see search/early_stop.py)."""
+        """Whether the search (its pruner, or search/early_stop.py) wants the run stopped after the last report."""
 
     def best_saved(self, path: Path, step: int, values: dict[str, float]) -> None:
-        """A new best model is at ``path`` (absolute): that of step ``step``, with these
-        validation metrics by name (``Metrics.values()``); also said on resume, of the one kept."""
+        """A new best model (of step ``step``, with ``Metrics.values()``) is at ``path`` (absolute); also
+        said on resume, of the one kept."""
 
     def state_saved(self, path: Path) -> None:
         """The resumable state is at ``path`` (absolute), for whoever retries the run."""
@@ -44,31 +43,21 @@ class Reporter(Protocol):
 
 
 class StateSavingReporter:
-    """The reporter a run talks to: training does not wait for the search, and the run's
-    resumable state is saved when the search cannot be reached.
+    """The reporter a run talks to: training does not wait for the search (calls go through a
+    ``ReportQueue``, or straight to a reporter whose ``immediate`` is true), and the run's resumable
+    state is saved when the search cannot be reached. See docs/failures.md, "PostgreSQL restarted".
 
-    Reports and attributes go through a ``ReportQueue``, so a database that restarts or a network
-    path that goes silent holds up the search's record, not the GPU. ``should_prune`` waits for
-    its answer only while the search keeps up (``ANSWER_S``); a run the search cannot judge
-    trains on and is asked again at its next validation point, when what it missed has arrived.
-    ``flush`` waits until every call has arrived: the run's end must be on record before its
-    trial is told. A reporter whose ``immediate`` attribute is true is called directly instead
-    (search/trial_attrs.py ``NullReporter``: nothing to wait for, and a subclass may look at the
-    model as it is).
-
-    A call fails when the storage stayed away longer than its retries (or a shutdown cut them
-    short): the run's next call saves the state and raises the error. The run ends there and
-    its retry resumes from the state saved here, not from the last periodic one, up to
-    ``resume_every_minutes`` of training earlier. A call can also hang: on a silent network
-    path until the connection is declared dead, on a frozen server for ever (its kernel still
-    acknowledges). A stop that comes while ``flush`` waits saves the state at once, and the
-    call is waited for until ``stop_waiting`` says so, then abandoned (``CallAbandoned``).
+    ``should_prune`` waits only while the search keeps up (``ANSWER_S``); else the run trains on and
+    is asked at its next point. A call that failed (storage away past its retries) makes the next
+    call save the state and raise, so the retry resumes from here, not from the last periodic state.
+    A call can also hang (silent network path, frozen server): a stop while ``flush`` waits saves the
+    state at once, and the call is abandoned (``CallAbandoned``) when ``stop_waiting`` says so.
     """
 
     POLL_S = 0.2
+    # How long a pruning question is waited for, and how far behind the search may fall before the run stops
+    # asking: far above a healthy storage's milliseconds.
     ANSWER_S = 10.0
-    """How long a pruning question is waited for, and how far behind the search may fall
-    before the run stops asking it: far above a healthy storage's milliseconds."""
 
     def __init__(
         self,
@@ -160,7 +149,6 @@ class TrainResult:
 
     @property
     def attrs(self) -> dict[str, Any]:
-        """The figures by name, as a trial stores them."""
         return measured(self.figures) if self.figures else {}
 
 

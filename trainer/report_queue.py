@@ -1,10 +1,7 @@
 """Delivers a run's reporter calls on a background thread, in order, so training need not wait.
 
-A report reaches the search's storage in milliseconds, but when the database restarts or the
-network path goes silent the call retries for minutes, and a GPU that waits for it trains
-nothing. The trainer puts its calls on a report queue instead and goes on; the queue's thread
-makes them one at a time, in the order given, and stops at the first that fails: later reports
-would otherwise reach the search out of step with the run that is retried after the failure.
+A report takes milliseconds, but minutes of retries while the database restarts, and a waiting GPU
+trains nothing. Delivery stops at the first failed call: later reports would be out of step with the retried run.
 """
 
 from __future__ import annotations
@@ -24,27 +21,25 @@ class Parcel:
         self.fn, self.args = fn, args
         self.sent = time.monotonic()
         self.result: Any = None
-        self.error: BaseException | None = None
         self.done = threading.Event()
 
 
 class ReportQueue:
     """A run's reporter calls, made in order on a background thread (or at once, ``inline``)."""
 
+    # The thread ends after this long idle (the next call starts another): a run that ends on an
+    # exception leaves no thread behind for long.
     IDLE_S = 5.0
-    """The thread ends after this long with nothing to send, and the next call starts another:
-    a run that ends on an exception leaves no thread behind for long."""
 
     def __init__(self, *, inline: bool = False) -> None:
+        # inline: each call at once, on the caller's thread: for a reporter that never waits (in
+        # memory) or that must see the model as it is at the call (a benchmark scoring it).
         self.inline = inline
-        """Make each call at once, on the caller's thread: for a reporter that never waits (in
-        memory) or that must see the model as it is at the call (a benchmark scoring it)."""
         self._queue: queue.SimpleQueue[Parcel] = queue.SimpleQueue()
         self._pending: deque[Parcel] = deque()  # sent, not yet done: oldest first
         self._lock = threading.Lock()  # over _pending and _thread
         self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-        """The first call that failed; nothing is sent after it."""
+        self.error: BaseException | None = None  # the first call that failed; nothing is sent after it
 
     def send(self, fn: Callable[..., Any], *args: Any) -> Parcel:
         parcel = Parcel(fn, args)
@@ -87,9 +82,8 @@ class ReportQueue:
 
     def _make(self, parcel: Parcel) -> None:
         if self.error is not None:
-            parcel.error = self.error
             return
         try:
             parcel.result = parcel.fn(*parcel.args)
         except BaseException as exc:
-            parcel.error = self.error = exc
+            self.error = exc

@@ -20,15 +20,11 @@ log = logging.getLogger(__name__)
 class TrainState:
     """Everything of a run that changes as it trains, but the weights and optimizer moments."""
 
-    step: int = 0
-    """Optimizer steps taken: the step reported to the search, never a micro-batch index."""
+    step: int = 0  # optimizer steps taken: the step reported to the search, never a micro-batch index
     best: Point | None = None
-    micro: int = 1
-    """The micro-batch size: halved when a step runs out of memory, and kept so on resume."""
-    resumed_from: int | None = None
-    """The step of the resumable state the run continues from; None for a fresh run."""
-    best_values: dict[str, float] | None = None
-    """The validation metrics of ``best`` by name, when it was restored from the best model's meta."""
+    micro: int = 1  # the micro-batch size: halved when a step runs out of memory, and kept so on resume
+    resumed_from: int | None = None  # the step of the resumable state continued from; None for a fresh run
+    best_values: dict[str, float] | None = None  # ``best``'s metrics by name, when restored from the best model's meta
 
 
 @dataclass
@@ -43,7 +39,6 @@ class Trainable:
     config: dict[str, Any]
 
     def save(self, state: TrainState) -> Path:
-        """Everything needed to continue exactly: weights, optimizer, scheduler, scaler, RNG, position."""
         # The plain module: no DDP / compile prefixes. Of an adapter, only what it trains.
         model = adapters.trainable_state(self.model) if adapters.is_adapter(self.model) else self.model.state_dict()
         return ckpt.save_resume(
@@ -67,9 +62,7 @@ class Trainable:
             return TrainState(micro=micro)
         try:
             saved = ckpt.load_resume(path)
-        except Exception as exc:  # torch.load's errors: truncated zip, refused types, missing file
-            # A checkpoint cut short (a full disk, a copy interrupted) must not cost the trial:
-            # it trains again from the start.
+        except Exception as exc:  # truncated zip, refused types, missing file: must not cost the trial
             log.warning("cannot read the resumable state %s (%s); training from the start", path, exc)
             return TrainState(micro=micro)
         if adapters.is_adapter(self.model):
@@ -90,15 +83,12 @@ class Trainable:
 
 
 def restored_best(best: Path, metric: str, saved_step: int | None) -> tuple[Point | None, dict[str, float] | None]:
-    """The best point a resumed run starts from, and its validation metrics: the one whose model
-    is in the run's folder (moved there from the interrupted attempt's), read from the model's
-    own meta, not from the resumable state. The state may be older than the last best model
-    (it is written at most every resume_every_minutes), and a best point whose model is gone
-    would leave the trial with a value no checkpoint has: then the best starts over."""
-    meta = ckpt.best_meta(best)
-    value = meta.get(f"val_{metric}") if meta else None
-    step = meta.get("step") if meta else None
-    if meta is None or not isinstance(value, int | float) or not isinstance(step, int):
+    """The best point a resumed run starts from, and its metrics, from the meta of the model in the run's
+    folder, not from the resumable state: that may be older than the last best model, and a best point
+    whose model is gone would leave the trial a value no checkpoint has (then the best starts over)."""
+    meta = ckpt.best_meta(best) or {}
+    value, step = meta.get(f"val_{metric}"), meta.get("step")
+    if not isinstance(value, int | float) or not isinstance(step, int):
         if saved_step is not None:
             log.warning("the best model of step %d is not in %s: the best point starts over", saved_step, best)
         return None, None

@@ -53,10 +53,7 @@ def peak_tflops(device_name: str) -> float | None:
     override = os.environ.get(PEAK_ENV)
     if override:
         return float(override)
-    for fragment, tflops in PEAK_BF16_TFLOPS:
-        if fragment.lower() in device_name.lower():
-            return tflops
-    return None
+    return next((tflops for fragment, tflops in PEAK_BF16_TFLOPS if fragment.lower() in device_name.lower()), None)
 
 
 def mfu(flops_per_token: float, tokens: int, seconds: float, peak: float) -> float:
@@ -65,25 +62,17 @@ def mfu(flops_per_token: float, tokens: int, seconds: float, peak: float) -> flo
 
 
 class Throughput:
-    """Counts training examples and real (unpadded) tokens against training time only.
-
-    On CUDA it also reports ``mfu``: 6 x parameters x real tokens per second over the GPU's
-    peak bf16/fp16 rate; padding counts as waste, not work.
-    """
+    """Counts training examples and real (unpadded) tokens against training time only; on CUDA also
+    ``mfu`` (see docs/speed.md): padding counts as waste, not work."""
 
     def __init__(self, device: torch.device, flops_per_token: float = 0.0) -> None:
-        self.device = device
-        self.flops_per_token = flops_per_token
-        self.examples = 0
-        self.tokens = 0
-        self.padded = 0
-        self.seconds = 0.0
-        self._t0 = 0.0
+        self.device, self.flops_per_token = device, flops_per_token
+        self.examples = self.tokens = self.padded = 0
+        self.seconds = self._t0 = 0.0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
-    def resume(self) -> None:
-        """Start (or keep) the training clock; idempotent."""
+    def resume(self) -> None:  # start (or keep) the training clock
         if self._t0 == 0.0:
             self._t0 = time.perf_counter()
 
@@ -94,7 +83,6 @@ class Throughput:
             self._t0 = 0.0
 
     def add(self, *, examples: int, tokens: int, padded: int | None = None) -> None:
-        """Count a micro-batch: its examples, real tokens and tokens once padded."""
         self.examples += examples
         self.tokens += tokens
         self.padded += tokens if padded is None else padded

@@ -6,7 +6,6 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -16,6 +15,7 @@ from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.dataset import Prepared
 from hpsearch.trainer.distributed import World
 from hpsearch.trainer.evaluate import Metrics, evaluate
+from hpsearch.trainer.state import Trainable
 from hpsearch.trainer.stats import Throughput
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ COMPILE_BACKEND_ENV = "HPSEARCH_COMPILE_BACKEND"
 @dataclass
 class Batches:
     """Which examples each optimizer step trains on: an epoch's micro-batches, drawn once per
-    epoch, ``per_step`` of them a step, shared out evenly over the ranks."""
+    epoch, ``per_step`` of them a step (over every rank), shared out evenly over the ranks."""
 
     data: Prepared
     cfg: TrainConfig
@@ -37,36 +37,29 @@ class Batches:
 
     @property
     def per_step(self) -> int:
-        """Micro-batches of one optimizer step, over every rank."""
         return self.cfg.batch_size // self.micro
 
     def of_step(self, step: int) -> list[list[int]]:
         """The micro-batches of optimizer step ``step``, over every rank."""
         epoch, group = divmod(step, self.steps_per_epoch)
         if epoch != self._epoch:  # the epoch's order is drawn once, not every step
+            cfg = self.cfg
             drawn = micro_batches(
-                self.data.train.lengths,
-                self.micro,
-                seed=self.cfg.seed,
-                epoch=epoch,
-                group_by_length=self.cfg.group_by_length,
+                self.data.train.lengths, self.micro, seed=cfg.seed, epoch=epoch, group_by_length=cfg.group_by_length
             )
             self._batches, self._epoch = even_shards(drawn, self.world.size), epoch
         return self._batches[group * self.per_step : (group + 1) * self.per_step]
 
     def halve(self) -> None:
-        """Same effective batch in smaller pieces: each drawn micro-batch is cut, which keeps
-        this epoch's data order and its step boundaries."""
-        self.micro = halved(self.micro)
+        """Same effective batch in smaller pieces (the largest divisor up to half): each drawn micro-batch
+        is cut in equal pieces, which keeps this epoch's data order and its step boundaries."""
+        self.micro = max(d for d in range(1, self.micro // 2 + 1) if self.micro % d == 0)
         self._batches = [b[i : i + self.micro] for b in self._batches for i in range(0, len(b), self.micro)]
 
 
 def train_step(
     model: torch.nn.Module,
-    plain: torch.nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    scaler: Any,
+    parts: Trainable,
     batches: Batches,
     step: int,
     precision: str,
@@ -74,12 +67,10 @@ def train_step(
     speed: Throughput,
 ) -> torch.Tensor | None:
     """Forward, backward and the optimizer step of ``step``; its loss on the device (summed over
-    targets, normalised by the step's), or None when even micro-batch 1 runs out of memory.
-
-    Out of memory, the step is redone from its first micro-batch with the micro-batch halved and
-    the accumulation doubled (not on several ranks: one cannot re-plan while the others wait in
-    an all-reduce)."""
-    world, data = batches.world, batches.data
+    targets, normalised by the step's), or None when even micro-batch 1 runs out of memory. Out of
+    memory, the step is redone with the micro-batch halved (not on several ranks: one cannot re-plan
+    while the others wait in an all-reduce; see docs/failures.md, "CUDA out of memory")."""
+    world, data, optimizer = batches.world, batches.data, parts.optimizer
     while True:
         group = batches.of_step(step)
         # Normalise by the targets (examples, or predicted tokens) of the whole optimizer step
@@ -88,7 +79,16 @@ def train_step(
         scale = world.size / data.train.targets([i for b in group for i in b])
         mine = group[world.rank :: world.size]
         try:
-            loss = _accumulate(model, data, mine, scale, device, precision, scaler, world)
+            loss = torch.zeros((), device=device)
+            for i, indices in enumerate(mine):
+                batch = _to_device(collate(data.train, indices, data.pad_id), device)
+                # While a step still accumulates, DDP's all-reduce of every backward would be wasted.
+                with world.no_sync(model, is_accumulating=i < len(mine) - 1):
+                    with prec.autocast(precision, device):
+                        logits = tasks.logits(model, batch, data.task)
+                    micro_loss = tasks.loss_sum(logits, batch["labels"], data.task) * scale
+                    parts.scaler.scale(micro_loss).backward()
+                loss += micro_loss.detach()
             break
         except torch.OutOfMemoryError:
             if world.size > 1:
@@ -102,47 +102,15 @@ def train_step(
             log.warning(
                 "out of memory at step %d: micro-batch %d, accumulation %d", step, batches.micro, batches.per_step
             )
-    for indices in mine:
-        speed.add(
-            examples=len(indices), tokens=data.train.real_tokens(indices), padded=data.train.padded_tokens(indices)
-        )
+    for ids in mine:
+        speed.add(examples=len(ids), tokens=data.train.real_tokens(ids), padded=data.train.padded_tokens(ids))
     if batches.cfg.max_grad_norm > 0:
-        scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+        parts.scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
         # Returns the norm as a device tensor: no host sync.
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), batches.cfg.max_grad_norm)
-    prec.optimizer_step(optimizer, scheduler, scaler)
+        torch.nn.utils.clip_grad_norm_(parts.model.parameters(), batches.cfg.max_grad_norm)
+    prec.optimizer_step(optimizer, parts.scheduler, parts.scaler)
     optimizer.zero_grad(set_to_none=True)
     return loss
-
-
-def _accumulate(
-    model: torch.nn.Module,
-    data: Prepared,
-    mine: list[list[int]],
-    scale: float,
-    device: torch.device,
-    precision: str,
-    scaler: Any,
-    world: World,
-) -> torch.Tensor:
-    """Forward and backward over this rank's micro-batches of one optimizer step."""
-    step_loss = torch.zeros((), device=device)
-    for i, indices in enumerate(mine):
-        batch = _to_device(collate(data.train, indices, data.pad_id), device)
-        # While a step still accumulates, DDP's all-reduce of every backward would be wasted.
-        with world.no_sync(model, is_accumulating=i < len(mine) - 1):
-            with prec.autocast(precision, device):
-                logits = tasks.logits(model, batch, data.task)
-            loss = tasks.loss_sum(logits, batch["labels"], data.task) * scale
-            scaler.scale(loss).backward()
-        step_loss += loss.detach()
-    return step_loss
-
-
-def halved(micro: int) -> int:
-    """The largest divisor of ``micro`` up to half of it: the effective batch stays a whole
-    number of micro-batches, and each drawn micro-batch splits into equal pieces."""
-    return max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
 
 
 def validate(
@@ -173,25 +141,17 @@ def validate(
 
 
 def compile_model(model: torch.nn.Module) -> torch.nn.Module:
-    """torch.compile with shapes marked dynamic up front: dynamic padding changes the sequence
-    length every batch, and a static graph would be recompiled for each new width.
-
-    ``HPSEARCH_COMPILE_BACKEND`` picks another backend than inductor ("aot_eager" to tell a
-    compiler bug from a model bug, "eager" to test the wiring without a C++ build).
-    """
+    """torch.compile with dynamic shapes, since every batch has its own width (docs/speed.md).
+    ``HPSEARCH_COMPILE_BACKEND`` picks another backend ("eager" tests the wiring without a C++ build)."""
     backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
     return torch.compile(model, dynamic=True, backend=backend)  # type: ignore[return-value]
 
 
 def flops_per_token(model: torch.nn.Module) -> float:
-    """Training FLOPs per real token, 6 x parameters (forward 2, backward 4; Kaplan et al.).
-
-    A frozen parameter (an adapter's base) costs 4: forward 2, and 2 in the backward pass for
-    the gradient of its input, which the layers below need; it has no weight gradient.
-    Embedding tables are left out: a lookup multiplies nothing, and counting its rows would
-    inflate the figure (by ~28% for BERT-base). Attention's own matmuls are left out too.
-    A 4-bit (QLoRA) weight counts as the matrix it stands for, not its packed bytes.
-    """
+    """Training FLOPs per real token, 6 x parameters (forward 2, backward 4; Kaplan et al.). A frozen parameter
+    (an adapter's base) costs 4: forward 2, backward 2 for its input's gradient (none for its own). Embedding
+    tables are left out (a lookup multiplies nothing: counting them inflates BERT-base's figure ~28%), and so are
+    attention's own matmuls. A 4-bit (QLoRA) weight counts as its matrix: bitsandbytes packs two a byte."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     counted = [p for p in model.parameters() if id(p) not in embeddings]
     trained = sum(_weights(p) for p in counted if p.requires_grad)
@@ -200,9 +160,6 @@ def flops_per_token(model: torch.nn.Module) -> float:
 
 
 def _weights(param: torch.Tensor) -> int:
-    """The number of weights ``param`` holds. bitsandbytes' 4-bit ``Params4bit`` stores two
-    weights a byte in a flat tensor, so its own numel() is half the matrix's; the matrix's
-    shape is kept in its ``quant_state``."""
     shape = getattr(getattr(param, "quant_state", None), "shape", None)
     return int(math.prod(shape)) if shape is not None else param.numel()
 
