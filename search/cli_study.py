@@ -78,17 +78,8 @@ def cmd_reap(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    try:
-        return dashboard.run(
-            urls.resolve(args.storage),
-            args.study,
-            args.host,
-            args.port,
-            allow_hosts=args.allow_host,
-            writable=args.writable,
-        )
-    except dashboard.DashboardError as exc:
-        raise UsageError(str(exc)) from None
+    storage = urls.resolve(args.storage)
+    return dashboard.run(storage, args.study, args.host, args.port, allow_hosts=args.allow_host, writable=args.writable)
 
 
 def study_status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:

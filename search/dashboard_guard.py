@@ -1,18 +1,12 @@
-"""Who `hpsearch dashboard` serves: a WSGI middleware in front of optuna-dashboard.
+"""Who `hpsearch dashboard` serves: a WSGI middleware in front of optuna-dashboard, which lets any request read,
+create, rename and delete every study of the storage. Before it sees a request, this checks, in order:
 
-optuna-dashboard has no notion of a visitor: any request that reaches it may read every study
-of the storage, and create, rename and delete studies, edit notes, finish trials. So, before it
-sees a request, this checks, in order:
-
-1. the Host header names this server (a loopback name, the bound address, an ``--allow-host``
-   name). A page of another site that rebinds its own name to 127.0.0.1 (DNS rebinding) makes
-   the browser send that name, so it is refused here.
-2. the token, when one is set (off loopback, or HPSEARCH_DASHBOARD_TOKEN): ``?token=`` once (a
-   cookie is then set, so the page's own API calls carry it), the cookie, or
-   ``Authorization: Bearer``.
-3. writes (any method but GET/HEAD/OPTIONS): refused in read-only mode; otherwise refused when a
-   browser says the request comes from another origin (CSRF: the cookie of a loopback
-   dashboard without a token proves nothing).
+1. the Host header names this server (a loopback name, the bound address, an ``--allow-host`` name): a page of
+   another site that rebinds its own name to 127.0.0.1 (DNS rebinding) makes the browser send that name.
+2. the token, when one is set (off loopback, or HPSEARCH_DASHBOARD_TOKEN): ``?token=`` once (then a cookie, so the
+   page's own API calls carry it), the cookie, or ``Authorization: Bearer``.
+3. writes (any method but GET/HEAD/OPTIONS): refused in read-only mode, else when a browser says the request comes
+   from another origin (CSRF: the cookie of a loopback dashboard without a token proves nothing).
 """
 
 from __future__ import annotations
@@ -43,13 +37,18 @@ class GuardError(ValueError):
     """A guard setting (``--allow-host``, the token variable) is unusable: one line, exit 2."""
 
 
+def _ip(value: str) -> str | None:
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        return None
+
+
 def host_name(value: str) -> str | None:
     """The name part of a Host header or ``--allow-host`` value, lowercased, IPv6 without brackets."""
     value = value.strip()
-    try:
-        return str(ipaddress.ip_address(value))  # a bare IPv6 address, as --host takes it
-    except ValueError:
-        pass
+    if ip := _ip(value):  # a bare IPv6 address, as --host takes it
+        return ip
     if not value or any(c in value for c in "/?#@\\ \t"):
         return None
     try:
@@ -58,10 +57,7 @@ def host_name(value: str) -> str | None:
     except ValueError:
         return None
     name = (parts.hostname or "").rstrip(".")
-    try:
-        return str(ipaddress.ip_address(name))
-    except ValueError:
-        return name or None
+    return _ip(name) or name or None
 
 
 def proxy_names(values: Iterable[str]) -> frozenset[str]:
@@ -131,17 +127,7 @@ class Policy:
 
     def host_allowed(self, header: str) -> bool:
         name = host_name(header)
-        if name is None:
-            return False
-        if name in self.names:
-            return True
-        if self.any_ip:
-            try:
-                ipaddress.ip_address(name)
-            except ValueError:
-                return False
-            return True
-        return False
+        return name is not None and (name in self.names or (self.any_ip and _ip(name) is not None))
 
 
 def guard(app: WSGIApplication, policy: Policy) -> WSGIApplication:

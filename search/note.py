@@ -1,9 +1,5 @@
-"""The study note optuna-dashboard shows on a study's page: spec, budget used, best checkpoint.
-
-Written through optuna-dashboard's own note API (``save_note``), so the dashboard shows it
-without any extra work. Supervisors rewrite it as trials finish; the text depends only on
-finished trials, so it is written only when it changes, not on every poll of every host.
-"""
+"""The study note optuna-dashboard shows on a study's page (spec, budget used, best checkpoint), written with its
+``save_note``. It depends only on finished trials, so it is written when it changes, not on every poll of every host."""
 
 from __future__ import annotations
 
@@ -60,7 +56,7 @@ def render(study: optuna.Study, spec: StudySpec, n_trials: int) -> str:
 def _best(best: dict[str, Any] | None, spec: StudySpec) -> list[str]:
     if best is None:
         return ["**Best:** no complete trial yet."]
-    params = ", ".join(f"`{k}` = {_fmt(v)}" for k, v in sorted(best["params"].items()))
+    params = ", ".join(f"`{k}` = {summary.fmt(v)}" for k, v in sorted(best["params"].items()))
     step, host = best[attrs.BEST_STEP], best.get(attrs.HOST)
     lines = [
         f"**Best:** trial {best['number']}: {spec.search.metric} **{best['value']:.4f}** at step {step}",
@@ -98,12 +94,12 @@ def _space_table(spec: StudySpec) -> list[str]:
     rows = ["| searched | range |", "|---|---|"]
     for name, p in spec.space.items():
         if p.type == "categorical":
-            rng = ", ".join(_fmt(c) for c in p.choices or [])
+            rng = ", ".join(summary.fmt(c) for c in p.choices or [])
         else:
             rng = (
-                f"{_fmt(p.low)} to {_fmt(p.high)}"
+                f"{summary.fmt(p.low)} to {summary.fmt(p.high)}"
                 + (" (log)" if p.log else "")
-                + (f" step {_fmt(p.step)}" if p.step else "")
+                + (f" step {summary.fmt(p.step)}" if p.step else "")
             )
         rows.append(f"| `{name}` | {p.type}: {rng} |")
     return rows if spec.space else []
@@ -126,7 +122,3 @@ def finished_key(trials: Iterable[FrozenTrial]) -> tuple[int, ...]:
     return tuple(
         sorted(t.number for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL))
     )
-
-
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)

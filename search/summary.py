@@ -26,9 +26,8 @@ SHOWN = (
 
 
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
-    """The complete trial ranked first the way checkpoint retention ranks them: by value, then,
-    at an equal value, by the validation loss of its best point. Optuna's own ``study.best_trial``
-    (and the dashboard's) breaks such ties by trial number alone."""
+    """The complete trial ranked first as retention ranks them: by value, then by its best point's validation
+    loss (docs/decisions.md, "A tie goes to the lower validation loss"); Optuna's breaks ties by number."""
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
     if not complete:
         return None
@@ -115,16 +114,14 @@ def _best_point(trials: list[FrozenTrial], minimize: bool) -> tuple[FrozenTrial,
     points = [
         (t, step, v) for t in trials for step, v in t.intermediate_values.items() if v is not None and math.isfinite(v)
     ]
-    if not points:
-        return None
-    return min(points, key=lambda p: p[2]) if minimize else max(points, key=lambda p: p[2])
+    return (min if minimize else max)(points, key=lambda p: p[2], default=None)
 
 
 def _fixes(causes: Counter[str], spec: StudySpec) -> list[str]:
     s, t = spec.search, spec.train
     lr = spec.space.get("learning_rate")
     if lr is not None and lr.choices:
-        lr_now = f"now one of {', '.join(map(_fmt, lr.choices))}"
+        lr_now = f"now one of {', '.join(map(fmt, lr.choices))}"
     elif lr is not None:
         lr_now = f"now {lr.low:g} to {lr.high:g}"
     else:
@@ -207,7 +204,7 @@ def format_best(s: dict[str, Any]) -> str:
         first, *rest = s["no_best"]
         return "\n".join([f"best: none; {first}", *(f"  {line}" for line in rest)])
     lines = [f"best: trial {best['number']}  {metric} {best['value']:.4f} at step {best[attrs.BEST_STEP]}"]
-    lines += [f"  {k} = {_fmt(v)}" for k, v in sorted(best["params"].items())]
+    lines += [f"  {k} = {fmt(v)}" for k, v in sorted(best["params"].items())]
     where, size = best[attrs.BEST_CHECKPOINT], best.get(attrs.BEST_CHECKPOINT_MB)
     shown_size = size is not None and not retention.is_deleted(where)
     lines.append(f"  checkpoint: {where}" + (f" ({size:.1f} MiB)" if shown_size else ""))
@@ -217,7 +214,7 @@ def format_best(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _fmt(v: Any) -> str:
+def fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
@@ -252,8 +249,8 @@ def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
                 state,
                 f"{t['value']:.4f}" if t["value"] is not None else "-",
                 str(t["step"]) if t["step"] is not None else "-",
-                *(_fmt(t["params"][n]) if n in t["params"] else "-" for n in names),
-                _duration(t["duration_s"]),
+                *(fmt(t["params"][n]) if n in t["params"] else "-" for n in names),
+                duration(t["duration_s"]),
                 t[attrs.WORKER] or "-",
                 _short(reason(t), 60),
             ]
@@ -266,7 +263,7 @@ def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _duration(seconds: float | None) -> str:
+def duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     m, sec = divmod(int(seconds), 60)
