@@ -47,8 +47,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         spec.search.n_trials = args.n_trials
     device_list = devices.group(device_list, spec.train.devices_per_trial, args.devices)
     study_dir = args.output_dir.resolve() / args.study
-    # The storage and the study's folder first: a wrong URL or a changed spec is said at once,
-    # not after the data has been tokenised.
+    # The storage and the study's folder first: a wrong URL or a changed spec is said before tokenising the data.
     try:
         storage = open_storage(url, create=False)
     except StudyNotFoundError:  # no storage yet: the study is new, and so must its folder be
@@ -144,9 +143,8 @@ def _spec_for_start(args: argparse.Namespace, url: str) -> StudySpec:
 
 
 def _check_inputs(spec: StudySpec, output_dir: Path, device_list: list[Device]) -> None:
-    """Read the data, the tokenizer and the model's config once before any worker starts (and
-    before storage is touched), and check the precision against the devices, so bad input is
-    one clear line, not N failed trials."""
+    """Read the data, tokenizer and model config and check the precision against the devices before any worker
+    starts or storage is touched: bad input is one clear line, not N failed trials."""
     spec = resolved(spec, output_dir)
     splits = read_splits(spec.data, spec.model.task)
     check_reachable(spec.model.name)
@@ -167,8 +165,7 @@ def _check_inputs(spec: StudySpec, output_dir: Path, device_list: list[Device]) 
 
 
 def _check_output_dir(output_dir: Path, study: str) -> None:
-    """--output-dir is a folder this user can write, and the folders the workers make in it
-    (the study's, the token cache) are not taken by files: else every trial would crash."""
+    """--output-dir is writable and no file takes the folders workers make in it: else every trial would crash."""
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=output_dir):

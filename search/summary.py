@@ -98,7 +98,10 @@ def why_no_best(study: optuna.Study, spec: StudySpec) -> list[str]:
     lines = [f"no trial completed: {len(pruned)} pruned ({said})" if pruned else "no trial completed"]
     if failed:
         lines[0] += f", {len(failed)} failed"
-    point = _best_point(trials, spec.direction == "minimize")
+    points = [
+        (t, step, v) for t in trials for step, v in t.intermediate_values.items() if v is not None and math.isfinite(v)
+    ]
+    point = (min if spec.direction == "minimize" else max)(points, key=lambda p: p[2], default=None)
     if point is not None:
         trial, step, value = point
         kept = trial.user_attrs.get(attrs.BEST_CHECKPOINT)
@@ -108,13 +111,6 @@ def why_no_best(study: optuna.Study, spec: StudySpec) -> list[str]:
         )
     lines += [f"fix: {fix}" for fix in _fixes(causes, spec)]
     return lines
-
-
-def _best_point(trials: list[FrozenTrial], minimize: bool) -> tuple[FrozenTrial, int, float] | None:
-    points = [
-        (t, step, v) for t in trials for step, v in t.intermediate_values.items() if v is not None and math.isfinite(v)
-    ]
-    return (min if minimize else max)(points, key=lambda p: p[2], default=None)
 
 
 def _fixes(causes: Counter[str], spec: StudySpec) -> list[str]:
@@ -149,14 +145,13 @@ def _fixes(causes: Counter[str], spec: StudySpec) -> list[str]:
 
 
 def failed_only(s: dict[str, Any]) -> str | None:
-    """What to say when the study has failed trials and nothing else (no complete, pruned or
-    running one): its most common failure reason; None otherwise."""
+    """The most common failure reason when the study has failed trials and no other; None otherwise."""
     st = s["states"]
     if not st["fail"] or st["complete"] or st["pruned"] or st["running"] or st["waiting"]:
         return None
-    reasons = Counter(t[attrs.FAIL_REASON] or "no reason recorded" for t in s["trials"] if t["state"] == "FAIL")
-    reason, count = reasons.most_common(1)[0]
-    return f"every trial failed ({st['fail']}); {count} with: {reason}"
+    reasons = Counter(reason(t) for t in s["trials"] if t["state"] == "FAIL")
+    cause, count = reasons.most_common(1)[0]
+    return f"every trial failed ({st['fail']}); {count} with: {cause}"
 
 
 def search_over(s: dict[str, Any]) -> bool:
