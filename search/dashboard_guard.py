@@ -76,12 +76,8 @@ def proxy_names(values: Iterable[str]) -> frozenset[str]:
 
 def allowed_names(bound: str, resolved: str, proxied: frozenset[str]) -> frozenset[str]:
     """Loopback names, the address the server was bound to (as given and as resolved), ``--allow-host``."""
-    names = set(LOOPBACK_NAMES | proxied)
-    for value in (bound, resolved):
-        name = host_name(value) if value not in WILDCARD_BINDS else None
-        if name:
-            names.add(name)
-    return frozenset(names)
+    given = {host_name(value) for value in (bound, resolved) if value not in WILDCARD_BINDS}
+    return LOOPBACK_NAMES | proxied | {name for name in given if name}
 
 
 def check_token(token: str) -> str:
@@ -120,8 +116,7 @@ class Policy:
 
     @property
     def cookie_value(self) -> str:
-        # The cookie holds a digest, not the token: any token is a valid cookie value, and the
-        # browser's cookie store never holds the secret itself.
+        # A digest, not the token: any token makes a valid cookie value, and the browser never stores the secret.
         assert self.token is not None
         return hmac.new(self.token.encode(), b"hpsearch-dashboard-cookie", hashlib.sha256).hexdigest()
 

@@ -11,14 +11,14 @@ import shutil
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 from hpsearch.search.devices import Device
-from hpsearch.search.progress import BAR_WIDTH, Progress
+from hpsearch.search.progress import Progress
 
-log = logging.getLogger(__name__)
+BAR_WIDTH = 24
 
 
 class LiveProgress(Progress):
@@ -55,7 +55,7 @@ class LiveProgress(Progress):
         for handler, stream in self._handlers:
             handler.setStream(stream)
 
-    @contextmanager
+    @contextlib.contextmanager
     def capture_output(self) -> Iterator[None]:
         targets = [fd for fd in (1, 2) if os.isatty(fd)]
         saved = [(fd, os.dup(fd)) for fd in targets]

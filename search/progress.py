@@ -29,7 +29,6 @@ POLL_S = 15.0
 """Seconds between reads of the study when nothing happened locally."""
 HEARTBEAT_S = 300.0
 """Plain mode: a progress line at least this often, even when nothing changed."""
-BAR_WIDTH = 24
 
 
 @dataclass

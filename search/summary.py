@@ -218,9 +218,8 @@ LATEST_ROWS, BEST_ROWS = 20, 3
 
 
 def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
-    """One row per trial: number, state, value, step reached, searched parameters, duration,
-    worker, and why a pruned or failed trial ended. Without ``every``, a long study shows its
-    latest and best trials only."""
+    """One row per trial: number, state, value, step reached, searched parameters, duration, worker, and why a
+    pruned or failed trial ended. Without ``every``, a long study shows its latest and best trials only."""
     trials = s["trials"]
     if not trials:
         return "no trials yet"
