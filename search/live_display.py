@@ -11,7 +11,6 @@ import shutil
 import sys
 import threading
 from collections.abc import Iterator
-
 from dataclasses import dataclass
 from typing import Any, TextIO
 
