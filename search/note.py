@@ -13,6 +13,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.search import summary
 from hpsearch.search.spec import StudySpec
+from hpsearch.search.summary import fmt
 from hpsearch.storage import attrs
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def render(study: optuna.Study, spec: StudySpec, n_trials: int) -> str:
 def _best(best: dict[str, Any] | None, spec: StudySpec) -> list[str]:
     if best is None:
         return ["**Best:** no complete trial yet."]
-    params = ", ".join(f"`{k}` = {summary.fmt(v)}" for k, v in sorted(best["params"].items()))
+    params = ", ".join(f"`{k}` = {fmt(v)}" for k, v in sorted(best["params"].items()))
     step, host = best[attrs.BEST_STEP], best.get(attrs.HOST)
     lines = [
         f"**Best:** trial {best['number']}: {spec.search.metric} **{best['value']:.4f}** at step {step}",
@@ -72,20 +73,13 @@ def _best(best: dict[str, Any] | None, spec: StudySpec) -> list[str]:
 
 def _spec_table(spec: StudySpec) -> list[str]:
     t, s = spec.train, spec.search
+    steps = f", max {t.max_steps} steps" if t.max_steps else ""
+    train = f"batch {t.batch_size} (micro {t.micro_batch_size}), {t.epochs} epoch{'' if t.epochs == 1 else 's'}{steps}"
     rows = [
         ("model", f"`{spec.model.name}` (max_length {spec.model.max_length})"),
         ("data", f"train `{spec.data.train}`, validation `{spec.data.validation}`"),
-        (
-            "train",
-            f"batch {t.batch_size} (micro {t.micro_batch_size}), {t.epochs} "
-            + ("epoch" if t.epochs == 1 else "epochs")
-            + (f", max {t.max_steps} steps" if t.max_steps else "")
-            + f", eval every {t.eval_every} steps, precision {t.precision}",
-        ),
-        (
-            "search",
-            f"{s.sampler} sampler, {s.pruner} pruner, {s.metric} ({spec.direction}), seed {s.seed}",
-        ),
+        ("train", f"{train}, eval every {t.eval_every} steps, precision {t.precision}"),
+        ("search", f"{s.sampler} sampler, {s.pruner} pruner, {s.metric} ({spec.direction}), seed {s.seed}"),
     ]
     return ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
 
@@ -94,12 +88,12 @@ def _space_table(spec: StudySpec) -> list[str]:
     rows = ["| searched | range |", "|---|---|"]
     for name, p in spec.space.items():
         if p.type == "categorical":
-            rng = ", ".join(summary.fmt(c) for c in p.choices or [])
+            rng = ", ".join(fmt(c) for c in p.choices or [])
         else:
             rng = (
-                f"{summary.fmt(p.low)} to {summary.fmt(p.high)}"
+                f"{fmt(p.low)} to {fmt(p.high)}"
                 + (" (log)" if p.log else "")
-                + (f" step {summary.fmt(p.step)}" if p.step else "")
+                + (f" step {fmt(p.step)}" if p.step else "")
             )
         rows.append(f"| `{name}` | {p.type}: {rng} |")
     return rows if spec.space else []
