@@ -8,7 +8,7 @@ import json
 import math
 import sys
 import time
-from contextlib import closing
+from contextlib import closing, suppress
 from typing import Any
 
 import optuna
@@ -78,8 +78,12 @@ def cmd_reap(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    storage = urls.resolve(args.storage)
-    return dashboard.run(storage, args.study, args.host, args.port, allow_hosts=args.allow_host, writable=args.writable)
+    url = urls.resolve(args.storage)
+    dash = dashboard.create(url, args.study, args.host, args.port, allow_hosts=args.allow_host, writable=args.writable)
+    print(dashboard.how_to_reach(dash, args.host, args.study, urls.mask(url)), flush=True)
+    with suppress(KeyboardInterrupt):  # Ctrl-C is how a dashboard ends
+        dash.serve_forever()
+    return ExitCode.OK
 
 
 def study_status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:

@@ -4,7 +4,6 @@ by default (the printed advice is an SSH tunnel: AutoDL instances sit on shared 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -21,7 +20,6 @@ import optuna
 
 from hpsearch.search import dashboard_guard as guard, note, study as studies
 from hpsearch.search.errors import SpecError, UsageError
-from hpsearch.storage import urls
 from hpsearch.storage.open import Storage, open_storage, require_study
 
 log = logging.getLogger(__name__)
@@ -222,19 +220,3 @@ def _can(dash: Dashboard) -> str:
         "browse every study of this storage and change them: edit notes, create, rename and delete "
         "studies, finish and annotate trials (--read-only: browse only)"
     )
-
-
-def run(
-    storage_url: str,
-    study: str | None,
-    host: str,
-    port: int,
-    *,
-    allow_hosts: Sequence[str] = (),
-    writable: bool | None = None,
-) -> int:
-    dash = create(storage_url, study, host, port, allow_hosts=allow_hosts, writable=writable)
-    print(how_to_reach(dash, host, study, urls.mask(storage_url)), flush=True)
-    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a dashboard ends
-        dash.serve_forever()
-    return 0

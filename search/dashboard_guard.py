@@ -191,8 +191,7 @@ def _authenticate(environ: WSGIEnvironment, policy: Policy) -> str | None:
 
 
 def _setting_cookie(start_response: StartResponse, policy: Policy) -> StartResponse:
-    # HttpOnly: the page's scripts never read it; SameSite=Strict: a page of another site
-    # cannot make the browser send it.
+    # HttpOnly: the page's scripts never read it; SameSite=Strict: no page of another site makes the browser send it.
     cookie = f"{policy.cookie_name}={policy.cookie_value}; Path=/; HttpOnly; SameSite=Strict"
 
     def with_cookie(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Callable[[bytes], object]:
@@ -202,12 +201,8 @@ def _setting_cookie(start_response: StartResponse, policy: Policy) -> StartRespo
 
 
 def _foreign_origin(environ: WSGIEnvironment, host: str, policy: Policy) -> str | None:
-    """The origin of a browser page on another site that sent this request, else None.
-
-    A browser sends Origin with every POST, PUT and DELETE (and Sec-Fetch-Site, in current
-    browsers); a request without either is not from a web page (curl, a script), and a page of
-    another site cannot remove them.
-    """
+    """The origin of a browser page on another site that sent this request, else None. Browsers send Origin with
+    every POST, PUT and DELETE (and Sec-Fetch-Site), which a page cannot remove; curl or a script sends neither."""
     origin = environ.get("HTTP_ORIGIN")
     if origin is not None:
         if origin.strip().lower() == "null":
