@@ -13,7 +13,7 @@ from typing import Any
 
 import optuna
 
-from hpsearch.search import dashboard, reap, study as studies, summary, worker_status
+from hpsearch.search import dashboard, reap, study as studies, summary
 from hpsearch.search.errors import UsageError
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.storage import attrs, lost, urls
@@ -94,7 +94,7 @@ def study_status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
         s = summary.status(study, spec, studies.n_trials(study, spec), storage.display)
         s["uid"] = study.user_attrs.get(attrs.UID)  # whose checkpoint folder is whose
         if not best_only:
-            s.update(worker_status.summary(storage.db, name))
+            s.update(summary.workers(storage.db, name))
             summary.mark_stale(s, lost.stale_trials(storage.db, name))
     return s
 
@@ -105,4 +105,4 @@ def format_status(s: dict[str, Any], *, as_json: bool, best_only: bool, every: b
         return json.dumps(s["best"], indent=2) if as_json else summary.format_best(s)
     if as_json:
         return json.dumps(s, indent=2)
-    return "\n".join([summary.format_status(s), summary.format_trials(s, every=every), worker_status.format_workers(s)])
+    return "\n".join([summary.format_status(s), summary.format_trials(s, every=every), summary.format_workers(s)])
