@@ -99,16 +99,14 @@ def _space_table(spec: StudySpec) -> list[str]:
     return rows if spec.space else []
 
 
-def update(study: optuna.Study, spec: StudySpec, n_trials: int) -> bool:
-    """Write the note if its text changed; True if written."""
+def update(study: optuna.Study, spec: StudySpec, n_trials: int) -> None:
+    """Write the note if its text changed."""
     from optuna_dashboard import get_note, save_note
 
     body = render(study, spec, n_trials)
-    if get_note(study) == body:
-        return False
-    save_note(study, body)
-    log.debug("study note of %s updated", study.study_name)
-    return True
+    if get_note(study) != body:
+        save_note(study, body)
+        log.debug("study note of %s updated", study.study_name)
 
 
 def finished_key(trials: Iterable[FrozenTrial]) -> tuple[int, ...]:

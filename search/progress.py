@@ -115,7 +115,7 @@ class Poller(threading.Thread):
             self._wake.wait(POLL_S)
             self._wake.clear()
 
-    def refresh(self) -> Snapshot | None:
+    def refresh(self) -> None:
         try:
             study, spec = self._open()
             snap = read(study, spec)
@@ -129,10 +129,9 @@ class Poller(threading.Thread):
                     "progress: cannot read study %s (%s); will retry", self.study_name, stop_signals.describe(exc)
                 )
             self._failing = True
-            return None
+            return
         self._failing = False
         self.latest = snap
-        return snap
 
     def _open(self) -> tuple[optuna.Study, StudySpec]:
         if self._opened is None:
