@@ -18,11 +18,14 @@ from typing import Any, TextIO
 
 import optuna
 from optuna.trial import TrialState
+from sqlalchemy.pool import NullPool
 
 from hpsearch.search import note, stop_signals, study as studies, summary
 from hpsearch.search.devices import Device
 from hpsearch.search.spec import StudySpec
-from hpsearch.storage import attrs
+from hpsearch.storage import attrs, urls
+from hpsearch.storage.db import Database, engine_kwargs
+from hpsearch.storage.open import Storage
 
 log = logging.getLogger(__name__)
 POLL_S = 15.0
@@ -135,12 +138,6 @@ class Poller(threading.Thread):
 
     def _open(self) -> tuple[optuna.Study, StudySpec]:
         if self._opened is None:
-            from sqlalchemy.pool import NullPool
-
-            from hpsearch.storage import urls
-            from hpsearch.storage.db import Database, engine_kwargs
-            from hpsearch.storage.open import Storage
-
             url = urls.normalize(self.storage_url)
             kwargs = {
                 k: v for k, v in engine_kwargs(url).items() if k not in ("pool_size", "max_overflow", "pool_recycle")
