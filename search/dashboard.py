@@ -110,8 +110,7 @@ def create(
             except Exception as exc:
                 # The note is a convenience; a read-only database user must still see the study.
                 log.warning("could not update the study note: %s", str(exc).splitlines()[0])
-        # A few pooled connections for the threaded server; skip table creation: a viewer
-        # must not change the schema of a database that workers are writing to.
+        # A few pooled connections for the threaded server; a viewer never changes the schema workers write to.
         rdb = optuna.storages.RDBStorage(
             checked.url, engine_kwargs=checked.engine_kwargs(pool_size=4), skip_table_creation=True
         )

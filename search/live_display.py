@@ -87,8 +87,7 @@ class LiveProgress(Progress):
         self.flush()
 
     def flush(self) -> None:
-        # Never wait for the lock: a signal handler that logs while the main thread is
-        # drawing would deadlock. Whoever holds the lock drains what others queued.
+        # Never wait for the lock: a signal handler logging mid-draw would deadlock. Its holder drains the queue.
         if not self._lock.acquire(blocking=False):
             return
         try:

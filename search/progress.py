@@ -142,8 +142,7 @@ class Poller(threading.Thread):
             kwargs = {
                 k: v for k, v in engine_kwargs(url).items() if k not in ("pool_size", "max_overflow", "pool_recycle")
             }
-            # No pooled connection stays open between reads: the parent must not hold one
-            # for hours while its children train (a shared server's connection limit).
+            # No pooled connection between reads: not one held for hours (a shared server's connection limit).
             rdb = optuna.storages.RDBStorage(
                 url, engine_kwargs={**kwargs, "poolclass": NullPool}, skip_table_creation=True
             )
