@@ -35,12 +35,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(ExitCode.USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
-
-
 def study_name(value: str) -> str:
     """Also a folder name under --output-dir: one path component, so two studies never share checkpoints."""
-    if not STUDY_NAME.fullmatch(value):
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", value):
         raise argparse.ArgumentTypeError(
             f"{value!r} is not a study name: 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit"
         )

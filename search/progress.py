@@ -226,18 +226,15 @@ class Progress:
 def for_terminal(study_name: str, storage_url: str, devices: list[Device], stream: TextIO | None = None) -> Progress:
     """A live display when ``stream`` (stderr) is a terminal, plain log lines otherwise."""
     stream = stream or sys.stderr
-    if _is_terminal(stream):
+    try:
+        terminal = stream.isatty() and os.environ.get("TERM", "") != "dumb"
+    except (AttributeError, ValueError):
+        terminal = False
+    if terminal:
         from hpsearch.search.live_display import LiveProgress
 
         return LiveProgress(study_name, storage_url, devices, stream)
     return Progress(study_name, storage_url, devices)
-
-
-def _is_terminal(stream: TextIO) -> bool:
-    try:
-        return stream.isatty() and os.environ.get("TERM", "") != "dumb"
-    except (AttributeError, ValueError):
-        return False
 
 
 def _left(s: Snapshot) -> str:
