@@ -21,6 +21,8 @@ from http.cookies import CookieError, SimpleCookie
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
+from hpsearch.search.errors import UsageError
+
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
 
@@ -31,10 +33,6 @@ MIN_TOKEN_LENGTH = 16
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 WILDCARD_BINDS = frozenset({"", "0.0.0.0", "::"})
-
-
-class GuardError(ValueError):
-    """A guard setting (``--allow-host``, the token variable) is unusable: one line, exit 2."""
 
 
 def _ip(value: str) -> str | None:
@@ -66,7 +64,7 @@ def proxy_names(values: Iterable[str]) -> frozenset[str]:
     for value in values:
         name = host_name(value)
         if name is None:
-            raise GuardError(
+            raise UsageError(
                 f"--allow-host {value!r}: give the host name the browser's address bar shows, without "
                 "http:// or a path (e.g. --allow-host u12345-abcd.westb.seetacloud.com)"
             )
@@ -83,12 +81,12 @@ def allowed_names(bound: str, resolved: str, proxied: frozenset[str]) -> frozens
 def check_token(token: str) -> str:
     """A token from the environment: long enough to guard a port on the internet, and header-safe."""
     if len(token) < MIN_TOKEN_LENGTH:
-        raise GuardError(
+        raise UsageError(
             f"{TOKEN_ENV} is {len(token)} characters; use at least {MIN_TOKEN_LENGTH} "
             "(e.g. python -c 'import secrets; print(secrets.token_urlsafe())')"
         )
     if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
-        raise GuardError(f"{TOKEN_ENV} must be printable ASCII without spaces (it travels in an HTTP header)")
+        raise UsageError(f"{TOKEN_ENV} must be printable ASCII without spaces (it travels in an HTTP header)")
     return token
 
 
