@@ -8,7 +8,7 @@ import argparse
 import logging
 import sys
 import tempfile
-from contextlib import closing
+from contextlib import closing, suppress
 from pathlib import Path
 
 import optuna
@@ -126,11 +126,9 @@ def _spec_for_start(args: argparse.Namespace, url: str) -> StudySpec:
     local = Path(f"{args.study}.toml")
     if local.is_file():
         return load_file(local)
-    try:
-        with closing(open_storage(url, create=False)) as storage:
-            return studies.stored_spec(storage, args.study)
-    except StudyNotFoundError:  # no storage yet, or no such study in it
-        pass
+    # StudyNotFoundError: no storage yet, or no such study in it.
+    with suppress(StudyNotFoundError), closing(open_storage(url, create=False)) as storage:
+        return studies.stored_spec(storage, args.study)
     preset = preset_file(args.study)
     if preset is not None:
         return load_file(preset)
