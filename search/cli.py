@@ -1,8 +1,6 @@
-"""The `hpsearch` command line: its parser, and how a command's end becomes an exit code.
-Each command is a small ``cmd_<command>`` that returns an exit code, like optuna's CLI: start and
-worker run a search (``cli_run.py``); status, best, reap and dashboard a study (``cli_study.py``).
-The lazy imports are all here, all so that `hpsearch --help` answers at once: a command's module
-(optuna, SQLAlchemy, torch) when it runs, optuna in setup_logging, the error classes in main."""
+"""The `hpsearch` command line: its parser, and how a command's end becomes an exit code. Each command is a
+small ``cmd_<command>`` in cli_run.py (start, worker) or cli_study.py (status, best, reap, dashboard), imported
+when it runs, as are optuna and the error classes, so that `hpsearch --help` answers at once."""
 
 from __future__ import annotations
 
@@ -20,11 +18,8 @@ from hpsearch.search.exit_codes import ExitCode
 
 
 def _command(module: str, name: str) -> Callable[[argparse.Namespace], int]:
-    """``cmd_<name>`` of search/<module>.py, imported when it runs."""
-
     def command(args: argparse.Namespace) -> int:
-        code: int = getattr(importlib.import_module(f"hpsearch.search.{module}"), f"cmd_{name}")(args)
-        return code
+        return int(getattr(importlib.import_module(f"hpsearch.search.{module}"), f"cmd_{name}")(args))
 
     return command
 
@@ -40,13 +35,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(ExitCode.USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
-
-
 def study_name(value: str) -> str:
-    """A study name is also a folder name under --output-dir: one path component, so two
-    studies can never share (and overwrite) each other's checkpoints."""
-    if not STUDY_NAME.fullmatch(value):
+    """Also a folder name under --output-dir: one path component, so two studies never share checkpoints."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", value):
         raise argparse.ArgumentTypeError(
             f"{value!r} is not a study name: 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
@@ -151,20 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="also answer to this host name (a proxy's public name); repeatable. Others get 403",
     )
     mode = dash.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--read-only",
-        dest="writable",
-        action="store_false",
-        default=None,
-        help="visitors browse only (the default off 127.0.0.1)",
-    )
-    mode.add_argument(
-        "--writable",
-        dest="writable",
-        action="store_true",
-        default=None,
-        help="visitors may also edit notes and delete studies and trials (the default on 127.0.0.1)",
-    )
+    for flag, action, what in (
+        ("--read-only", "store_false", "visitors browse only (the default off 127.0.0.1)"),
+        (
+            "--writable",
+            "store_true",
+            "visitors may also edit notes and delete studies and trials (the default on 127.0.0.1)",
+        ),
+    ):
+        mode.add_argument(flag, dest="writable", action=action, default=None, help=what)
     dash.set_defaults(func=cmd_dashboard)
     return parser
 
@@ -181,10 +167,8 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def setup_logging(level: int, who: str) -> None:
-    """The one log format of every hpsearch process: ``18:35:30 [who] INFO message``, where
-    ``who`` is the command or the worker, so a terminal shared by a search's processes reads
-    as one log. Optuna's own lines (its "[I 2026-...]" handler) go through the same format,
-    at warning level unless debug logging was asked for."""
+    """Every hpsearch process logs ``18:35:30 [who] INFO message`` (who: the command or the worker), so a
+    shared terminal reads as one log; Optuna's lines too, at warning level unless debugging."""
     import optuna
 
     logging.basicConfig(level=level, format=f"%(asctime)s [{who}] %(levelname)s %(message)s", datefmt="%H:%M:%S")
@@ -201,8 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return ExitCode.USAGE
     try:
-        code: int = args.func(args)
-        return code
+        return int(args.func(args))
     except KeyboardInterrupt:
         return ExitCode.signalled(signal.SIGINT)
     except Exception as exc:

@@ -8,7 +8,7 @@ import argparse
 import logging
 import sys
 import tempfile
-from contextlib import closing
+from contextlib import closing, suppress
 from pathlib import Path
 
 import optuna
@@ -47,8 +47,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         spec.search.n_trials = args.n_trials
     device_list = devices.group(device_list, spec.train.devices_per_trial, args.devices)
     study_dir = args.output_dir.resolve() / args.study
-    # The storage and the study's folder first: a wrong URL or a changed spec is said at once,
-    # not after the data has been tokenised.
+    # The storage and the study's folder first: a wrong URL or a changed spec is said before tokenising the data.
     try:
         storage = open_storage(url, create=False)
     except StudyNotFoundError:  # no storage yet: the study is new, and so must its folder be
@@ -56,8 +55,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     else:
         with closing(storage):
             _check_study(storage, args.study, spec, study_dir)
-    _check_output_dir(args.output_dir, args.study)
-    _check_inputs(spec, args.output_dir, device_list)
+    _check_inputs(spec, args.output_dir, args.study, device_list)
     with closing(open_storage(url, create=True)) as storage:
         _check_study(storage, args.study, spec, study_dir)  # again: another host may have made it meanwhile
         study = studies.create_or_resume(storage, args.study, spec)
@@ -82,8 +80,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         spec = studies.stored_spec(storage, args.study)
         _check_study(storage, args.study, spec, study_dir)
         device_list = devices.group(device_list, spec.train.devices_per_trial, args.devices)
-        _check_output_dir(args.output_dir, args.study)
-        _check_inputs(spec, args.output_dir, device_list)
+        _check_inputs(spec, args.output_dir, args.study, device_list)
         study = optuna.load_study(study_name=args.study, storage=storage.optuna)
         rundir.claim(study_dir, args.study, studies.ensure_uid(study), storage.display)
     return _run_and_report(args, url, device_list)
@@ -129,11 +126,9 @@ def _spec_for_start(args: argparse.Namespace, url: str) -> StudySpec:
     local = Path(f"{args.study}.toml")
     if local.is_file():
         return load_file(local)
-    try:
-        with closing(open_storage(url, create=False)) as storage:
-            return studies.stored_spec(storage, args.study)
-    except StudyNotFoundError:  # no storage yet, or no such study in it
-        pass
+    # StudyNotFoundError: no storage yet, or no such study in it.
+    with suppress(StudyNotFoundError), closing(open_storage(url, create=False)) as storage:
+        return studies.stored_spec(storage, args.study)
     preset = preset_file(args.study)
     if preset is not None:
         return load_file(preset)
@@ -143,10 +138,24 @@ def _spec_for_start(args: argparse.Namespace, url: str) -> StudySpec:
     )
 
 
-def _check_inputs(spec: StudySpec, output_dir: Path, device_list: list[Device]) -> None:
-    """Read the data, the tokenizer and the model's config once before any worker starts (and
-    before storage is touched), and check the precision against the devices, so bad input is
-    one clear line, not N failed trials."""
+def _check_inputs(spec: StudySpec, output_dir: Path, study: str, device_list: list[Device]) -> None:
+    """Check --output-dir, read the data, tokenizer and model config and check the precision against the devices
+    before any worker starts: bad input is one clear line, not N failed trials."""
+    # A folder that cannot be written, or a file where the workers make a folder, would crash every trial.
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output_dir):
+            pass
+    except OSError as exc:
+        raise UsageError(
+            f"--output-dir {output_dir}: cannot write there ({exc.strerror or exc}); choose a folder you can write to"
+        ) from None
+    for name in (study, TOKEN_CACHE):
+        if (output_dir / name).exists() and not (output_dir / name).is_dir():
+            raise UsageError(
+                f"--output-dir {output_dir}: {output_dir / name} is a file, where hpsearch keeps a folder; "
+                "move it away or choose another --output-dir"
+            )
     spec = resolved(spec, output_dir)
     splits = read_splits(spec.data, spec.model.task)
     check_reachable(spec.model.name)
@@ -164,22 +173,3 @@ def _check_inputs(spec: StudySpec, output_dir: Path, device_list: list[Device]) 
     # Tokenised into the workers' own cache: what only tokenising finds (a causal-LM prompt
     # that leaves no token to train on) is reported here, and the workers reuse the result.
     prepare(spec.data, tokenizer, spec.model.max_length, output_dir / TOKEN_CACHE, spec.model.task, splits)
-
-
-def _check_output_dir(output_dir: Path, study: str) -> None:
-    """--output-dir is a folder this user can write, and the folders the workers make in it
-    (the study's, the token cache) are not taken by files: else every trial would crash."""
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=output_dir):
-            pass
-    except OSError as exc:
-        raise UsageError(
-            f"--output-dir {output_dir}: cannot write there ({exc.strerror or exc}); choose a folder you can write to"
-        ) from None
-    for name in (study, TOKEN_CACHE):
-        if (output_dir / name).exists() and not (output_dir / name).is_dir():
-            raise UsageError(
-                f"--output-dir {output_dir}: {output_dir / name} is a file, where hpsearch keeps a folder; "
-                "move it away or choose another --output-dir"
-            )

@@ -8,12 +8,12 @@ import json
 import math
 import sys
 import time
-from contextlib import closing
+from contextlib import closing, suppress
 from typing import Any
 
 import optuna
 
-from hpsearch.search import dashboard, reap, study as studies, summary, worker_status
+from hpsearch.search import dashboard, reap, study as studies, summary
 from hpsearch.search.errors import UsageError
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.storage import attrs, lost, urls
@@ -78,17 +78,12 @@ def cmd_reap(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    try:
-        return dashboard.run(
-            urls.resolve(args.storage),
-            args.study,
-            args.host,
-            args.port,
-            allow_hosts=args.allow_host,
-            writable=args.writable,
-        )
-    except dashboard.DashboardError as exc:
-        raise UsageError(str(exc)) from None
+    url = urls.resolve(args.storage)
+    dash = dashboard.create(url, args.study, args.host, args.port, allow_hosts=args.allow_host, writable=args.writable)
+    print(dashboard.how_to_reach(dash, args.host, args.study, urls.mask(url)), flush=True)
+    with suppress(KeyboardInterrupt):  # Ctrl-C is how a dashboard ends
+        dash.serve_forever()
+    return ExitCode.OK
 
 
 def study_status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
@@ -99,7 +94,7 @@ def study_status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
         s = summary.status(study, spec, studies.n_trials(study, spec), storage.display)
         s["uid"] = study.user_attrs.get(attrs.UID)  # whose checkpoint folder is whose
         if not best_only:
-            s.update(worker_status.summary(storage.db, name))
+            s.update(summary.workers(storage.db, name))
             summary.mark_stale(s, lost.stale_trials(storage.db, name))
     return s
 
@@ -110,4 +105,4 @@ def format_status(s: dict[str, Any], *, as_json: bool, best_only: bool, every: b
         return json.dumps(s["best"], indent=2) if as_json else summary.format_best(s)
     if as_json:
         return json.dumps(s, indent=2)
-    return "\n".join([summary.format_status(s), summary.format_trials(s, every=every), worker_status.format_workers(s)])
+    return "\n".join([summary.format_status(s), summary.format_trials(s, every=every), summary.format_workers(s)])

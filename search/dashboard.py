@@ -1,48 +1,31 @@
-"""`hpsearch dashboard`: optuna-dashboard on a study's storage, on localhost unless asked otherwise.
-
-The dashboard reads the same tables the workers write, so a running search shows up live:
-intermediate curves, parameters, user attributes (checkpoint, throughput, memory, device,
-host, fail reason), parameter importance and the study note (note.py). optuna-dashboard can
-also create, rename and delete studies and finish trials, for anyone who reaches it, so
-dashboard_guard.py stands in front of it: it binds 127.0.0.1 by default (the printed advice is
-an SSH tunnel: AutoDL instances sit on shared public addresses), answers only to its own host
-names, and off loopback wants a token and browses read-only unless told --writable.
-"""
+"""`hpsearch dashboard`: optuna-dashboard on a study's storage (docs/watching.md, "In the browser"). Anyone who
+reaches optuna-dashboard may change every study, so dashboard_guard.py stands in front of it; it binds 127.0.0.1
+by default (the printed advice is an SSH tunnel: AutoDL instances sit on shared public addresses)."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
 import re
 import secrets
 import socket
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
-from typing import Any, TextIO
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import optuna
 
 from hpsearch.search import dashboard_guard as guard, note, study as studies
-from hpsearch.search.errors import SpecError
-from hpsearch.storage import urls
+from hpsearch.search.errors import SpecError, UsageError
 from hpsearch.storage.open import Storage, open_storage, require_study
 
 log = logging.getLogger(__name__)
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
 AUTODL_PORT = 6006
 """The instance port AutoDL's console maps to a public link ("自定义服务")."""
-PRIVATE_BINDS = ("127.0.0.1", "localhost", "::1")
-"""Where no token is needed: only this machine reaches them. Every other address, 127.0.0.2
-included, is treated as reachable by others (tests use 127.0.0.2 to exercise the token)."""
-
-
-class DashboardError(ValueError):
-    """The dashboard cannot be served as asked (port taken, unknown host): one line, exit 2."""
 
 
 class _Server(ThreadingMixIn, WSGIServer):
@@ -98,20 +81,15 @@ def create(
     writable: bool | None = None,
     environ: Mapping[str, str] = os.environ,
 ) -> Dashboard:
-    """Check the arguments, storage and study, bind the server, then refresh the study note.
-
-    ``writable`` None: writable on loopback, read-only elsewhere. Everything that can be
-    refused is checked before the note is written: a bad --host must leave the study as it was.
-    """
+    """Check the arguments, storage and study, bind, then refresh the study note: a bad --host leaves the study
+    as it was. ``writable`` None: writable on loopback, read-only elsewhere."""
     if not 0 <= port <= 65535:
-        raise DashboardError(f"--port {port}: must be between 1 and 65535 (0 picks a free port)")
-    try:
-        proxied = guard.proxy_names(allow_hosts)
-        user_token = environ.get(guard.TOKEN_ENV) or None
-        token = guard.check_token(user_token) if user_token else None
-    except guard.GuardError as exc:
-        raise DashboardError(str(exc)) from None
-    private = host in PRIVATE_BINDS
+        raise UsageError(f"--port {port}: must be between 1 and 65535 (0 picks a free port)")
+    proxied = guard.proxy_names(allow_hosts)
+    user_token = environ.get(guard.TOKEN_ENV) or None
+    token = guard.check_token(user_token) if user_token else None
+    # No token only where just this machine reaches the server: 127.0.0.2 (the tests' token case) is not such a place.
+    private = host in guard.LOOPBACK_NAMES
     if token is None and not private:
         token = secrets.token_urlsafe(24)
     # A SQLite file this user cannot write (a copy on a read-only mount) is browsed read-only.
@@ -119,15 +97,17 @@ def create(
     server: _Server | None = None
     try:
         study_id = require_study(checked, study) if study else None
-        server = _bind(host, port)
+        try:
+            server = _Server((host, port), _QuietHandler)
+        except OSError as exc:
+            raise UsageError(_bind_error(host, port, exc)) from None
         if study and not checked.read_only:
             try:
                 _refresh_note(checked, study)
             except Exception as exc:
                 # The note is a convenience; a read-only database user must still see the study.
                 log.warning("could not update the study note: %s", str(exc).splitlines()[0])
-        # A few pooled connections for the threaded server; skip table creation: a viewer
-        # must not change the schema of a database that workers are writing to.
+        # A few pooled connections for the threaded server; a viewer never changes the schema workers write to.
         rdb = optuna.storages.RDBStorage(
             checked.url, engine_kwargs=checked.engine_kwargs(pool_size=4), skip_table_creation=True
         )
@@ -139,13 +119,12 @@ def create(
         checked.close()
     from optuna_dashboard import wsgi
 
-    read_only = checked.read_only or (not private if writable is None else not writable)
     policy = guard.Policy(
         names=guard.allowed_names(host, str(server.server_address[0]), proxied),
         proxied=proxied,
         any_ip=host in guard.WILDCARD_BINDS,
         token=token,
-        read_only=read_only,
+        read_only=checked.read_only or (not private if writable is None else not writable),
         read_only_reason=(
             "this user cannot write the storage file, so nothing can be changed from here"
             if checked.read_only
@@ -155,26 +134,15 @@ def create(
         port=int(server.server_port),
     )
     server.set_app(guard.guard(wsgi(rdb), policy))
-    shown = "127.0.0.1" if host in ("0.0.0.0", "", "localhost", "::") else host
-    if ":" in shown:
-        shown = f"[{shown}]"
     path = f"/dashboard/studies/{study_id}" if study_id is not None else "/dashboard"
-    url = f"http://{shown}:{server.server_port}{path}"
-    return Dashboard(
-        server=server,
-        url=url,
-        storage=rdb,
-        policy=policy,
-        storage_read_only=checked.read_only,
-        token_from_env=user_token is not None,
-    )
+    url = f"http://{_url_host(host)}:{server.server_port}{path}"
+    return Dashboard(server, url, rdb, policy, checked.read_only, token_from_env=user_token is not None)
 
 
-def _bind(host: str, port: int) -> _Server:
-    try:
-        return _Server((host, port), _QuietHandler)
-    except OSError as exc:
-        raise DashboardError(_bind_error(host, port, exc)) from None
+def _url_host(host: str) -> str:
+    """The address that reaches a server bound to ``host``, as a URL writes it (any of its addresses for 0.0.0.0)."""
+    shown = "127.0.0.1" if host in (*guard.WILDCARD_BINDS, "localhost") else host
+    return f"[{shown}]" if ":" in shown else shown
 
 
 def _refresh_note(storage: Storage, name: str) -> None:
@@ -205,9 +173,6 @@ def how_to_reach(dash: Dashboard, host: str, study: str | None, storage_display:
     port, path = dash.port, dash.url.split(f":{dash.port}", 1)[1]
     query = dash.open_url[len(dash.url) :]
     what = f"study {study!r}" if study else "all studies"
-    # The tunnel's far end: the address the server listens on (any of its addresses for 0.0.0.0).
-    target = "127.0.0.1" if host in (*guard.WILDCARD_BINDS, "localhost") else host
-    target = f"[{target}]" if ":" in target else target
     lines = [
         f"optuna-dashboard: {what} in {storage_display}",
         f"  open {dash.open_url}",
@@ -215,13 +180,13 @@ def how_to_reach(dash: Dashboard, host: str, study: str | None, storage_display:
         f"  can:  {_can(dash)}",
         "",
         "From your own computer (the search runs on a remote instance, e.g. AutoDL):",
-        f"  SSH tunnel:  ssh -N -L 127.0.0.1:{port}:{target}:{port} -p SSH_PORT root@SSH_HOST",
+        f"  SSH tunnel:  ssh -N -L 127.0.0.1:{port}:{_url_host(host)}:{port} -p SSH_PORT root@SSH_HOST",
         "               (SSH_HOST and SSH_PORT: from the instance's login command `ssh -p SSH_PORT root@SSH_HOST`),",
         f"               then open http://127.0.0.1:{port}{path}{query}",
     ]
     if dash.storage_read_only:
         lines.insert(1, "  read-only (this user cannot write the file): browsing works, notes and deletions do not")
-    if port == AUTODL_PORT and host not in PRIVATE_BINDS:
+    if port == AUTODL_PORT and host not in guard.LOOPBACK_NAMES:
         lines.append(
             f"  AutoDL custom service (自定义服务): open the console's link for port {port}, then {path}{query} "
             "(if it answers that its Host is refused, restart with the --allow-host it names)"
@@ -251,21 +216,3 @@ def _can(dash: Dashboard) -> str:
         "browse every study of this storage and change them: edit notes, create, rename and delete "
         "studies, finish and annotate trials (--read-only: browse only)"
     )
-
-
-def run(
-    storage_url: str,
-    study: str | None,
-    host: str,
-    port: int,
-    *,
-    allow_hosts: Sequence[str] = (),
-    writable: bool | None = None,
-    out: TextIO | None = None,
-) -> int:
-    out = out or sys.stdout
-    dash = create(storage_url, study, host, port, allow_hosts=allow_hosts, writable=writable)
-    print(how_to_reach(dash, host, study, urls.mask(storage_url)), file=out, flush=True)
-    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a dashboard ends
-        dash.serve_forever()
-    return 0

@@ -1,18 +1,12 @@
-"""Who `hpsearch dashboard` serves: a WSGI middleware in front of optuna-dashboard.
+"""Who `hpsearch dashboard` serves: a WSGI middleware in front of optuna-dashboard, which lets any request read,
+create, rename and delete every study of the storage. Before it sees a request, this checks, in order:
 
-optuna-dashboard has no notion of a visitor: any request that reaches it may read every study
-of the storage, and create, rename and delete studies, edit notes, finish trials. So, before it
-sees a request, this checks, in order:
-
-1. the Host header names this server (a loopback name, the bound address, an ``--allow-host``
-   name). A page of another site that rebinds its own name to 127.0.0.1 (DNS rebinding) makes
-   the browser send that name, so it is refused here.
-2. the token, when one is set (off loopback, or HPSEARCH_DASHBOARD_TOKEN): ``?token=`` once (a
-   cookie is then set, so the page's own API calls carry it), the cookie, or
-   ``Authorization: Bearer``.
-3. writes (any method but GET/HEAD/OPTIONS): refused in read-only mode; otherwise refused when a
-   browser says the request comes from another origin (CSRF: the cookie of a loopback
-   dashboard without a token proves nothing).
+1. the Host header names this server (a loopback name, the bound address, an ``--allow-host`` name): a page of
+   another site that rebinds its own name to 127.0.0.1 (DNS rebinding) makes the browser send that name.
+2. the token, when one is set (off loopback, or HPSEARCH_DASHBOARD_TOKEN): ``?token=`` once (then a cookie, so the
+   page's own API calls carry it), the cookie, or ``Authorization: Bearer``.
+3. writes (any method but GET/HEAD/OPTIONS): refused in read-only mode, else when a browser says the request comes
+   from another origin (CSRF: the cookie of a loopback dashboard without a token proves nothing).
 """
 
 from __future__ import annotations
@@ -27,6 +21,8 @@ from http.cookies import CookieError, SimpleCookie
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
+from hpsearch.search.errors import UsageError
+
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
 
@@ -39,17 +35,18 @@ LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 WILDCARD_BINDS = frozenset({"", "0.0.0.0", "::"})
 
 
-class GuardError(ValueError):
-    """A guard setting (``--allow-host``, the token variable) is unusable: one line, exit 2."""
+def _ip(value: str) -> str | None:
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        return None
 
 
 def host_name(value: str) -> str | None:
     """The name part of a Host header or ``--allow-host`` value, lowercased, IPv6 without brackets."""
     value = value.strip()
-    try:
-        return str(ipaddress.ip_address(value))  # a bare IPv6 address, as --host takes it
-    except ValueError:
-        pass
+    if ip := _ip(value):  # a bare IPv6 address, as --host takes it
+        return ip
     if not value or any(c in value for c in "/?#@\\ \t"):
         return None
     try:
@@ -58,10 +55,7 @@ def host_name(value: str) -> str | None:
     except ValueError:
         return None
     name = (parts.hostname or "").rstrip(".")
-    try:
-        return str(ipaddress.ip_address(name))
-    except ValueError:
-        return name or None
+    return _ip(name) or name or None
 
 
 def proxy_names(values: Iterable[str]) -> frozenset[str]:
@@ -70,7 +64,7 @@ def proxy_names(values: Iterable[str]) -> frozenset[str]:
     for value in values:
         name = host_name(value)
         if name is None:
-            raise GuardError(
+            raise UsageError(
                 f"--allow-host {value!r}: give the host name the browser's address bar shows, without "
                 "http:// or a path (e.g. --allow-host u12345-abcd.westb.seetacloud.com)"
             )
@@ -80,23 +74,19 @@ def proxy_names(values: Iterable[str]) -> frozenset[str]:
 
 def allowed_names(bound: str, resolved: str, proxied: frozenset[str]) -> frozenset[str]:
     """Loopback names, the address the server was bound to (as given and as resolved), ``--allow-host``."""
-    names = set(LOOPBACK_NAMES | proxied)
-    for value in (bound, resolved):
-        name = host_name(value) if value not in WILDCARD_BINDS else None
-        if name:
-            names.add(name)
-    return frozenset(names)
+    given = {host_name(value) for value in (bound, resolved) if value not in WILDCARD_BINDS}
+    return LOOPBACK_NAMES | proxied | {name for name in given if name}
 
 
 def check_token(token: str) -> str:
     """A token from the environment: long enough to guard a port on the internet, and header-safe."""
     if len(token) < MIN_TOKEN_LENGTH:
-        raise GuardError(
+        raise UsageError(
             f"{TOKEN_ENV} is {len(token)} characters; use at least {MIN_TOKEN_LENGTH} "
             "(e.g. python -c 'import secrets; print(secrets.token_urlsafe())')"
         )
     if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
-        raise GuardError(f"{TOKEN_ENV} must be printable ASCII without spaces (it travels in an HTTP header)")
+        raise UsageError(f"{TOKEN_ENV} must be printable ASCII without spaces (it travels in an HTTP header)")
     return token
 
 
@@ -124,24 +114,13 @@ class Policy:
 
     @property
     def cookie_value(self) -> str:
-        # The cookie holds a digest, not the token: any token is a valid cookie value, and the
-        # browser's cookie store never holds the secret itself.
+        # A digest, not the token: any token makes a valid cookie value, and the browser never stores the secret.
         assert self.token is not None
         return hmac.new(self.token.encode(), b"hpsearch-dashboard-cookie", hashlib.sha256).hexdigest()
 
     def host_allowed(self, header: str) -> bool:
         name = host_name(header)
-        if name is None:
-            return False
-        if name in self.names:
-            return True
-        if self.any_ip:
-            try:
-                ipaddress.ip_address(name)
-            except ValueError:
-                return False
-            return True
-        return False
+        return name is not None and (name in self.names or (self.any_ip and _ip(name) is not None))
 
 
 def guard(app: WSGIApplication, policy: Policy) -> WSGIApplication:
@@ -210,8 +189,7 @@ def _authenticate(environ: WSGIEnvironment, policy: Policy) -> str | None:
 
 
 def _setting_cookie(start_response: StartResponse, policy: Policy) -> StartResponse:
-    # HttpOnly: the page's scripts never read it; SameSite=Strict: a page of another site
-    # cannot make the browser send it.
+    # HttpOnly: the page's scripts never read it; SameSite=Strict: no page of another site makes the browser send it.
     cookie = f"{policy.cookie_name}={policy.cookie_value}; Path=/; HttpOnly; SameSite=Strict"
 
     def with_cookie(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Callable[[bytes], object]:
@@ -221,12 +199,8 @@ def _setting_cookie(start_response: StartResponse, policy: Policy) -> StartRespo
 
 
 def _foreign_origin(environ: WSGIEnvironment, host: str, policy: Policy) -> str | None:
-    """The origin of a browser page on another site that sent this request, else None.
-
-    A browser sends Origin with every POST, PUT and DELETE (and Sec-Fetch-Site, in current
-    browsers); a request without either is not from a web page (curl, a script), and a page of
-    another site cannot remove them.
-    """
+    """The origin of a browser page on another site that sent this request, else None. Browsers send Origin with
+    every POST, PUT and DELETE (and Sec-Fetch-Site), which a page cannot remove; curl or a script sends neither."""
     origin = environ.get("HTTP_ORIGIN")
     if origin is not None:
         if origin.strip().lower() == "null":

@@ -1,11 +1,6 @@
-"""`hpsearch best --export DIR`: copy the best trial's model and tokenizer where a user wants them.
-
-The best checkpoint is already a ``save_pretrained`` folder (model, tokenizer, config with the
-label names, and hpsearch.json saying which trial and step it came from), so exporting is a
-checked copy plus a record of the trial's value and parameters. An adapter trial's checkpoint is
-an adapter folder (what peft's ``AutoPeftModel*.from_pretrained`` loads, on the base it names);
-``merge`` exports the base with the adapter merged in instead, a plain ``from_pretrained`` folder.
-"""
+"""`hpsearch best --export DIR`: a checked copy of the best trial's checkpoint (a ``save_pretrained`` folder, or an
+adapter folder that peft's ``AutoPeftModel*.from_pretrained`` loads) plus the trial's value and parameters; ``merge``
+exports an adapter merged into its base instead, a plain ``from_pretrained`` folder."""
 
 from __future__ import annotations
 
@@ -18,13 +13,12 @@ from typing import Any
 from hpsearch.search.errors import SpecError
 from hpsearch.storage import attrs, registry, rundir, trialdir
 from hpsearch.storage.checkpoints import is_deleted
+from hpsearch.trainer import adapters
+from hpsearch.trainer.checkpoint import META
 from hpsearch.trainer.errors import ModelError
-from hpsearch.trainer.model import check_weights
+from hpsearch.trainer.model import check_weights, load_tokenizer
 
 log = logging.getLogger(__name__)
-REQUIRED = ("config.json",)
-ADAPTER_REQUIRED = ("adapter_config.json",)
-"""An adapter checkpoint has no config.json: its base's is in the base's folder."""
 
 
 class ExportError(SpecError):
@@ -34,10 +28,8 @@ class ExportError(SpecError):
 def export_best(
     best: dict[str, Any] | None, study: str, target: Path, uid: str | None = None, *, merge: bool = False
 ) -> Path:
-    """Copy the best trial's checkpoint (as ``summary.trial_dict`` describes it) to ``target``.
-
-    ``uid`` is the study's id: a checkpoint in a folder marked as another study's (a study of
-    the same name elsewhere wrote over it) is not this trial's model, and is refused."""
+    """Copy the best trial's checkpoint (``summary.trial_dict``) to ``target``. A checkpoint in a folder marked
+    with another ``uid`` than the study's (a study of the same name elsewhere wrote over it) is refused."""
     if best is None:
         raise ExportError(f"study {study!r} has no complete trial yet; nothing to export")
     source_text = best.get(attrs.BEST_CHECKPOINT)
@@ -62,12 +54,12 @@ def export_best(
             "hpsearch study folder; refusing to read it (someone changed the trial's best_checkpoint)"
         )
     owner = rundir.owner(folder.root)
-    if owner is None or (uid is not None and owner.get("uid") != uid):
-        if owner is None:
-            raise ExportError(
-                f"checkpoint {source} is not in a folder an hpsearch study made (no {rundir.MARKER} in "
-                f"{folder.root}); refusing to read it"
-            )
+    if owner is None:
+        raise ExportError(
+            f"checkpoint {source} is not in a folder an hpsearch study made (no {rundir.MARKER} in "
+            f"{folder.root}); refusing to read it"
+        )
+    if uid is not None and owner.get("uid") != uid:
         raise ExportError(
             f"checkpoint {source} was overwritten by another study named {study!r} (from {owner.get('storage')}); "
             f"it is not trial {best['number']}'s model, and that model is lost"
@@ -76,15 +68,14 @@ def export_best(
     if links:
         # hpsearch writes none: one there was put by someone else, and copying would follow it.
         raise ExportError(f"checkpoint {source} holds a symbolic link ({links[0]}); refusing to export it")
-    is_adapter = (source / ADAPTER_REQUIRED[0]).exists()
-    missing = [name for name in (ADAPTER_REQUIRED if is_adapter else REQUIRED) if not (source / name).exists()]
+    is_adapter = (source / adapters.ADAPTER_CONFIG).exists()  # an adapter's config.json is in its base's folder
     if merge and not is_adapter:
         raise ExportError(
             f"--merge: trial {best['number']}'s checkpoint {source} is a full model, not an adapter; "
             "there is nothing to merge: export it without --merge"
         )
-    if missing:
-        raise ExportError(f"checkpoint {source} is incomplete (no {', '.join(missing)})")
+    if not is_adapter and not (source / "config.json").exists():
+        raise ExportError(f"checkpoint {source} is incomplete (no config.json)")
     try:
         check_weights(source, f"checkpoint {source} of trial {best['number']}")
     except ModelError as exc:
@@ -133,10 +124,6 @@ def export_best(
 
 def _merge(source: Path, tmp: Path) -> None:
     """The adapter of ``source`` merged into its base, written to ``tmp`` with the tokenizer and meta."""
-    from hpsearch.trainer import adapters
-    from hpsearch.trainer.checkpoint import META
-    from hpsearch.trainer.model import load_tokenizer
-
     meta = json.loads((source / META).read_text()) if (source / META).exists() else {}
     labels = meta.get("id2label") if isinstance(meta, dict) else None
     id2label = {int(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else None

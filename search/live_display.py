@@ -11,23 +11,19 @@ import shutil
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 from hpsearch.search.devices import Device
-from hpsearch.search.progress import BAR_WIDTH, Progress
+from hpsearch.search.progress import Progress
 
-log = logging.getLogger(__name__)
+BAR_WIDTH = 24
 
 
 class LiveProgress(Progress):
-    """Status lines redrawn at the bottom of the terminal; all output scrolls above them.
-
-    The workers are separate processes writing to the same terminal, which would tear the
-    status lines; so their stdout/stderr are pointed at a pipe while they start (the same
-    trick as CUDA_VISIBLE_DEVICES in dispatch.py), and a thread prints what they write above
-    the status lines. The parent's own log records are routed the same way.
-    """
+    """Status lines redrawn at the bottom of the terminal; all output scrolls above them. The workers' stdout/stderr
+    would tear them, so they point at a pipe while a child starts, and a thread prints what comes through above the
+    status lines, as the parent's own log records (docs/decisions.md, "The live display keeps its own drawing")."""
 
     def __init__(self, study_name: str, storage_url: str, devices: list[Device], stream: TextIO) -> None:
         super().__init__(study_name, storage_url, devices)
@@ -45,10 +41,7 @@ class LiveProgress(Progress):
         # Route the parent's console log records through the display (restored on exit).
         line_stream = _LineStream(self)
         for handler in logging.getLogger().handlers:
-            if type(handler) is logging.StreamHandler and handler.stream in (
-                sys.stderr,
-                sys.stdout,
-            ):
+            if type(handler) is logging.StreamHandler and handler.stream in (sys.stderr, sys.stdout):
                 self._handlers.append((handler, handler.setStream(line_stream)))
         self._write(b"\x1b[?25l")  # hide the cursor while redrawing
         super().start()
@@ -61,7 +54,7 @@ class LiveProgress(Progress):
         for handler, stream in self._handlers:
             handler.setStream(stream)
 
-    @contextmanager
+    @contextlib.contextmanager
     def capture_output(self) -> Iterator[None]:
         targets = [fd for fd in (1, 2) if os.isatty(fd)]
         saved = [(fd, os.dup(fd)) for fd in targets]
@@ -94,8 +87,7 @@ class LiveProgress(Progress):
         self.flush()
 
     def flush(self) -> None:
-        # Never wait for the lock: a signal handler that logs while the main thread is
-        # drawing would deadlock. Whoever holds the lock drains what others queued.
+        # Never wait for the lock: a signal handler logging mid-draw would deadlock. Its holder drains the queue.
         if not self._lock.acquire(blocking=False):
             return
         try:
@@ -112,18 +104,13 @@ class LiveProgress(Progress):
 
     def _read_children(self) -> None:
         partial = b""
-        while True:
-            try:
-                chunk = os.read(self._read_fd, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            partial += chunk
-            *lines, partial = partial.split(b"\n")
-            for line in lines:
-                # A carriage return means "overwrite this line" (progress bars): keep the last.
-                self.add_line(line.decode(errors="replace").rstrip("\r").rsplit("\r", 1)[-1])
+        with contextlib.suppress(OSError):
+            while chunk := os.read(self._read_fd, 65536):
+                partial += chunk
+                *lines, partial = partial.split(b"\n")
+                for line in lines:
+                    # A carriage return means "overwrite this line" (progress bars): keep the last.
+                    self.add_line(line.decode(errors="replace").rstrip("\r").rsplit("\r", 1)[-1])
         if partial:
             self.add_line(partial.decode(errors="replace"))
         os.close(self._read_fd)
@@ -134,11 +121,11 @@ class LiveProgress(Progress):
             os.write(self.fd, data)
 
 
+@dataclass
 class _LineStream:
     """A file-like target for logging handlers that prints whole lines above the display."""
 
-    def __init__(self, live: LiveProgress) -> None:
-        self.live = live
+    live: LiveProgress
 
     def write(self, text: str) -> int:
         for line in text.rstrip("\n").split("\n"):

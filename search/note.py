@@ -1,9 +1,5 @@
-"""The study note optuna-dashboard shows on a study's page: spec, budget used, best checkpoint.
-
-Written through optuna-dashboard's own note API (``save_note``), so the dashboard shows it
-without any extra work. Supervisors rewrite it as trials finish; the text depends only on
-finished trials, so it is written only when it changes, not on every poll of every host.
-"""
+"""The study note optuna-dashboard shows on a study's page (spec, budget used, best checkpoint), written with its
+``save_note``. It depends only on finished trials, so it is written when it changes, not on every poll of every host."""
 
 from __future__ import annotations
 
@@ -17,6 +13,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.search import summary
 from hpsearch.search.spec import StudySpec
+from hpsearch.search.summary import fmt
 from hpsearch.storage import attrs
 
 log = logging.getLogger(__name__)
@@ -60,7 +57,7 @@ def render(study: optuna.Study, spec: StudySpec, n_trials: int) -> str:
 def _best(best: dict[str, Any] | None, spec: StudySpec) -> list[str]:
     if best is None:
         return ["**Best:** no complete trial yet."]
-    params = ", ".join(f"`{k}` = {_fmt(v)}" for k, v in sorted(best["params"].items()))
+    params = ", ".join(f"`{k}` = {fmt(v)}" for k, v in sorted(best["params"].items()))
     step, host = best[attrs.BEST_STEP], best.get(attrs.HOST)
     lines = [
         f"**Best:** trial {best['number']}: {spec.search.metric} **{best['value']:.4f}** at step {step}",
@@ -76,20 +73,13 @@ def _best(best: dict[str, Any] | None, spec: StudySpec) -> list[str]:
 
 def _spec_table(spec: StudySpec) -> list[str]:
     t, s = spec.train, spec.search
+    steps = f", max {t.max_steps} steps" if t.max_steps else ""
+    train = f"batch {t.batch_size} (micro {t.micro_batch_size}), {t.epochs} epoch{'' if t.epochs == 1 else 's'}{steps}"
     rows = [
         ("model", f"`{spec.model.name}` (max_length {spec.model.max_length})"),
         ("data", f"train `{spec.data.train}`, validation `{spec.data.validation}`"),
-        (
-            "train",
-            f"batch {t.batch_size} (micro {t.micro_batch_size}), {t.epochs} "
-            + ("epoch" if t.epochs == 1 else "epochs")
-            + (f", max {t.max_steps} steps" if t.max_steps else "")
-            + f", eval every {t.eval_every} steps, precision {t.precision}",
-        ),
-        (
-            "search",
-            f"{s.sampler} sampler, {s.pruner} pruner, {s.metric} ({spec.direction}), seed {s.seed}",
-        ),
+        ("train", f"{train}, eval every {t.eval_every} steps, precision {t.precision}"),
+        ("search", f"{s.sampler} sampler, {s.pruner} pruner, {s.metric} ({spec.direction}), seed {s.seed}"),
     ]
     return ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
 
@@ -98,27 +88,25 @@ def _space_table(spec: StudySpec) -> list[str]:
     rows = ["| searched | range |", "|---|---|"]
     for name, p in spec.space.items():
         if p.type == "categorical":
-            rng = ", ".join(_fmt(c) for c in p.choices or [])
+            rng = ", ".join(fmt(c) for c in p.choices or [])
         else:
             rng = (
-                f"{_fmt(p.low)} to {_fmt(p.high)}"
+                f"{fmt(p.low)} to {fmt(p.high)}"
                 + (" (log)" if p.log else "")
-                + (f" step {_fmt(p.step)}" if p.step else "")
+                + (f" step {fmt(p.step)}" if p.step else "")
             )
         rows.append(f"| `{name}` | {p.type}: {rng} |")
     return rows if spec.space else []
 
 
-def update(study: optuna.Study, spec: StudySpec, n_trials: int) -> bool:
-    """Write the note if its text changed; True if written."""
+def update(study: optuna.Study, spec: StudySpec, n_trials: int) -> None:
+    """Write the note if its text changed."""
     from optuna_dashboard import get_note, save_note
 
     body = render(study, spec, n_trials)
-    if get_note(study) == body:
-        return False
-    save_note(study, body)
-    log.debug("study note of %s updated", study.study_name)
-    return True
+    if get_note(study) != body:
+        save_note(study, body)
+        log.debug("study note of %s updated", study.study_name)
 
 
 def finished_key(trials: Iterable[FrozenTrial]) -> tuple[int, ...]:
@@ -126,7 +114,3 @@ def finished_key(trials: Iterable[FrozenTrial]) -> tuple[int, ...]:
     return tuple(
         sorted(t.number for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL))
     )
-
-
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)

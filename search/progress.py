@@ -1,14 +1,7 @@
-"""Live progress of a search for `hpsearch start` / `hpsearch worker`.
-
-On a terminal: a few status lines kept at the bottom (trials finished / budget, running,
-pruned, failed, best so far, device-hours, time left, what each local device is doing), with
-every log line, the workers' included, scrolling above them. Not on a terminal (piped, nohup,
-CI): plain log lines, one whenever the numbers change and a heartbeat every few minutes.
-
-The study is read by a background thread, so a slow or restarting database never stalls the
-supervisor, and it holds no connection between reads (NullPool). The same thread keeps the
-study note (note.py) up to date as trials finish.
-"""
+"""Live progress of `hpsearch start` / `hpsearch worker` (docs/watching.md, "In the terminal"): status lines kept
+at the bottom of a terminal (live_display.py), else a log line when the numbers change and every few minutes. A
+background thread reads the study, so a slow database never stalls the supervisor, and keeps the study note
+(note.py) up to date as trials finish."""
 
 from __future__ import annotations
 
@@ -25,18 +18,20 @@ from typing import Any, TextIO
 
 import optuna
 from optuna.trial import TrialState
+from sqlalchemy.pool import NullPool
 
 from hpsearch.search import note, stop_signals, study as studies, summary
 from hpsearch.search.devices import Device
 from hpsearch.search.spec import StudySpec
-from hpsearch.storage import attrs
+from hpsearch.storage import attrs, urls
+from hpsearch.storage.db import Database, engine_kwargs
+from hpsearch.storage.open import Storage
 
 log = logging.getLogger(__name__)
 POLL_S = 15.0
 """Seconds between reads of the study when nothing happened locally."""
 HEARTBEAT_S = 300.0
 """Plain mode: a progress line at least this often, even when nothing changed."""
-BAR_WIDTH = 24
 
 
 @dataclass
@@ -106,8 +101,7 @@ class Poller(threading.Thread):
         self.latest: Snapshot | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        self._study: optuna.Study | None = None
-        self._spec: StudySpec | None = None
+        self._opened: tuple[optuna.Study, StudySpec] | None = None
         self._noted: tuple[int, ...] | None = None
         self._failing = False
 
@@ -124,7 +118,7 @@ class Poller(threading.Thread):
             self._wake.wait(POLL_S)
             self._wake.clear()
 
-    def refresh(self) -> Snapshot | None:
+    def refresh(self) -> None:
         try:
             study, spec = self._open()
             snap = read(study, spec)
@@ -135,38 +129,26 @@ class Poller(threading.Thread):
             # Progress is a view: a database hiccup must never stop the search it shows.
             if not self._failing:
                 log.warning(
-                    "progress: cannot read study %s (%s); will retry",
-                    self.study_name,
-                    stop_signals.describe(exc),
+                    "progress: cannot read study %s (%s); will retry", self.study_name, stop_signals.describe(exc)
                 )
             self._failing = True
-            return None
+            return
         self._failing = False
         self.latest = snap
-        return snap
 
     def _open(self) -> tuple[optuna.Study, StudySpec]:
-        if self._study is None or self._spec is None:
-            from sqlalchemy.pool import NullPool
-
-            from hpsearch.storage import urls
-            from hpsearch.storage.db import Database, engine_kwargs
-            from hpsearch.storage.open import Storage
-
+        if self._opened is None:
             url = urls.normalize(self.storage_url)
             kwargs = {
                 k: v for k, v in engine_kwargs(url).items() if k not in ("pool_size", "max_overflow", "pool_recycle")
             }
-            # No pooled connection stays open between reads: the parent must not hold one
-            # for hours while its children train (a shared server's connection limit).
+            # No pooled connection between reads: not one held for hours (a shared server's connection limit).
             rdb = optuna.storages.RDBStorage(
                 url, engine_kwargs={**kwargs, "poolclass": NullPool}, skip_table_creation=True
             )
-            storage = Storage(url=url, optuna=rdb, db=Database(rdb.engine))
-            spec = studies.stored_spec(storage, self.study_name)
-            self._study = optuna.load_study(study_name=self.study_name, storage=rdb)
-            self._spec = spec
-        return self._study, self._spec
+            spec = studies.stored_spec(Storage(url=url, optuna=rdb, db=Database(rdb.engine)), self.study_name)
+            self._opened = optuna.load_study(study_name=self.study_name, storage=rdb), spec
+        return self._opened
 
 
 class Progress:
@@ -185,8 +167,7 @@ class Progress:
         self.poller.start()
 
     def stop(self, *, storage_lost: bool = False) -> None:
-        """``storage_lost``: the workers stopped without reaching the storage, so neither
-        wait for a read in flight nor try a last one (each could take a connect timeout)."""
+        """``storage_lost``: wait for no read in flight, try no last one (each could take a connect timeout)."""
         self.poller.stop()
         self.poller.join(timeout=0.5 if storage_lost else 5)
         # One last read, so the final line and the study note include the last trial.
@@ -231,44 +212,33 @@ class Progress:
         return (
             f"{s.finished}/{s.n_trials} trials finished, {s.running} running, {s.pruned} pruned, "
             f"{s.failed} failed, {best}, {s.device_seconds / 3600:.2f} {self.unit} used, "
-            f"{_duration(time.monotonic() - self.started)} elapsed, {_left(s)}"
+            f"{summary.duration(time.monotonic() - self.started)} elapsed, {_left(s)}"
         )
 
     def devices_line(self) -> str:
         now = time.monotonic()
-        parts = [
-            f"{label}: trial {number} ({_duration(now - since)})" if number is not None else f"{label}: idle"
+        return "  ".join(
+            f"{label}: trial {number} ({summary.duration(now - since)})" if number is not None else f"{label}: idle"
             for label, (number, since) in sorted(self._trials.items())
-        ]
-        return "  ".join(parts)
+        )
 
 
 def for_terminal(study_name: str, storage_url: str, devices: list[Device], stream: TextIO | None = None) -> Progress:
     """A live display when ``stream`` (stderr) is a terminal, plain log lines otherwise."""
     stream = stream or sys.stderr
-    if _is_terminal(stream):
+    try:
+        terminal = stream.isatty() and os.environ.get("TERM", "") != "dumb"
+    except (AttributeError, ValueError):
+        terminal = False
+    if terminal:
         from hpsearch.search.live_display import LiveProgress
 
         return LiveProgress(study_name, storage_url, devices, stream)
     return Progress(study_name, storage_url, devices)
 
 
-def _is_terminal(stream: TextIO) -> bool:
-    try:
-        return stream.isatty() and os.environ.get("TERM", "") != "dumb"
-    except (AttributeError, ValueError):
-        return False
-
-
 def _left(s: Snapshot) -> str:
     if s.finished + s.failed >= s.n_trials and not s.running:
         return "done"
     left = s.time_left_s()
-    return f"~{_duration(left)} left" if left is not None else "time left: after the first trial"
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+    return f"~{summary.duration(left)} left" if left is not None else "time left: after the first trial"

@@ -1,4 +1,4 @@
-"""What `status` and `best` show: a study's trials by state and its best trial."""
+"""What `status` and `best` show: a study's trials by state, its best trial and its workers."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.search.spec import StudySpec
-from hpsearch.storage import attrs, checkpoints as retention, lost, registry
+from hpsearch.storage import attrs, checkpoints as retention, lost, registry, worker_views
+from hpsearch.storage.db import Database
 
 SHOWN = (
     attrs.BEST_STEP,
@@ -26,9 +27,8 @@ SHOWN = (
 
 
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
-    """The complete trial ranked first the way checkpoint retention ranks them: by value, then,
-    at an equal value, by the validation loss of its best point. Optuna's own ``study.best_trial``
-    (and the dashboard's) breaks such ties by trial number alone."""
+    """The complete trial ranked first as retention ranks them: by value, then by its best point's validation
+    loss (docs/decisions.md, "A tie goes to the lower validation loss"); Optuna's breaks ties by number."""
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
     if not complete:
         return None
@@ -99,7 +99,10 @@ def why_no_best(study: optuna.Study, spec: StudySpec) -> list[str]:
     lines = [f"no trial completed: {len(pruned)} pruned ({said})" if pruned else "no trial completed"]
     if failed:
         lines[0] += f", {len(failed)} failed"
-    point = _best_point(trials, spec.direction == "minimize")
+    points = [
+        (t, step, v) for t in trials for step, v in t.intermediate_values.items() if v is not None and math.isfinite(v)
+    ]
+    point = (min if spec.direction == "minimize" else max)(points, key=lambda p: p[2], default=None)
     if point is not None:
         trial, step, value = point
         kept = trial.user_attrs.get(attrs.BEST_CHECKPOINT)
@@ -111,20 +114,11 @@ def why_no_best(study: optuna.Study, spec: StudySpec) -> list[str]:
     return lines
 
 
-def _best_point(trials: list[FrozenTrial], minimize: bool) -> tuple[FrozenTrial, int, float] | None:
-    points = [
-        (t, step, v) for t in trials for step, v in t.intermediate_values.items() if v is not None and math.isfinite(v)
-    ]
-    if not points:
-        return None
-    return min(points, key=lambda p: p[2]) if minimize else max(points, key=lambda p: p[2])
-
-
 def _fixes(causes: Counter[str], spec: StudySpec) -> list[str]:
     s, t = spec.search, spec.train
     lr = spec.space.get("learning_rate")
     if lr is not None and lr.choices:
-        lr_now = f"now one of {', '.join(map(_fmt, lr.choices))}"
+        lr_now = f"now one of {', '.join(map(fmt, lr.choices))}"
     elif lr is not None:
         lr_now = f"now {lr.low:g} to {lr.high:g}"
     else:
@@ -152,14 +146,13 @@ def _fixes(causes: Counter[str], spec: StudySpec) -> list[str]:
 
 
 def failed_only(s: dict[str, Any]) -> str | None:
-    """What to say when the study has failed trials and nothing else (no complete, pruned or
-    running one): its most common failure reason; None otherwise."""
+    """The most common failure reason when the study has failed trials and no other; None otherwise."""
     st = s["states"]
     if not st["fail"] or st["complete"] or st["pruned"] or st["running"] or st["waiting"]:
         return None
-    reasons = Counter(t[attrs.FAIL_REASON] or "no reason recorded" for t in s["trials"] if t["state"] == "FAIL")
-    reason, count = reasons.most_common(1)[0]
-    return f"every trial failed ({st['fail']}); {count} with: {reason}"
+    reasons = Counter(reason(t) for t in s["trials"] if t["state"] == "FAIL")
+    cause, count = reasons.most_common(1)[0]
+    return f"every trial failed ({st['fail']}); {count} with: {cause}"
 
 
 def search_over(s: dict[str, Any]) -> bool:
@@ -207,7 +200,7 @@ def format_best(s: dict[str, Any]) -> str:
         first, *rest = s["no_best"]
         return "\n".join([f"best: none; {first}", *(f"  {line}" for line in rest)])
     lines = [f"best: trial {best['number']}  {metric} {best['value']:.4f} at step {best[attrs.BEST_STEP]}"]
-    lines += [f"  {k} = {_fmt(v)}" for k, v in sorted(best["params"].items())]
+    lines += [f"  {k} = {fmt(v)}" for k, v in sorted(best["params"].items())]
     where, size = best[attrs.BEST_CHECKPOINT], best.get(attrs.BEST_CHECKPOINT_MB)
     shown_size = size is not None and not retention.is_deleted(where)
     lines.append(f"  checkpoint: {where}" + (f" ({size:.1f} MiB)" if shown_size else ""))
@@ -217,7 +210,7 @@ def format_best(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _fmt(v: Any) -> str:
+def fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
@@ -226,9 +219,8 @@ LATEST_ROWS, BEST_ROWS = 20, 3
 
 
 def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
-    """One row per trial: number, state, value, step reached, searched parameters, duration,
-    worker, and why a pruned or failed trial ended. Without ``every``, a long study shows its
-    latest and best trials only."""
+    """One row per trial: number, state, value, step reached, searched parameters, duration, worker, and why a
+    pruned or failed trial ended. Without ``every``, a long study shows its latest and best trials only."""
     trials = s["trials"]
     if not trials:
         return "no trials yet"
@@ -252,8 +244,8 @@ def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
                 state,
                 f"{t['value']:.4f}" if t["value"] is not None else "-",
                 str(t["step"]) if t["step"] is not None else "-",
-                *(_fmt(t["params"][n]) if n in t["params"] else "-" for n in names),
-                _duration(t["duration_s"]),
+                *(fmt(t["params"][n]) if n in t["params"] else "-" for n in names),
+                duration(t["duration_s"]),
                 t[attrs.WORKER] or "-",
                 _short(reason(t), 60),
             ]
@@ -266,7 +258,7 @@ def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _duration(seconds: float | None) -> str:
+def duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     m, sec = divmod(int(seconds), 60)
@@ -277,3 +269,48 @@ def _duration(seconds: float | None) -> str:
 def _short(text: str, limit: int) -> str:
     text = " ".join(text.split())  # a traceback's last line may hold newlines
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def workers(db: Database, study: str) -> dict[str, Any]:
+    """What `status` shows about the workers of ``study`` (who runs what, where, how long), as plain data."""
+    found = worker_views.list_workers(db, study)
+    return {
+        "workers": [w.to_dict() for w in found],
+        "workers_by_state": {state: sum(w.state == state for w in found) for state in ("live", "lost", "finished")},
+        "gpu_hours": worker_views.device_hours(found, gpu_only=True),
+        "device_hours": worker_views.device_hours(found, gpu_only=False),
+    }
+
+
+def format_workers(s: dict[str, Any]) -> str:
+    by = s["workers_by_state"]
+    lines = [
+        f"workers: {by['live']} live, {by['lost']} lost, {by['finished']} finished  "
+        f"GPU-hours {s['gpu_hours']:.3f}  (all devices {s['device_hours']:.3f} h)"
+    ]
+    hosts = sorted({w["host"] for w in s["workers"] if w["state"] != "finished"})
+    if hosts:
+        lines[0] += f"  on {len(hosts)} host{'s' if len(hosts) != 1 else ''}"
+    # Live and lost first: those are the ones a user acts on; finished ones are history.
+    order = {"live": 0, "lost": 1, "finished": 2}
+    for w in sorted(s["workers"], key=lambda w: (order[w["state"]], w["host"], w["device"])):
+        doing = f"trial {w['current_trial']}" if w["current_trial"] is not None else "idle"
+        if w["state"] == "finished":
+            doing = "done"
+        elif w["state"] == "lost":
+            doing = f"no heartbeat for {_age(w['heartbeat_age_s'])}" + (
+                f" (was on trial {w['current_trial']})" if w["current_trial"] is not None else ""
+            )
+        lines.append(
+            f"  {w['state']:<8} {w['host']:<20} {w['device']:<8} pid {w['pid']:<7} {doing:<24} "
+            f"trials {w['trials_finished']:<4} {w['device_seconds'] / 3600:.3f} h"
+        )
+    return "\n".join(lines)
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}min"
+    return f"{seconds / 3600:.1f}h"
