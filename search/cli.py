@@ -142,15 +142,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="also answer to this host name (a proxy's public name); repeatable. Others get 403",
     )
     mode = dash.add_mutually_exclusive_group()
-    for flag, action, what in (
-        ("--read-only", "store_false", "visitors browse only (the default off 127.0.0.1)"),
-        (
-            "--writable",
-            "store_true",
-            "visitors may also edit notes and delete studies and trials (the default on 127.0.0.1)",
-        ),
-    ):
-        mode.add_argument(flag, dest="writable", action=action, default=None, help=what)
+    mode.add_argument(
+        "--read-only",
+        dest="writable",
+        action="store_false",
+        default=None,
+        help="visitors browse only (the default off 127.0.0.1)",
+    )
+    mode.add_argument(
+        "--writable",
+        dest="writable",
+        action="store_true",
+        default=None,
+        help="visitors may also edit notes and delete studies and trials (the default on 127.0.0.1)",
+    )
     dash.set_defaults(func=cmd_dashboard)
     return parser
 

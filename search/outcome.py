@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import TrialState
 
 from hpsearch.search import retry
 from hpsearch.storage import attrs, checkpoints as retention
@@ -124,7 +124,7 @@ def finish(
         )
     if reason is not None:
         storage.optuna.set_trial_user_attr(trial_id, attrs.FAIL_REASON, reason)
-    _tell(storage, study, frozen, value if ending.state == TrialState.COMPLETE else None, ending.state)
+    _tell(storage, study, trial_id, frozen.number, value if ending.state == TrialState.COMPLETE else None, ending.state)
     return False
 
 
@@ -139,16 +139,18 @@ def _clear(storage: Storage, trial_id: int, folder: TrialDir, ending: Ending, ou
         folder.remove(folder.resume)
 
 
-def _tell(storage: Storage, study: optuna.Study, frozen: FrozenTrial, value: float | None, state: TrialState) -> None:
+def _tell(
+    storage: Storage, study: optuna.Study, trial_id: int, number: int, value: float | None, state: TrialState
+) -> None:
     """``study.tell``, taking the grid's end for what it is: once every point has run, GridSampler calls
     ``study.stop()`` (RuntimeError outside ``optimize``); with one left, it reads the grid index a retry or an
     enqueued trial lacks (KeyError). tell stores the trial all the same: neither is a failure, nor "reaped"."""
     try:
-        study.tell(frozen.number, value, state=state)
+        study.tell(number, value, state=state)
     except (RuntimeError, KeyError):
         if not isinstance(study.sampler, optuna.samplers.GridSampler):
             raise
-        if storage.optuna.get_trial(frozen._trial_id).state != state:
+        if storage.optuna.get_trial(trial_id).state != state:
             raise
         # The budget, not the sampler, ends the search: a failed point's retry may wait.
-        log.info("trial %d was the last point of the grid", frozen.number)
+        log.info("trial %d was the last point of the grid", number)

@@ -21,11 +21,28 @@ F = TypeVar("F", bound=Callable[..., Any])
 # ``set_trial_state_values`` is made safe below (a repeat that finds the trial finished
 # with the state we asked for has succeeded).
 _METHODS = [
-    *("create_new_study", "delete_study", "set_study_user_attr", "set_study_system_attr", "get_study_id_from_name"),
-    *("get_study_name_from_id", "get_study_directions", "get_study_user_attrs", "get_study_system_attrs"),
-    *("get_all_studies", "create_new_trial", "set_trial_param", "get_trial_id_from_study_id_trial_number"),
-    *("set_trial_state_values", "set_trial_intermediate_value", "set_trial_user_attr", "set_trial_system_attr"),
-    *("get_trial", "get_all_trials", "get_n_trials", "get_best_trial", "record_heartbeat"),
+    "create_new_study",
+    "delete_study",
+    "set_study_user_attr",
+    "set_study_system_attr",
+    "get_study_id_from_name",
+    "get_study_name_from_id",
+    "get_study_directions",
+    "get_study_user_attrs",
+    "get_study_system_attrs",
+    "get_all_studies",
+    "create_new_trial",
+    "set_trial_param",
+    "get_trial_id_from_study_id_trial_number",
+    "set_trial_state_values",
+    "set_trial_intermediate_value",
+    "set_trial_user_attr",
+    "set_trial_system_attr",
+    "get_trial",
+    "get_all_trials",
+    "get_n_trials",
+    "get_best_trial",
+    "record_heartbeat",
 ]
 
 

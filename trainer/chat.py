@@ -126,7 +126,12 @@ def _tokens(tokenizer: Any, text: str) -> list[int]:
 
 
 def _common(prefix: list[int], ids: list[int]) -> int:
-    return next((n for n, (a, b) in enumerate(zip(prefix, ids, strict=False)) if a != b), min(len(prefix), len(ids)))
+    n = 0
+    for a, b in zip(prefix, ids, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 def _without_trailing_space(tokenizer: Any, ids: list[int], start: int, end: int) -> int:

@@ -6,6 +6,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -79,16 +80,7 @@ def train_step(
         scale = world.size / data.train.targets([i for b in group for i in b])
         mine = group[world.rank :: world.size]
         try:
-            loss = torch.zeros((), device=device)
-            for i, indices in enumerate(mine):
-                batch = _to_device(collate(data.train, indices, data.pad_id), device)
-                # While a step still accumulates, DDP's all-reduce of every backward would be wasted.
-                with world.no_sync(model, is_accumulating=i < len(mine) - 1):
-                    with prec.autocast(precision, device):
-                        logits = tasks.logits(model, batch, data.task)
-                    micro_loss = tasks.loss_sum(logits, batch["labels"], data.task) * scale
-                    parts.scaler.scale(micro_loss).backward()
-                loss += micro_loss.detach()
+            loss = _accumulate(model, data, mine, scale, device, precision, parts.scaler, world)
             break
         except torch.OutOfMemoryError:
             if world.size > 1:
@@ -111,6 +103,30 @@ def train_step(
     prec.optimizer_step(optimizer, parts.scheduler, parts.scaler)
     optimizer.zero_grad(set_to_none=True)
     return loss
+
+
+def _accumulate(
+    model: torch.nn.Module,
+    data: Prepared,
+    mine: list[list[int]],
+    scale: float,
+    device: torch.device,
+    precision: str,
+    scaler: Any,
+    world: World,
+) -> torch.Tensor:
+    """Forward and backward of this rank's micro-batches of one step; their summed, scaled loss on the device."""
+    step_loss = torch.zeros((), device=device)
+    for i, indices in enumerate(mine):
+        batch = _to_device(collate(data.train, indices, data.pad_id), device)
+        # While a step still accumulates, DDP's all-reduce of every backward would be wasted.
+        with world.no_sync(model, is_accumulating=i < len(mine) - 1):
+            with prec.autocast(precision, device):
+                logits = tasks.logits(model, batch, data.task)
+            loss = tasks.loss_sum(logits, batch["labels"], data.task) * scale
+            scaler.scale(loss).backward()
+        step_loss += loss.detach()
+    return step_loss
 
 
 def validate(
