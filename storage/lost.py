@@ -105,8 +105,15 @@ def silent(r: WorkerRecord, now: float, grace_s: float) -> bool:
 
 def _stale(r: WorkerRecord, now: float) -> StaleTrial:
     assert r.current_trial is not None
-    seconds = max(0.0, r.heartbeat_at - (r.trial_started_at or r.heartbeat_at)) * (1 + r.device.count("+"))
-    return StaleTrial(r.id, r.name, r.host, int(r.current_trial), r.heartbeat_at, now - r.heartbeat_at, seconds)
+    return StaleTrial(
+        worker_id=r.id,
+        worker=r.name,
+        host=r.host,
+        trial_number=int(r.current_trial),
+        heartbeat_at=r.heartbeat_at,
+        heartbeat_age_s=now - r.heartbeat_at,
+        device_seconds=max(0.0, r.heartbeat_at - (r.trial_started_at or r.heartbeat_at)) * r.devices,
+    )
 
 
 def end_gone(db: Database, study: str, *, host: str, gone: Callable[[int], bool]) -> list[StaleTrial]:

@@ -42,9 +42,13 @@ class WorkerRecord(Base):
     current_trial: Mapped[int | None] = mapped_column(Integer, nullable=True)
     trial_started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     trials_finished: Mapped[int] = mapped_column(Integer, default=0)
-    device_seconds: Mapped[float] = mapped_column(
-        Float, default=0.0
-    )  # in finished trials; the running one is added live
+    # Device time in finished trials; the running one is added live.
+    device_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+
+    @property
+    def devices(self) -> int:
+        """How many devices the worker trains each trial on: a device group's label joins them with "+"."""
+        return 1 + self.device.count("+")
 
 
 class StudyCreation(Base):

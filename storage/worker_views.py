@@ -58,10 +58,17 @@ def _view(r: WorkerRecord, now: float) -> WorkerView:
     if r.trial_started_at is not None:
         # A lost worker stopped using its device at its last heartbeat, as far as anyone knows.
         seconds += max(0.0, (now if state == "live" else r.heartbeat_at) - r.trial_started_at)
-    seconds *= 1 + r.device.count("+")  # a device group's label joins its devices with "+"
-    age = max(0.0, now - r.heartbeat_at)
     return WorkerView(
-        r.name, r.host, r.device, r.pid, state, r.started_at, age, r.current_trial, r.trials_finished, seconds
+        name=r.name,
+        host=r.host,
+        device=r.device,
+        pid=r.pid,
+        state=state,
+        started_at=r.started_at,
+        heartbeat_age_s=max(0.0, now - r.heartbeat_at),
+        current_trial=r.current_trial,
+        trials_finished=r.trials_finished,
+        device_seconds=seconds * r.devices,
     )
 
 
