@@ -22,8 +22,12 @@ PAD = "<pad>"
 
 
 def texts(n: int, seed: int) -> list[str]:
-    """Review sentences ending in their verdict: a model must read the sentence to end it well."""
-    return [f"{row['text']}. verdict: {row['label']}" for row in demo_data.generate(n, seed)]
+    return [with_verdict(row) for row in demo_data.generate(n, seed)]
+
+
+def with_verdict(row: dict[str, str]) -> str:
+    """A review sentence ending in its verdict: a model must read the sentence to end it well."""
+    return f"{row['text']}. verdict: {row['label']}"
 
 
 def write_data(folder: Path, n_train: int = 400, n_validation: int = 100) -> None:

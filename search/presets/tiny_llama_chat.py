@@ -50,7 +50,7 @@ def build(folder: Path, *, layers: int = 2, hidden: int = 64, pretrain_steps: in
     rows = demo_data.generate(2000, seed=99)
     # Plain reviews ending in their verdict, and chat turns of another task (say the review's
     # first two words): the base knows the words and the format, and the adapter must join them.
-    texts = tiny_gpt2.texts(1000, seed=99)  # rows[:1000], as the generator draws them in order
+    texts = [tiny_gpt2.with_verdict(row) for row in rows[:1000]]
     tokenizer = chat_tokenizer([*texts, "user assistant system"], [tiny_gpt2.EOS, IM_START, IM_END])
     for row in rows[1000:]:
         turns = [{"role": "user", "content": row["text"]}, {"role": "assistant", "content": row["text"][:12]}]
