@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from hpsearch.trainer.config import AdapterConfig, ConfigError, ModelConfig
+from hpsearch.trainer.model import NO_REMOTE_CODE, refuse_custom_code
 
 log = logging.getLogger(__name__)
 
@@ -133,9 +134,9 @@ def load_saved(folder: Path, num_labels: int | None = None) -> torch.nn.Module:
 
     task = json.loads((folder / ADAPTER_CONFIG).read_text()).get("task_type")
     if task == "CAUSAL_LM":
-        return AutoPeftModelForCausalLM.from_pretrained(str(folder))
+        return AutoPeftModelForCausalLM.from_pretrained(str(folder), **NO_REMOTE_CODE)
     kwargs: dict[str, Any] = {"num_labels": num_labels, "ignore_mismatched_sizes": True} if num_labels else {}
-    return AutoPeftModelForSequenceClassification.from_pretrained(str(folder), **kwargs)
+    return AutoPeftModelForSequenceClassification.from_pretrained(str(folder), **kwargs, **NO_REMOTE_CODE)
 
 
 def merge(source: Path, target: Path, tokenizer: Any, id2label: dict[int, str] | None) -> None:
@@ -185,24 +186,48 @@ def check_quantization(model: ModelConfig, device_kinds: list[str]) -> None:
 
 
 def check_targets(model: ModelConfig, adapter: AdapterConfig) -> None:
-    """Every name in ``adapter.target_modules`` must name a layer of the model (peft's rule: the
-    module's name or its last dotted parts), checked on an empty (meta-device) copy built from
-    the config alone: no weights are read, whatever the model's size."""
+    """Every name in ``adapter.target_modules`` must name layers of the model that LoRA can adapt (peft's rule: the
+    module's name or its last dotted parts; every module it matches must be of a kind peft wraps), checked on an
+    empty (meta-device) copy built from the config alone: no weights are read, whatever the model's size."""
     if not adapter.enabled or isinstance(adapter.target_modules, str):
         return
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     auto: Any = AutoModelForCausalLM if model.task == "causal-lm" else AutoModelForSequenceClassification
+    refuse_custom_code(model.name)
     with torch.device("meta"):
-        empty = auto.from_config(AutoConfig.from_pretrained(model.name))
-    names = [n for n, _ in empty.named_modules() if n]
+        empty = auto.from_config(AutoConfig.from_pretrained(model.name, **NO_REMOTE_CODE))
+    modules = [(n, m) for n, m in empty.named_modules() if n]
+    linear = ", ".join(sorted({n.rsplit(".", 1)[-1] for n, m in modules if _is_linear(m)}))
     for target in adapter.target_modules:
-        if not any(n == target or n.endswith("." + target) for n in names):
-            linear = sorted({n.rsplit(".", 1)[-1] for n, m in empty.named_modules() if _is_linear(m)})
+        matched = [(n, m) for n, m in modules if n == target or n.endswith("." + target)]
+        if not matched:
             raise ConfigError(
                 f"adapter.target_modules: {target!r} names no layer of {model.name}; its linear layers are "
-                f'{", ".join(linear)} (or use "all-linear")'
+                f'{linear} (or use "all-linear")'
             )
+        # peft fails every trial on the first matched module it cannot wrap (a LayerNorm, a whole attention block).
+        refused = next(((n, m) for n, m in matched if not _adaptable(m)), None)
+        if refused is not None:
+            raise ConfigError(
+                f"adapter.target_modules: {target!r} names {refused[0]}, a {type(refused[1]).__name__}, which LoRA "
+                f'cannot adapt; name linear layers: {linear} (or use "all-linear")'
+            )
+
+
+LORA_LAYERS = (
+    torch.nn.Linear,
+    torch.nn.Embedding,
+    torch.nn.Conv1d,
+    torch.nn.Conv2d,
+    torch.nn.Conv3d,
+    torch.nn.MultiheadAttention,
+)
+"""The layer kinds peft's LoRA wraps (with transformers' Conv1D): any other target fails in get_peft_model."""
+
+
+def _adaptable(module: torch.nn.Module) -> bool:
+    return isinstance(module, LORA_LAYERS) or _is_linear(module)
 
 
 def _is_linear(module: torch.nn.Module) -> bool:

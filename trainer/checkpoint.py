@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import random
@@ -15,6 +14,7 @@ from typing import Any
 
 import torch
 
+from hpsearch.trainer.errors import is_disk_full
 from hpsearch.trainer.model import unwrap
 
 META = "hpsearch.json"  # beside the best model: the study, trial, step, validation metrics and training config
@@ -98,11 +98,9 @@ def _atomic_dir(target: Path, write: Callable[[Path], object]) -> None:
             os.replace(target, old)
         os.replace(tmp, target)
         shutil.rmtree(old, ignore_errors=True)
-    except (OSError, RuntimeError) as exc:
+    except Exception as exc:  # SafetensorError is neither an OSError nor a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise CheckpointError(f"disk full while saving {target}: {exc}", "disk_full") from exc
-        # torch.save reports a full disk as a RuntimeError from its zip writer.
-        full = isinstance(exc, RuntimeError) and ("No space left" in str(exc) or "file write failed" in str(exc))
+        # torch.save reports a full disk as a RuntimeError from its zip writer ("file write failed").
+        full = is_disk_full(exc) or (isinstance(exc, RuntimeError) and "file write failed" in str(exc))
         reason = "disk_full" if full else "checkpoint_error"
         raise CheckpointError(f"cannot save checkpoint {target}: {exc}", reason) from exc

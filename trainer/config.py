@@ -18,6 +18,19 @@ QUANTIZATIONS = ("none", "4bit", "8bit")
 ADAPTER_METHODS = ("none", "lora")
 
 
+MAX_STEPS = 10**9
+"""Optimizer steps (and other step counts) beyond any trial that ends: a larger number is a typo."""
+LIMITS = {
+    "batch_size": 10**7,
+    "micro_batch_size": 10**7,
+    "epochs": 100_000,
+    "max_steps": MAX_STEPS,
+    "eval_every": MAX_STEPS,
+}
+"""Upper bounds of TrainConfig's counts, checked before any rule that combines them (a batch_size of 10**23 is too
+large, not "not divisible")."""
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the rule."""
 
@@ -133,6 +146,9 @@ class TrainConfig:
             value = getattr(self, f.name)
             if isinstance(value, float):
                 rule(math.isfinite(value), f.name, "must be a finite number")
+        for name, most in LIMITS.items():
+            value = getattr(self, name)
+            rule(not isinstance(value, int) or value <= most, name, f"must be at most {most:,}")
         rule(self.learning_rate > 0, "learning_rate", "must be > 0")
         rule(self.batch_size >= 1, "batch_size", "must be >= 1")
         rule(1 <= self.devices_per_trial <= 64, "devices_per_trial", "must be between 1 and 64")

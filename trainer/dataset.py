@@ -69,24 +69,46 @@ def prepare(
     cache_dir: Path | None,
     task: str = CLASSIFICATION,
     splits: Splits | None = None,
+    *,
+    write: bool = True,
 ) -> Prepared:
     """Tokenised splits, shared through ``cache_dir`` by every trial and worker pointing at it (keyed by the
-    files' contents, the task, the tokenizer and ``max_length``); ``splits``: as ``read_splits`` read them."""
+    files' contents, the task, the tokenizer and ``max_length``); ``splits``: as ``read_splits`` read them.
+    ``write=False`` reads a cached copy but writes none (a `start` whose other checks may still fail: :func:`keep`
+    writes it once the study exists)."""
+    if cache_dir is not None and cache_dir.is_symlink():
+        # A shared runs folder is input: a link there would have the cache written (and read) elsewhere.
+        log.warning("not using the token cache %s: it is a link, and hpsearch writes through none", cache_dir)
+        cache_dir = None
     if cache_dir is None:
         return _tokenise(cfg, tokenizer, max_length, task, splits)
-    key = _cache_key(cfg, tokenizer, max_length, task)
-    path = cache_dir / f"tokens-{key}.json"
+    path = _cache_file(cfg, tokenizer, max_length, task, cache_dir)
     cached = _load(path)
     if cached is not None:
         return cached
+    if not write:
+        return _tokenise(cfg, tokenizer, max_length, task, splits)
     # Several workers starting at once: one tokenises under an exclusive lock, the others wait and read its file.
-    with _exclusive(cache_dir / f"tokens-{key}.lock"):
+    with _exclusive(path.with_suffix(".lock")):
         cached = _load(path)
         if cached is not None:
             return cached
         prepared = _tokenise(cfg, tokenizer, max_length, task, splits)
         _write_atomic(path, prepared)
     return prepared
+
+
+def keep(prepared: Prepared, cfg: DataConfig, tokenizer: Any, max_length: int, cache_dir: Path) -> None:
+    """Write what ``prepare(..., write=False)`` tokenised into ``cache_dir``, unless a copy is there already."""
+    if cache_dir.is_symlink():
+        return  # prepare() said so
+    path = _cache_file(cfg, tokenizer, max_length, prepared.task, cache_dir)
+    if not path.exists():
+        _write_atomic(path, prepared)
+
+
+def _cache_file(cfg: DataConfig, tokenizer: Any, max_length: int, task: str, cache_dir: Path) -> Path:
+    return cache_dir / f"tokens-{_cache_key(cfg, tokenizer, max_length, task)}.json"
 
 
 def _tokenise(cfg: DataConfig, tokenizer: Any, max_length: int, task: str, splits: Splits | None) -> Prepared:
@@ -180,7 +202,8 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
         return
     try:
         lock_path.parent.mkdir(parents=True, exist_ok=True)
-        handle = lock_path.open("a")
+        # O_NOFOLLOW: a lock file replaced by a link is not created (or opened) through it.
+        handle = os.fdopen(os.open(lock_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644), "a")
     except OSError as exc:
         log.warning("cannot create lock %s (%s); tokenising without it", lock_path, exc)
         yield

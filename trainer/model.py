@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,39 @@ def _quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+NO_REMOTE_CODE: dict[str, Any] = {"trust_remote_code": False}
+"""Passed to every ``from_pretrained``: a model folder (or a hub id a stored spec names) may carry Python that
+transformers would otherwise offer to run, on an interactive terminal after one "y". hpsearch never runs it."""
+CUSTOM_CODE_FILES = ("config.json", "tokenizer_config.json")
+
+
+def refuse_custom_code(name: str) -> None:
+    """A local model folder whose config asks for its own code (``auto_map``) is refused in one line, before any
+    load: with ``trust_remote_code=False`` transformers would refuse it too, in a longer message."""
+    folder = _local_path(name)
+    if folder is None:
+        return
+    for file in CUSTOM_CODE_FILES:
+        try:
+            config = json.loads((folder / file).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # absent or unreadable: the load that needs it says so
+        if isinstance(config, dict) and "auto_map" in config:
+            raise ModelError(
+                f"model.name: folder {name} needs its own Python code ({file} has an auto_map), which hpsearch "
+                "never runs; use a model whose architecture transformers ships"
+            )
+
+
+def _local_path(name: str) -> Path | None:
+    """``name`` as an existing local path, or None (a hub id)."""
+    try:
+        path = Path(name).expanduser()
+        return path if path.exists() else None
+    except (OSError, RuntimeError):  # a name too long for a path, ~user of nobody: no local path
+        return None
+
+
 def check_reachable(name: str, timeout_s: float = 5.0) -> None:
     """A hub id that is not in the local cache needs the hub: say at once when it cannot be
     reached (a cloud instance without access, a mistyped folder that looks like an id), instead
@@ -28,7 +62,7 @@ def check_reachable(name: str, timeout_s: float = 5.0) -> None:
     import socket
     from urllib.parse import urlsplit
 
-    if Path(name).expanduser().exists() or os.environ.get("HF_HUB_OFFLINE", "").strip() in ("1", "true", "True"):
+    if _local_path(name) is not None or os.environ.get("HF_HUB_OFFLINE", "").strip() in ("1", "true", "True"):
         return  # a local folder; or offline mode, where transformers answers at once
     from huggingface_hub import try_to_load_from_cache
 
@@ -50,8 +84,9 @@ def load_tokenizer(name: str) -> Any:
     from transformers import AutoTokenizer
 
     _quiet_transformers()
+    refuse_custom_code(name)
     try:
-        return AutoTokenizer.from_pretrained(name)
+        return AutoTokenizer.from_pretrained(name, **NO_REMOTE_CODE)
     except Exception as exc:  # a broken tokenizer.json raises KeyError, TypeError, ...: all the folder's fault
         raise ModelError(_explain(name, exc)) from None
 
@@ -80,8 +115,9 @@ def check_model(name: str, max_length: int) -> None:
     from transformers import AutoConfig
 
     _quiet_transformers()
+    refuse_custom_code(name)
     try:
-        config = AutoConfig.from_pretrained(name)
+        config = AutoConfig.from_pretrained(name, **NO_REMOTE_CODE)
     except Exception as exc:
         raise ModelError(_explain(name, exc)) from None
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
@@ -122,8 +158,12 @@ def check_weights(folder: Path, where: str) -> None:
 
 
 def _explain(name: str, exc: BaseException | None) -> str:
-    path = Path(name).expanduser()
-    if path.exists():
+    if "trust_remote_code" in str(exc):
+        return (
+            f"model.name: {name} needs its own Python code (trust_remote_code), which hpsearch never runs; "
+            "use a model whose architecture transformers ships"
+        )
+    if _local_path(name) is not None:
         return (
             f"model.name: {name} is a folder but not a loadable model/tokenizer "
             f"({str(exc).splitlines()[0]}); it needs config.json, weights and tokenizer files"
@@ -198,6 +238,8 @@ def load_model(name: str, num_labels: int, quantization: Any = None) -> torch.nn
     # A classifier checkpoint with another label count is a fine start: its head is replaced
     # (and re-initialised per trial) anyway.
     kwargs: dict[str, Any] = {"num_labels": num_labels, "ignore_mismatched_sizes": True} if num_labels else {}
+    kwargs.update(NO_REMOTE_CODE)
+    refuse_custom_code(name)
     if quantization is not None:
         # bitsandbytes places the quantized weights itself, on this worker's one visible GPU; no
         # dtype: prepare_model_for_kbit_training below upcasts the unquantized layers to fp32 anyway.
