@@ -122,6 +122,15 @@ def _file_lock(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def check_creatable(url: str) -> None:
+    """Refuse, before anything is read or written, a storage that does not exist and cannot be made (a SQLite
+    file in a missing or read-only folder); a PostgreSQL database says so when it is opened."""
+    normalized = urls.normalize(url)
+    path = urls.sqlite_path(normalized)
+    if path is not None:
+        sqlite_file.check_sqlite(path, create=True, read_only=False, display=urls.mask(url))
+
+
 def open_storage(url: str, *, create: bool, read_only: bool = False, retry: RetryPolicy | None = None) -> Storage:
     """Connect to ``url``, writing nothing to a storage that already holds studies.
 
@@ -150,6 +159,9 @@ def open_storage(url: str, *, create: bool, read_only: bool = False, retry: Retr
         if not create and _missing_tables(cause):
             raise _no_studies(url) from None
         _refuse_bad_option(url, cause or exc)
+        said = damaged(cause) if path is not None else None
+        if said:
+            raise StorageUrlError(damaged_message(display, said)) from None
         if isinstance(cause, OperationalError) and (path is None or "unable to open" in str(cause)):
             raise StorageUrlError(describe_connect_error(normalized, cause)) from None
         raise StorageError(f"cannot open storage {display}: {str(cause or exc).splitlines()[0]}") from exc
@@ -226,6 +238,27 @@ def _lock_engine(url: str, connect_args: dict[str, Any]) -> Iterator[sqlalchemy.
         yield engine
     finally:
         engine.dispose()
+
+
+SQLITE_DAMAGED = ("database disk image is malformed", "file is not a database")
+
+
+def damaged(exc: BaseException | None) -> str | None:
+    """What SQLite said, where ``exc`` (or an error it was raised from) is SQLite finding its file damaged or not a
+    database at all: found when a page is read, so at opening or in any later call. None for any other error."""
+    while exc is not None:
+        said = next((words for words in SQLITE_DAMAGED if words in str(getattr(exc, "orig", None) or exc)), None)
+        if said:
+            return said
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def damaged_message(display: str, said: str) -> str:
+    return (
+        f"storage {display}: the SQLite file is damaged or not a database ({said}); restore it from a backup, "
+        "or point --storage / HPSEARCH_STORAGE at another file"
+    )
 
 
 def _refuse_bad_option(url: str, exc: BaseException) -> None:

@@ -29,6 +29,12 @@ def check(study_dir: Path, study: str, uid: str | None, *, exists: bool, storage
     """Refuse a folder that another study's trials wrote, before anything is written. ``uid`` is the study's id
     (None for a new study, or one older than ids); ``exists``: the study is in the storage already; ``storage``
     (masked) is where it lives, to tell an earlier study of the same storage from another's."""
+    if study_dir.is_symlink():
+        # Retention deletes trial-N/best inside it: through a link, that would be outside the runs folder.
+        raise StudyFolderError(
+            f"{study_dir} is a link (to {os.readlink(study_dir)}); hpsearch writes a study's checkpoints only into "
+            "a real folder: remove the link, or pass the folder it points into as --output-dir"
+        )
     marker = owner(study_dir)
     if marker is not None:
         if uid is None or marker.get("uid") != uid:

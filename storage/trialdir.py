@@ -17,6 +17,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +71,11 @@ class TrialDir:
         return cls(root, int(number)) if folder_name.startswith(PREFIX) and number.isdigit() else None
 
     def make(self) -> Path:
-        """Create the folder (or find it) for this trial to write in; refuse one that is a link."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):  # a file or a dangling link in its place: refused below
-            self.path.mkdir(exist_ok=True)
+        """Create the folder (or find it) for this trial to write in; refuse one that is a link, or in one."""
+        if not self.root.is_symlink():  # else nothing is made through it: refused below
+            self.root.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):  # a file or a dangling link in its place: refused below
+                self.path.mkdir(exist_ok=True)
         if not self.is_real():
             raise TrialDirError(
                 errno.EPERM,
@@ -83,11 +85,27 @@ class TrialDir:
         return self.path
 
     def is_real(self) -> bool:
-        """Whether the folder is a plain directory of ``root`` (not a link to elsewhere)."""
+        """Whether the folder is a plain directory of ``root``, and ``root`` one of its parent (neither is a link to
+        elsewhere: a study folder made a link would take retention's deletions out of the runs folder)."""
         try:
-            return not self.path.is_symlink() and self.path.is_dir() and self.path.resolve() == self._real()
+            links = self.root.is_symlink() or self.path.is_symlink()
+            return not links and self.path.is_dir() and self.path.resolve() == self._real()
         except OSError:
             return False
+
+    def open_log(self) -> TextIO:
+        """The trial's ``train.log``, opened to append; a link in its place is replaced (with a warning), never
+        written through."""
+        self.unlink_link(self.log)
+        # O_NOFOLLOW: a link put there after the check is refused, not followed.
+        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        return os.fdopen(fd, "a", encoding="utf-8")
+
+    def unlink_link(self, path: Path) -> None:
+        """Take away a link someone put where this trial writes a file or folder of its own (its log, its curves)."""
+        if path.is_symlink():
+            log.warning("replacing %s: it is a link (to %s), and hpsearch writes through none", path, os.readlink(path))
+            path.unlink()
 
     def holds(self, path: Path) -> bool:
         """Whether ``path`` lies inside this trial's folder once every link is resolved, and is no link itself.
