@@ -9,6 +9,7 @@ import os
 import time
 import traceback
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import optuna
@@ -17,9 +18,12 @@ from hpsearch.search import ranks, retry, stop_signals, study as studies
 from hpsearch.search.early_stop import EarlyStop, PruningGate
 from hpsearch.search.outcome import Outcome, device_seconds
 from hpsearch.search.space import split_params
+from hpsearch.search.spec import StudySpec
 from hpsearch.search.trial_attrs import AttrReporter
 from hpsearch.storage import attrs, registry
-from hpsearch.storage.trialdir import TrialDir, TrialDirError
+from hpsearch.storage.trialdir import TrialDir
+from hpsearch.trainer.config import AdapterConfig, ConfigError, TrainConfig
+from hpsearch.trainer.errors import is_disk_full
 
 if TYPE_CHECKING:
     from hpsearch.search.worker import Worker
@@ -55,17 +59,22 @@ def run(w: Worker, trial: optuna.Trial) -> None:
     from hpsearch.trainer.checkpoint import CheckpointError, RunFiles
     from hpsearch.trainer.loop import Run, fit
 
-    params = studies.suggest(trial, w.spec)
-    train_params, adapter_params = split_params(params)  # "adapter.r" -> [adapter] r
-    cfg = replace(w.spec.train, **train_params)
-    adapter = replace(w.spec.adapter, **adapter_params)
+    try:
+        params, cfg, adapter = trial_config(w.spec, trial)
+    except (ValueError, TypeError) as exc:  # ConfigError among them
+        # An enqueued trial's fixed parameters are a database row: a bad one fails this trial, never the worker.
+        log.error("trial %d has parameters no trial of this spec can take: %s", trial.number, exc)
+        w.end_attempt(trial, Outcome.FAILED, detail=f"{type(exc).__name__}: {exc}")
+        return
     folder = TrialDir(w.root, trial.number)
     try:
         folder.make()
-    except TrialDirError as exc:
+        log_file = folder.open_log()  # the trial's own log
+    except OSError as exc:  # TrialDirError: a link or a file in the trial folder's place
         log.error("trial %d cannot start: %s", trial.number, exc)
         w.end_attempt(trial, Outcome.FAILED, detail=f"trial_dir_refused ({exc})")
         return
+    folder.unlink_link(folder.curves)
     files = RunFiles(best=folder.best, state=folder.state, curves=folder.curves)
     reporter = TrialReporter(trial)
     where = {attrs.DEVICE: _device_name(w), attrs.HOST: registry.this_host(), attrs.WORKER: w.args.name}
@@ -73,7 +82,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
     # during a database outage saves one that no later call could name (see reap.py).
     reporter.set_attrs(where | {attrs.RESUME_CHECKPOINT: str(folder.state.resolve())})
     resume = retry.take_over(w.storage, w.args.study, trial, folder)
-    handler = logging.FileHandler(folder.log)  # the trial's own log
+    handler = logging.StreamHandler(log_file)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger().addHandler(handler)
     log.info("trial %d starts: %s", trial.number, params)
@@ -116,7 +125,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
             _hand_back_after_storage_failure(w, trial, folder, reporter, started, exc)
             return
         log.error("trial %d failed:\n%s", trial.number, traceback.format_exc())
-        failure = f"{type(exc).__name__}: {exc}"
+        failure = public_reason(exc, folder)
     else:
         failure = None
     finally:
@@ -125,6 +134,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
             w.models.release(model)
         logging.getLogger().removeHandler(handler)
         handler.close()
+        log_file.close()
     # Device time of this attempt (x its devices), added to earlier attempts' (the gpu_hours budget).
     spent = device_seconds(started, time.monotonic(), w.world.size)
     if failure is not None:
@@ -147,6 +157,43 @@ def run(w: Worker, trial: optuna.Trial) -> None:
         log.info("trial %d pruned at step %d%s", trial.number, result.steps, f" ({detail})" if detail else "")
     if ended is not Outcome.INTERRUPTED:
         w.retain()
+
+
+def trial_config(spec: StudySpec, trial: optuna.Trial) -> tuple[dict[str, Any], TrainConfig, AdapterConfig]:
+    """The trial's parameters, checked against the spec's space, and the configurations they make (raises
+    ValueError, ConfigError among them, for a parameter no trial of the spec can take: a row sets an enqueued
+    trial's values, and Optuna hands a fixed value of the wrong type or range on as it is, or fails on it)."""
+    params = studies.suggest(trial, spec)
+    for name, value in params.items():
+        spec.space[name].check_value(value, f"parameter {name}")
+    train_params, adapter_params = split_params(params)  # "adapter.r" -> [adapter] r
+    cfg, adapter = replace(spec.train, **train_params), replace(spec.adapter, **adapter_params)
+    cfg.validate()
+    adapter.validate()
+    return params, cfg, adapter
+
+
+def public_reason(exc: BaseException, folder: TrialDir) -> str:
+    """What the study records of an error that failed a trial. Nothing read on this host from a data or model file
+    may leave it through the database (docs/decisions.md, "Nothing read on a worker's host leaves it"), and an
+    error's message can quote a file: the record names the error and where it was raised; its message stays in the
+    trial's train.log. A configuration error says only what the spec and the trial's parameters hold."""
+    if is_disk_full(exc):
+        return "disk_full"
+    if isinstance(exc, ConfigError):
+        return f"{type(exc).__name__}: {exc}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" in {_code_path(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+    return f"error ({type(exc).__name__}{where}; its message is in {folder.log} on {registry.this_host()})"
+
+
+def _code_path(filename: str) -> str:
+    """A source file as its package names it (peft/tuners/lora/model.py), not where this host installed it."""
+    path = Path(filename)
+    for anchor in ("site-packages", "dist-packages"):
+        if anchor in path.parts:
+            return "/".join(path.parts[path.parts.index(anchor) + 1 :])
+    return "/".join(path.parts[-2:])
 
 
 def _hand_back_after_storage_failure(

@@ -195,8 +195,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.signalled(signal.SIGINT)
     except Exception as exc:
         from hpsearch.search.errors import USER_ERRORS
+        from hpsearch.storage import open as storages, urls
         from hpsearch.storage.errors import StorageError
 
+        said = storages.damaged(exc)
+        if said:  # a page SQLite reads only now, in the middle of a command
+            where = urls.mask(urls.resolve(getattr(args, "storage", None)))
+            print(f"hpsearch {args.command}: error: {storages.damaged_message(where, said)}", file=sys.stderr)
+            return ExitCode.USAGE
         if not isinstance(exc, (*USER_ERRORS, StorageError)):
             raise
         # A storage error is not the input's fault (the server went away, a disk filled): one

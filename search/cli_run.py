@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import tempfile
 from contextlib import closing, suppress
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import optuna
 
@@ -19,15 +22,15 @@ from hpsearch.search.devices import Device, check_precision
 from hpsearch.search.dispatch import Supervisor
 from hpsearch.search.errors import UsageError
 from hpsearch.search.exit_codes import ExitCode
-from hpsearch.search.presets import PRESETS, preset_file, resolved
+from hpsearch.search.presets import BUILTIN_DIR, PRESETS, preset_file, resolved, resolved_data
 from hpsearch.search.search_config import MAX_TRIALS
 from hpsearch.search.spec import StudySpec, load_file
 from hpsearch.storage import rundir, trialdir, urls
 from hpsearch.storage.errors import StorageError, StudyNotFoundError
-from hpsearch.storage.open import Storage, open_storage
+from hpsearch.storage.open import Storage, check_creatable, open_storage
 from hpsearch.trainer.adapters import check_quantization, check_targets
 from hpsearch.trainer.config import ConfigError
-from hpsearch.trainer.dataset import prepare, read_splits
+from hpsearch.trainer.dataset import Prepared, keep, prepare, read_splits
 from hpsearch.trainer.model import check_model, check_reachable, load_tokenizer
 
 log = logging.getLogger("hpsearch")
@@ -51,19 +54,22 @@ def cmd_start(args: argparse.Namespace) -> int:
     try:
         storage = open_storage(url, create=False)
     except StudyNotFoundError:  # no storage yet: the study is new, and so must its folder be
+        check_creatable(url)  # else the inputs would be read (and checked) for a storage that cannot be made
         rundir.check(study_dir, args.study, None, exists=False, storage=urls.mask(urls.normalize(url)))
     else:
         with closing(storage):
             _check_study(storage, args.study, spec, study_dir)
-    _check_inputs(spec, args.output_dir, args.study, device_list)
+    inputs = _check_inputs(spec, args.output_dir, args.study, device_list)
+    # Every check passed: only now is anything written (the storage, the study, its folder, the token cache).
     with closing(open_storage(url, create=True)) as storage:
         _check_study(storage, args.study, spec, study_dir)  # again: another host may have made it meanwhile
         study = studies.create_or_resume(storage, args.study, spec)
         rundir.claim(study_dir, args.study, studies.ensure_uid(study), storage.display)
+    inputs.keep()
     on = ", ".join(d.label for d in device_list)
     log.info("study %s: %d trials on %s; storage %s", args.study, spec.search.n_trials, on, urls.mask(url))
     del study
-    return _run_and_report(args, url, device_list)
+    return _run_and_report(args, url, device_list, spec)
 
 
 def _check_study(storage: Storage, name: str, spec: StudySpec, study_dir: Path) -> None:
@@ -77,18 +83,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
     device_list = devices.parse(args.devices)
     study_dir = args.output_dir.resolve() / args.study
     with closing(open_storage(url, create=False)) as storage:
+        # Read and checked once, here: the workers run this spec, and never read the stored one again (a database
+        # writer may change it; docs/decisions.md, "A worker runs the spec it was started with").
         spec = studies.stored_spec(storage, args.study)
         _check_study(storage, args.study, spec, study_dir)
         device_list = devices.group(device_list, spec.train.devices_per_trial, args.devices)
-        _check_inputs(spec, args.output_dir, args.study, device_list)
+        inputs = _check_inputs(spec, args.output_dir, args.study, device_list)
         study = optuna.load_study(study_name=args.study, storage=storage.optuna)
         rundir.claim(study_dir, args.study, studies.ensure_uid(study), storage.display)
-    return _run_and_report(args, url, device_list)
+    inputs.keep()
+    return _run_and_report(args, url, device_list, spec)
 
 
-def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Device]) -> int:
+def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Device], spec: StudySpec) -> int:
     level = logging.DEBUG if args.verbose else logging.INFO
-    supervisor = Supervisor(args.study, url, device_list, args.output_dir.resolve(), level)
+    supervisor = Supervisor(args.study, url, device_list, args.output_dir.resolve(), spec, level)
     code = supervisor.run()
     lost = "the workers could not reach it while stopping" if supervisor.storage_lost else None
     if lost is None:
@@ -138,26 +147,32 @@ def _spec_for_start(args: argparse.Namespace, url: str) -> StudySpec:
     )
 
 
-def _check_inputs(spec: StudySpec, output_dir: Path, study: str, device_list: list[Device]) -> None:
+@dataclass
+class Inputs:
+    """What `start` and `worker` read and checked, and the token cache they write once the study exists."""
+
+    spec: StudySpec  # pkg:// and builtin:// turned into this host's paths
+    tokenizer: Any
+    prepared: Prepared
+    cache: Path
+
+    def keep(self) -> None:
+        """Write the token cache, and say what the workers read (a stored spec is a database row)."""
+        data, model = self.spec.data, self.spec.model
+        keep(self.prepared, data, self.tokenizer, model.max_length, self.cache)
+        log.info(
+            "the workers read: model %s; data %s (train) and %s (validation)", model.name, data.train, data.validation
+        )
+
+
+def _check_inputs(spec: StudySpec, output_dir: Path, study: str, device_list: list[Device]) -> Inputs:
     """Check --output-dir, read the data, tokenizer and model config and check the precision against the devices
-    before any worker starts: bad input is one clear line, not N failed trials."""
-    # A folder that cannot be written, or a file where the workers make a folder, would crash every trial.
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=output_dir):
-            pass
-    except OSError as exc:
-        raise UsageError(
-            f"--output-dir {output_dir}: cannot write there ({exc.strerror or exc}); choose a folder you can write to"
-        ) from None
-    for name in (study, TOKEN_CACHE):
-        if (output_dir / name).exists() and not (output_dir / name).is_dir():
-            raise UsageError(
-                f"--output-dir {output_dir}: {output_dir / name} is a file, where hpsearch keeps a folder; "
-                "move it away or choose another --output-dir"
-            )
+    before any worker starts: bad input is one clear line, not N failed trials. Writes nothing but a built-in model
+    (``builtin://``, built from hpsearch's own code once per host)."""
+    _check_output_dir(output_dir, study)
+    data = resolved_data(spec.data)
+    splits = read_splits(data, spec.model.task)
     spec = resolved(spec, output_dir)
-    splits = read_splits(spec.data, spec.model.task)
     check_reachable(spec.model.name)
     tokenizer = load_tokenizer(spec.model.name)
     check_model(spec.model.name, spec.model.max_length)
@@ -170,6 +185,41 @@ def _check_inputs(spec: StudySpec, output_dir: Path, study: str, device_list: li
             check_precision(choice, device_list)
         except ConfigError as exc:
             raise UsageError(f"search.space.precision: choice {choice!r}: {exc}") from None
-    # Tokenised into the workers' own cache: what only tokenising finds (a causal-LM prompt
-    # that leaves no token to train on) is reported here, and the workers reuse the result.
-    prepare(spec.data, tokenizer, spec.model.max_length, output_dir / TOKEN_CACHE, spec.model.task, splits)
+    # Tokenised now: what only tokenising finds (a causal-LM prompt that leaves no token to train on) is reported
+    # here. Into the workers' own cache once the study exists (Inputs.keep), where they find it.
+    cache = output_dir / TOKEN_CACHE
+    max_length, task = spec.model.max_length, spec.model.task
+    prepared = prepare(spec.data, tokenizer, max_length, cache, task, splits, write=False)
+    return Inputs(spec, tokenizer, prepared, cache)
+
+
+def _check_output_dir(output_dir: Path, study: str) -> None:
+    """A folder that cannot be written, or a file or link where the workers make a folder, would crash every trial;
+    checked without creating anything (a refused `start` leaves no empty folder behind)."""
+    existing = output_dir.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise UsageError(
+                f"--output-dir {output_dir}: cannot write there ({existing} is a file); choose a folder you can "
+                "write to"
+            )
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise UsageError(
+            f"--output-dir {output_dir}: cannot write there ({exc.strerror or exc}); choose a folder you can write to"
+        ) from None
+    for name in (study, TOKEN_CACHE, BUILTIN_DIR):
+        path = output_dir / name
+        if path.is_symlink() and name != study:  # the study's folder: rundir.check said so already
+            raise UsageError(
+                f"--output-dir {output_dir}: {path} is a link (to {os.readlink(path)}), where hpsearch keeps a "
+                "folder it writes into, and it writes through no link; remove it or choose another --output-dir"
+            )
+        if path.exists() and not path.is_dir():
+            raise UsageError(
+                f"--output-dir {output_dir}: {path} is a file, where hpsearch keeps a folder; "
+                "move it away or choose another --output-dir"
+            )

@@ -20,10 +20,11 @@ from typing import Any
 
 import optuna
 
-from hpsearch.search import outcome, progress, retry, stop_signals, study as studies, worker
+from hpsearch.search import outcome, progress, retry, stop_signals, worker
 from hpsearch.search.devices import Device, only_gpu, threads_per_worker
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.outcome import Outcome
+from hpsearch.search.spec import StudySpec
 from hpsearch.storage import lost, registry
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage, open_storage
@@ -54,17 +55,25 @@ class Child:
 
 class Supervisor:
     def __init__(
-        self, study: str, storage_url: str, devices: list[Device], output_dir: Path, log_level: int = logging.INFO
+        self,
+        study: str,
+        storage_url: str,
+        devices: list[Device],
+        output_dir: Path,
+        spec: StudySpec,
+        log_level: int = logging.INFO,
     ) -> None:
         self.study, self.storage_url, self.devices = study, storage_url, devices
-        self.output_dir, self.log_level = output_dir, log_level
+        # The spec `start` or `worker` checked: every worker (and every restart of one) is handed this one, never
+        # the stored one, which a database writer may have changed since (docs/decisions.md).
+        self.spec, self.output_dir, self.log_level = spec, output_dir, log_level
         self.ctx = mp.get_context("spawn")
         self.threads = threads_per_worker(devices)
         self.children: dict[int, Child] = {}  # keyed by sentinel
         self.stopping, self.stop_signal = 0, 0
         self.failed_devices: list[str] = []
         self.storage_lost = False  # a worker stopped without reaching the storage: nothing more is asked of it
-        self.progress = progress.for_terminal(study, storage_url, devices)
+        self.progress = progress.for_terminal(study, storage_url, spec, devices)
 
     def run(self) -> int:
         """Run until every worker has finished; 0 if all ended cleanly, 1 if a device gave up."""
@@ -101,6 +110,7 @@ class Supervisor:
             device=device.kind,
             name=name,
             output_dir=str(self.output_dir),
+            spec=self.spec.to_dict(),
             threads=self.threads,
             log_level=self.log_level,
             device_label=device.label,
@@ -183,7 +193,7 @@ class Supervisor:
             trial_id = retry.trial_id(storage, self.study, held)
         else:
             return
-        retries = studies.stored_spec(storage, self.study).search.max_retries
+        retries = self.spec.search.max_retries
         study = optuna.load_study(study_name=self.study, storage=storage.optuna)
         frozen = storage.optuna.get_trial(trial_id)
         # The attempt used its devices from its start (this host's clock wrote it) until now.

@@ -59,7 +59,15 @@ def export_best(
             f"checkpoint {source} is not in a folder an hpsearch study made (no {rundir.MARKER} in "
             f"{folder.root}); refusing to read it"
         )
-    if uid is not None and owner.get("uid") != uid:
+    if not uid:
+        # Every study hpsearch ran has one (`start` and `worker` give it); without it, no folder can be told to be
+        # this study's rather than another's that a row points at.
+        raise ExportError(
+            f"study {study!r} has no {attrs.UID} attribute (someone removed it), so no checkpoint folder can be "
+            f"shown to be its own; refusing to export {source}. If {folder.root} is this study's folder, set the "
+            f"attribute back to the uid in its {rundir.MARKER}"
+        )
+    if owner.get("uid") != uid:
         raise ExportError(
             f"checkpoint {source} was overwritten by another study named {study!r} (from {owner.get('storage')}); "
             f"it is not trial {best['number']}'s model, and that model is lost"

@@ -24,8 +24,7 @@ from hpsearch.search import note, stop_signals, study as studies, summary
 from hpsearch.search.devices import Device
 from hpsearch.search.spec import StudySpec
 from hpsearch.storage import attrs, urls
-from hpsearch.storage.db import Database, engine_kwargs
-from hpsearch.storage.open import Storage
+from hpsearch.storage.db import engine_kwargs
 
 log = logging.getLogger(__name__)
 POLL_S = 15.0
@@ -95,13 +94,13 @@ def read(study: optuna.Study, spec: StudySpec, now: dt.datetime | None = None) -
 class Poller(threading.Thread):
     """Reads the study in the background; rewrites the study note when a trial finished."""
 
-    def __init__(self, study_name: str, storage_url: str) -> None:
+    def __init__(self, study_name: str, storage_url: str, spec: StudySpec) -> None:
         super().__init__(name="hpsearch-progress", daemon=True)
-        self.study_name, self.storage_url = study_name, storage_url
+        self.study_name, self.storage_url, self.spec = study_name, storage_url, spec
         self.latest: Snapshot | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        self._opened: tuple[optuna.Study, StudySpec] | None = None
+        self._opened: optuna.Study | None = None
         self._noted: tuple[int, ...] | None = None
         self._failing = False
 
@@ -120,10 +119,10 @@ class Poller(threading.Thread):
 
     def refresh(self) -> None:
         try:
-            study, spec = self._open()
-            snap = read(study, spec)
+            study = self._open()
+            snap = read(study, self.spec)
             if snap.finished_numbers != self._noted:
-                note.update(study, spec, snap.n_trials)
+                note.update(study, self.spec, snap.n_trials)
                 self._noted = snap.finished_numbers
         except Exception as exc:
             # Progress is a view: a database hiccup must never stop the search it shows.
@@ -136,7 +135,7 @@ class Poller(threading.Thread):
         self._failing = False
         self.latest = snap
 
-    def _open(self) -> tuple[optuna.Study, StudySpec]:
+    def _open(self) -> optuna.Study:
         if self._opened is None:
             url = urls.normalize(self.storage_url)
             kwargs = {
@@ -146,17 +145,16 @@ class Poller(threading.Thread):
             rdb = optuna.storages.RDBStorage(
                 url, engine_kwargs={**kwargs, "poolclass": NullPool}, skip_table_creation=True
             )
-            spec = studies.stored_spec(Storage(url=url, optuna=rdb, db=Database(rdb.engine)), self.study_name)
-            self._opened = optuna.load_study(study_name=self.study_name, storage=rdb), spec
+            self._opened = optuna.load_study(study_name=self.study_name, storage=rdb)
         return self._opened
 
 
 class Progress:
     """Plain log lines; the base of the live display. The Supervisor calls start, tick and stop."""
 
-    def __init__(self, study_name: str, storage_url: str, devices: list[Device]) -> None:
+    def __init__(self, study_name: str, storage_url: str, spec: StudySpec, devices: list[Device]) -> None:
         self.study_name = study_name
-        self.poller = Poller(study_name, storage_url)
+        self.poller = Poller(study_name, storage_url, spec)  # the supervisor's spec: the one its workers run
         self.unit = "GPU-h" if any(d.kind == "cuda" for d in devices) else "CPU-h"
         self.started = time.monotonic()
         self._trials: dict[str, tuple[int | None, float]] = {}  # device label -> (trial number, since)
@@ -223,7 +221,9 @@ class Progress:
         )
 
 
-def for_terminal(study_name: str, storage_url: str, devices: list[Device], stream: TextIO | None = None) -> Progress:
+def for_terminal(
+    study_name: str, storage_url: str, spec: StudySpec, devices: list[Device], stream: TextIO | None = None
+) -> Progress:
     """A live display when ``stream`` (stderr) is a terminal, plain log lines otherwise."""
     stream = stream or sys.stderr
     try:
@@ -233,8 +233,8 @@ def for_terminal(study_name: str, storage_url: str, devices: list[Device], strea
     if terminal:
         from hpsearch.search.live_display import LiveProgress
 
-        return LiveProgress(study_name, storage_url, devices, stream)
-    return Progress(study_name, storage_url, devices)
+        return LiveProgress(study_name, storage_url, spec, devices, stream)
+    return Progress(study_name, storage_url, spec, devices)
 
 
 def _left(s: Snapshot) -> str:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hpsearch.search.errors import SpecError
+from hpsearch.trainer.config import MAX_STEPS
 
 MAX_TRIALS = 100_000
 """Far beyond any search that ends (at a minute a trial, ten weeks on one device); a larger number is a typo
@@ -18,6 +19,10 @@ LIMITS = {
     "keep_top_k": (MAX_TRIALS, ""),
     "max_disk_gb": (1_000_000.0, " (a petabyte)"),
     "pruner_startup_trials": (MAX_TRIALS, ""),
+    "pruner_warmup_steps": (MAX_STEPS, ""),
+    "pruner_min_resource": (MAX_STEPS, ""),
+    "pruner_reduction_factor": (1000, ""),
+    "prune_at_chance": (MAX_STEPS, ""),
 }
 """Upper bounds of the other budget-like keys, each with how it reads."""
 
@@ -74,6 +79,8 @@ class SearchConfig:
                 raise SpecError(f"{where}.{name}: {getattr(self, name)!r} {msg}")
 
         rule(self.n_trials >= 1, "n_trials", "must be >= 1")
+        # The samplers seed numpy generators, which take 0 ..2**32 - 1: any other seed failed every worker.
+        rule(0 <= self.seed < 2**32, "seed", "must be between 0 and 4294967295 (2**32 - 1)")
         rule(self.n_trials <= MAX_TRIALS, "n_trials", f"must be at most {MAX_TRIALS:,}, a search that can end")
         for name in ("max_retries", "pruner_warmup_steps", "pruner_startup_trials"):
             rule(getattr(self, name) >= 0, name, "must be >= 0")

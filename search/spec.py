@@ -17,7 +17,7 @@ else:  # the same parser, as a backport
     import tomli as tomllib
 
 from hpsearch.search.errors import SpecError
-from hpsearch.search.presets import BUILTIN_MODELS, BUILTIN_SCHEME, relative_to
+from hpsearch.search.presets import BUILTIN_MODELS, BUILTIN_SCHEME, check_path, check_reference, relative_to
 from hpsearch.search.search_config import SearchConfig
 from hpsearch.search.space import (
     ADAPTER_PREFIX,
@@ -85,10 +85,10 @@ class StudySpec:
         enqueue = parse_enqueue(enqueue_raw, space)
         if base_dir is not None:
             # Empty values stay empty (not the spec's folder), so validate() says they are missing.
-            data = replace(
-                data, train=relative_to(data.train, base_dir), validation=relative_to(data.validation, base_dir)
-            )
-            model = replace(model, name=relative_to(model.name, base_dir, hub=True))
+            train_file = relative_to(data.train, base_dir, "data.train")
+            validation_file = relative_to(data.validation, base_dir, "data.validation")
+            data = replace(data, train=train_file, validation=validation_file)
+            model = replace(model, name=relative_to(model.name, base_dir, "model.name", hub=True))
         if adapter.enabled and "learning_rate" not in raw.get("train", {}):
             train = replace(train, learning_rate=LORA_LEARNING_RATE)
         spec = cls(model, data, train, search, space, enqueue, adapter)
@@ -116,6 +116,12 @@ class StudySpec:
                 f"model.name: {self.model.name!r} is not a built-in model; built-in: "
                 + ", ".join(BUILTIN_SCHEME + m for m in BUILTIN_MODELS)
             )
+        # A stored spec is input too (docs/decisions.md, "A worker runs the spec it was started with"): its paths
+        # are checked as a spec file's are, before any file call.
+        paths = {"model.name": self.model.name, "data.train": self.data.train, "data.validation": self.data.validation}
+        for where, value in paths.items():
+            check_reference(value, where)
+            check_path(value, where)
         train_keys = {f.name for f in fields(TrainConfig)} - set(UNSEARCHABLE)
         hints = typing.get_type_hints(TrainConfig)
         checked: dict[str, list[Any]] = {}
@@ -267,9 +273,17 @@ def difference(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str | 
 
 
 def load_file(path: Path) -> StudySpec:
-    if path.is_dir():
+    try:
+        kind = "folder" if path.is_dir() else "file" if path.is_file() else "other" if path.exists() else None
+    except OSError as exc:  # a name too long for the file system, a folder we may not enter
+        raise SpecError(f"spec file {path} cannot be read ({exc.strerror or exc}); fix the --config path") from None
+    if kind == "folder":
         raise SpecError(f"spec file {path} is a folder, not a spec file; pass --config with the path of a .toml spec")
-    if not path.is_file():
+    if kind == "other":
+        raise SpecError(
+            f"spec file {path} is not a regular file (a pipe or a device); pass --config with the path of a .toml spec"
+        )
+    if kind is None:
         raise SpecError(f"spec file {path} does not exist; pass --config with the path of a .toml spec")
     try:
         # utf-8-sig: Windows editors save a byte-order mark that TOML would call an invalid statement.
@@ -278,4 +292,6 @@ def load_file(path: Path) -> StudySpec:
         raise SpecError(f"spec file {path} is not valid TOML: {exc}") from None
     except UnicodeDecodeError:
         raise SpecError(f"spec file {path} is not UTF-8 text; re-save it as UTF-8") from None
+    except OSError as exc:
+        raise SpecError(f"spec file {path} cannot be read ({exc.strerror or exc}); fix its permissions") from None
     return StudySpec.from_dict(raw, base_dir=path.parent.resolve())

@@ -17,11 +17,12 @@ from optuna.trial import TrialState
 
 from hpsearch.search import attempt, cli, outcome, ranks, reap, retry, stop_signals, study as studies, sweep
 from hpsearch.search.devices import torch_device
+from hpsearch.search.errors import SpecError
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.outcome import Outcome
 from hpsearch.search.presets import resolved
 from hpsearch.search.reap import Reaper
-from hpsearch.search.spec import StudySpec
+from hpsearch.search.spec import BUDGET_KEYS, StudySpec, difference
 from hpsearch.storage import attrs, checkpoints as retention, lost, registry, slots
 from hpsearch.storage.db import OUTAGE_RETRY
 from hpsearch.storage.errors import StorageError
@@ -37,6 +38,7 @@ class WorkerArgs:
     device: str  # "cpu" or "cuda" (the parent narrows CUDA_VISIBLE_DEVICES to this worker's GPU)
     name: str  # unique: host/device/pid-ish, recorded on every trial it runs
     output_dir: str
+    spec: dict[str, Any]  # StudySpec.to_dict() of the spec `start` or `worker` checked: the only one this worker runs
     threads: int | None = None
     log_level: int = logging.INFO
     device_label: str = ""  # as the registry shows it ("cuda:1", "cpu:0", "cuda:0+1"); defaults to device
@@ -124,7 +126,9 @@ class Worker:
         self.registration = registration
         self.world: World = world or World()
         self.peers = peers
-        self.spec: StudySpec = resolved(studies.stored_spec(storage, args.study), Path(args.output_dir))
+        self.launched = StudySpec.from_dict(args.spec)  # checked again: cheap, and a worker may be started by hand
+        self.spec: StudySpec = resolved(self.launched, Path(args.output_dir))
+        self._told_of_change = False
         place = args.name.rsplit("/", 1)[0]  # host/device, without the pid
         study_id = storage.optuna.get_study_id_from_name(args.study)
         seed = studies.worker_seed(self.spec, place, len(storage.optuna.get_all_trials(study_id, deepcopy=False)))
@@ -153,6 +157,7 @@ class Worker:
         reap.reap_gone_here(self.storage, self.args.study, max_retries=self.spec.search.max_retries)
         self._tidy(retain=True)  # checkpoints may have fallen out of the top k while this host was away
         while not self.stop():
+            self._follow_budget()
             stop_reason = studies.budget_left(self.study, self.spec, self.storage.db.now())
             retries_only = stop_reason is not None
             if retries_only:
@@ -192,6 +197,28 @@ class Worker:
             self._notify("idle", trial._trial_id, trial.number)
             self._tidy()
             finished += 1
+
+    def _follow_budget(self) -> None:
+        """Take the stored spec's budget keys (another `start --n-trials` may have raised them), and nothing else of
+        it: this worker runs the spec it was started with. Any other change is a database writer's, said once."""
+        stored = self.study.user_attrs.get(attrs.SPEC)
+        try:
+            theirs = StudySpec.from_dict(stored)
+        except SpecError as exc:
+            theirs, change = None, f"it is no longer a valid spec: {exc}"
+        else:
+            change = difference(self.launched.identity(), theirs.identity())
+        if change and not self._told_of_change:
+            self._told_of_change = True
+            log.warning(
+                "study %s: the stored spec changed since this worker started (%s); ignored: a worker runs the spec "
+                "it was started with (restart `hpsearch worker` to check and run a new one)",
+                self.args.study,
+                change,
+            )
+        if theirs is not None:
+            budget = {key: getattr(theirs.search, key) for key in BUDGET_KEYS}
+            self.spec.search = replace(self.spec.search, **budget)
 
     def _begin(self, trial: optuna.Trial, slot: int) -> None:
         """Bind the trial to its slot and to this worker's registry row, then tell the supervisor.
