@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -524,3 +525,111 @@ def test_a_classifier_checkpoint_with_another_label_count_loads(tiny_model: Path
     model = load_model(str(tiny_model), 3)
     assert model.config.num_labels == 3
     assert model.classifier.out_features == 3  # type: ignore[union-attr]
+
+
+def _damage(db: Path, *, pages: slice) -> None:
+    """Overwrite some of a SQLite file's 4 KiB pages with garbage, as a full disk or a bad copy leaves it."""
+    data = bytearray(db.read_bytes())
+    n = len(data) // 4096
+    for page in range(*pages.indices(n)):
+        data[page * 4096 : (page + 1) * 4096] = b"Z" * 4096
+    db.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("pages", [slice(1, None), slice(-6, -3)], ids=["schema", "trials"])
+def test_a_damaged_sqlite_file_is_said_in_one_line(cli, tmp_path: Path, spec_file: Path, pages: slice) -> None:  # type: ignore[no-untyped-def]
+    """Found at opening (its schema) or halfway through a command (its trials): one line either way, exit 2."""
+    import optuna
+
+    from hpsearch.search import study as studies
+    from hpsearch.search.spec import load_file
+    from hpsearch.storage.open import open_storage
+
+    db = tmp_path / "study.db"
+    storage = open_storage(f"sqlite:///{db}", create=True)
+    try:
+        study = studies.create_or_resume(storage, "x", load_file(spec_file))
+        for _ in range(200):  # enough trials to fill pages beyond the schema's
+            trial = study.ask()
+            trial.suggest_float("learning_rate", 1e-4, 3e-3, log=True)
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+    finally:
+        storage.close()
+    _damage(db, pages=pages)
+    before = db.read_bytes()
+    for argv in (["status"], ["start", "--config", str(spec_file), "--devices", "cpu:1"]):
+        result = cli(*argv, "--study", "x", "--storage", f"sqlite:///{db}", cwd=tmp_path)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "the SQLite file is damaged or not a database (database disk image is malformed)" in result.stderr
+    assert db.read_bytes() == before and not (tmp_path / "hpsearch-runs").exists()
+
+
+@pytest.mark.parametrize("folder", ["missing", "/proc"], ids=["missing", "read-only"])
+def test_a_sqlite_file_that_cannot_be_made_is_said_before_the_data_are_read(  # type: ignore[no-untyped-def]
+    cli, tmp_path: Path, spec_file: Path, folder: str
+) -> None:
+    """Said before tokenising: no token cache (nor any folder) is left by a `start` refused for its storage.
+    /proc refuses every new file, even root's, as a read-only mount would."""
+    db = (tmp_path / folder if folder == "missing" else Path(folder)) / "study.db"
+    result = cli(
+        *("start", "--study", "x", "--config", str(spec_file), "--devices", "cpu:1"),
+        *("--storage", f"sqlite:///{db}", "--output-dir", str(tmp_path / "runs")),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"cannot create SQLite storage sqlite:///{db}: folder {db.parent}" in result.stderr, result.stderr
+    assert not (tmp_path / "runs").exists(), "a refused start wrote the token cache (or a folder)"
+
+
+def test_config_that_is_a_pipe(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    fifo = tmp_path / "spec.toml"
+    os.mkfifo(fifo)
+    line = assert_refused(cli, fifo, tmp_path, f"spec file {fifo} is not a regular file (a pipe or a device)")
+    assert "does not exist" not in line
+
+
+def test_lora_target_that_is_no_linear_layer_is_refused_up_front(  # type: ignore[no-untyped-def]
+    cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
+    """LayerNorm names modules of the model, but no kind LoRA wraps: every trial would fail in peft."""
+    spec = tmp_path / "s.toml"
+    adapter = '[adapter]\nmethod = "lora"\ntarget_modules = ["LayerNorm"]\n'
+    spec.write_text(adapter + spec_text(tiny_model, *demo_files))
+    assert_refused(
+        cli,
+        spec,
+        tmp_path,
+        "adapter.target_modules: 'LayerNorm' names bert.embeddings.LayerNorm, a LayerNorm, which LoRA cannot adapt; "
+        "name linear layers: classifier, dense, key, query, value",
+    )
+
+
+def test_a_stored_spec_that_is_invalid_is_refused_by_worker_and_start(  # type: ignore[no-untyped-def]
+    cli, tmp_path: Path, spec_file: Path
+) -> None:
+    """A database writer stores a seed no sampler takes: `worker` and `start` refuse it in one line, write nothing."""
+    import optuna
+
+    from hpsearch.search import study as studies
+    from hpsearch.search.spec import load_file
+    from hpsearch.storage.open import open_storage
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    storage = open_storage(url, create=True)
+    try:
+        studies.create_or_resume(storage, "x", load_file(spec_file))
+    finally:
+        storage.close()
+    study = optuna.load_study(study_name="x", storage=url)
+    stored = study.user_attrs["hpsearch_spec"]
+    stored["search"]["seed"] = -1
+    study.set_user_attr("hpsearch_spec", stored)
+    before = (tmp_path / "study.db").read_bytes()
+    for command in ("worker", "start"):
+        result = cli(command, "--study", "x", "--storage", url, "--devices", "cpu:1", cwd=tmp_path)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.strip() == (
+            f"hpsearch {command}: error: search.seed: -1 must be between 0 and 4294967295 (2**32 - 1)"
+        )
+    assert (tmp_path / "study.db").read_bytes() == before and not (tmp_path / "hpsearch-runs").exists()

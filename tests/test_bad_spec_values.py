@@ -215,6 +215,65 @@ CASES: list[tuple[str, Callable[[str], str], str]] = [
         "train.seed: 100000000000000000000 must be between 0 and 4294967295 (2**32 - 1)",
     ),
     ("seed_negative", lambda s: s.replace("[train]", "[train]\nseed = -1"), "train.seed: -1 must be between 0"),
+    # 5b. counts beyond any search that ends, said as too large before any rule that combines them (#42)
+    ("search_seed_negative", lambda s: s.replace("seed = 0", "seed = -1"), "search.seed: -1 must be between 0"),
+    (
+        "search_seed_int64",
+        lambda s: s.replace("seed = 0", "seed = 9223372036854775807"),
+        "search.seed: 9223372036854775807 must be between 0 and 4294967295 (2**32 - 1)",
+    ),
+    (
+        "epochs_huge",
+        lambda s: s.replace("epochs = 2", "epochs = 1000000000000"),
+        "train.epochs: 1000000000000 must be at most 100,000",
+    ),
+    (
+        "batch_size_huge",
+        lambda s: s.replace("batch_size = 32", "batch_size = 99999999999999999999999"),
+        "train.batch_size: 99999999999999999999999 must be at most 10,000,000",
+    ),
+    # 5c. paths no file call can take, and pkg:// references beyond hpsearch's own packages (#42)
+    (
+        "model_name_part_too_long",
+        lambda s: s.replace('name = "', 'name = "/tmp/' + "m" * 300 + '/x"  # "', 1),
+        "model.name: a part of the path is 300 bytes long (mmmmmmmmmmmmmmmmmmmm...), more than the 255",
+    ),
+    (
+        "data_train_part_too_long",
+        lambda s: s.replace('train = "', 'train = "' + "t" * 300 + '.jsonl"  # "', 1),
+        "data.train: a part of the path is 306 bytes long",
+    ),
+    (
+        "model_name_unknown_user",
+        lambda s: s.replace('name = "', 'name = "~nosuchuser/model"  # "', 1),
+        "model.name: ~nosuchuser names no user of this host; write the full path",
+    ),
+    (
+        "data_validation_unknown_user",
+        lambda s: s.replace('validation = "', 'validation = "~nosuchuser/dev.jsonl"  # "', 1),
+        "data.validation: ~nosuchuser names no user of this host",
+    ),
+    (
+        "pkg_of_another_package",
+        lambda s: s.replace('train = "', 'train = "pkg://this/x.tsv"  # "', 1),
+        "data.train: 'pkg://this/x.tsv' names package 'this'; pkg:// reaches only pkg://hpsearch.search.presets/",
+    ),
+    (
+        "pkg_of_a_module_s_main",
+        lambda s: s.replace('name = "', 'name = "pkg://pygments.__main__"  # "', 1),
+        "model.name: 'pkg://pygments.__main__' names package 'pygments.__main__'; pkg:// reaches only",
+    ),
+    (
+        "pkg_out_of_its_package",
+        lambda s: s.replace('train = "', 'train = "pkg://hpsearch.search.presets/../../../etc/passwd"  # "', 1),
+        "data.train: 'pkg://hpsearch.search.presets/../../../etc/passwd' must name a file inside package "
+        "hpsearch.search.presets (no '..', no leading '/')",
+    ),
+    (
+        "pkg_of_hpsearch_itself",
+        lambda s: s.replace('validation = "', 'validation = "pkg://hpsearch/../../../etc/passwd"  # "', 1),
+        "data.validation: 'pkg://hpsearch/../../../etc/passwd' names package 'hpsearch'",
+    ),
     # 6. missing paths are reported as missing, not as the spec's folder
     (
         "data_train_missing",

@@ -25,8 +25,9 @@ def _run_two_trials(tmp_path: Path, spec_file: Path, url: str, study: str, **tra
         setattr(spec.train, key, value)
     storage = open_storage(url, create=True)
     studies.create_or_resume(storage, study, spec)
+    runs = str(tmp_path / "runs")
     args = WorkerArgs(
-        study=study, storage_url=url, device="cpu", name="test/cpu:0/1", output_dir=str(tmp_path / "runs")
+        study=study, storage_url=url, device="cpu", name="test/cpu:0/1", output_dir=runs, spec=spec.to_dict()
     )
     Worker(args, storage, StopFlag(), None).run()
     storage.close()
@@ -89,3 +90,53 @@ def test_out_of_memory_at_micro_batch_one_fails_that_trial_and_worker_carries_on
     assert trials[0].user_attrs["fail_reason"] == "oom"
     assert trials[1].user_attrs["micro_batch_size"] == 4
     assert trials[1].user_attrs["accumulation_steps"] * 4 == load_file(spec_file).train.batch_size
+
+
+def _safetensors_full(*args: object, **kwargs: object) -> None:
+    from safetensors import SafetensorError
+
+    raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space" })')
+
+
+def _tokenizer_full(*args: object, **kwargs: object) -> None:
+    raise Exception("No space left on device (os error 28)")  # how the tokenizers library says it
+
+
+def _curves_full(*args: object, **kwargs: object) -> None:
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError as exc:
+        raise RuntimeError("cannot write the event file") from exc
+
+
+@pytest.mark.parametrize(
+    "where,fails",
+    [
+        ("transformers.PreTrainedModel.save_pretrained", _safetensors_full),
+        ("transformers.PreTrainedTokenizerBase.save_pretrained", _tokenizer_full),
+        ("hpsearch.trainer.curves.Curves.train", _curves_full),
+    ],
+    ids=["safetensors", "tokenizer", "wrapped"],
+)
+def test_a_full_disk_is_disk_full_however_a_library_says_it(
+    tmp_path: Path, spec_file: Path, sqlite_url: str, monkeypatch: pytest.MonkeyPatch, where: str, fails: object
+) -> None:
+    """docs/failures.md promises disk_full: not the wrapper's message, nor checkpoint_error."""
+    module, _, attr = where.rpartition(".")
+    owner, _, cls = module.rpartition(".")
+    import importlib
+
+    monkeypatch.setattr(getattr(importlib.import_module(owner), cls), attr, fails)
+    spec = load_file(spec_file)
+    spec.search.n_trials = 1
+    storage = open_storage(sqlite_url, create=True)
+    try:
+        studies.create_or_resume(storage, "full", spec)
+        runs = str(tmp_path / "runs")
+        args = WorkerArgs("full", sqlite_url, "cpu", "test/cpu:0/1", runs, spec.to_dict())
+        Worker(args, storage, StopFlag(), None).run()
+    finally:
+        storage.close()
+    [trial] = optuna.load_study(study_name="full", storage=sqlite_url).trials
+    assert trial.state == TrialState.FAIL and trial.user_attrs["fail_reason"] == "disk_full", trial.user_attrs
+    assert not list((tmp_path / "runs" / "full" / "trial-0").glob(".*tmp-*")), "no half-written checkpoint left"

@@ -147,8 +147,9 @@ def _in_process_worker(
     storage = open_storage(url, create=True)
     try:
         studies.create_or_resume(storage, study, loaded)
+        runs, checked = str(tmp_path / "runs"), loaded.to_dict()
         args = WorkerArgs(
-            study=study, storage_url=url, device="cpu", name="test/cpu:0/1", output_dir=str(tmp_path / "runs")
+            study=study, storage_url=url, device="cpu", name="test/cpu:0/1", output_dir=runs, spec=checked
         )
         Worker(args, storage, stop or StopFlag(), None).run()  # type: ignore[arg-type]
     finally:
@@ -411,6 +412,7 @@ def test_an_enqueued_trial_that_ends_with_one_grid_point_left_is_no_reaped_trial
 def test_a_retry_runs_after_the_timeout_when_its_trial_started_before(
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str
 ) -> None:
+    from hpsearch.search import study as studies
     from hpsearch.search.stop_signals import StopFlag
     from hpsearch.search.worker import Worker, WorkerArgs
     from hpsearch.storage.open import open_storage
@@ -424,8 +426,10 @@ def test_a_retry_runs_after_the_timeout_when_its_trial_started_before(
         # The timeout runs out while trial 0's retry waits (e.g. its worker crashed).
         study = optuna.load_study(study_name="late", storage=storage.optuna)
         study.set_user_attr(attrs.DEADLINE, storage.db.now() - 1)
+        checked = studies.stored_spec(storage, "late").to_dict()
+        runs = str(tmp_path / "runs")
         args = WorkerArgs(
-            study="late", storage_url=sqlite_url, device="cpu", name="t/cpu:0/1", output_dir=str(tmp_path / "runs")
+            study="late", storage_url=sqlite_url, device="cpu", name="t/cpu:0/1", output_dir=runs, spec=checked
         )
         Worker(args, storage, StopFlag(), None).run()
     finally:
