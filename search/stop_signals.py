@@ -12,9 +12,10 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
-from hpsearch.storage.db import RetryPolicy
+from hpsearch.storage.db import RetryPolicy, retrying
 from hpsearch.storage.errors import StorageError, StudyNotFoundError
 from hpsearch.storage.open import Storage, open_storage
 
@@ -110,19 +111,17 @@ class StopFlag:
 def open_retrying(url: str, policy: RetryPolicy, stop: StopFlag) -> Storage | None:
     """The storage, waited for as every later call waits for it; None if a stop came first. The URL was checked
     a moment ago: a refused connection is an outage, and failing would count as a crash (3 give the device up)."""
-    delays = policy.delays()
-    while True:
-        try:
-            return open_storage(url, create=False, retry=policy)
-        except StudyNotFoundError:
-            raise
-        except StorageError as exc:
-            if stop():
-                return None  # no trial is held yet: nothing to hand back
-            delay = next(delays, None)
-            if delay is None:
-                raise StorageLost(f"storage unreachable since this worker started ({exc})") from exc
-            log.warning("the storage does not answer yet (%s); retrying in %.1fs", exc, delay)
-            policy.sleep(delay)
-            if stop():
-                return None
+    waiting = replace(policy, give_up=stop)  # a stop ends the waits: no trial is held yet, nothing to hand back
+    try:
+        return retrying(
+            lambda: open_storage(url, create=False, retry=policy),
+            policy=waiting,
+            what="open the storage",
+            transient=lambda e: isinstance(e, StorageError) and not isinstance(e, StudyNotFoundError),
+        )
+    except StudyNotFoundError:
+        raise
+    except StorageError as exc:
+        if stop():
+            return None
+        raise StorageLost(f"storage unreachable since this worker started ({exc})") from exc

@@ -257,20 +257,32 @@ def is_transient(exc: BaseException) -> bool:
     return bool(code and (code in {"40001", "40P01", "57P01", "57P02", "57P03"} or code.startswith("08")))
 
 
-def with_retries(fn: Callable[[], T], *, policy: RetryPolicy = DEFAULT_RETRY, what: str = "storage call") -> T:
-    """Run ``fn``, retrying transient database errors with jittered backoff."""
+def retrying(fn: Callable[[], T], *, policy: RetryPolicy, what: str, transient: Callable[[Exception], bool]) -> T:
+    """The one retry loop of storage calls (ours, Optuna's, opening the storage): ``fn`` again after a jittered
+    wait while its error is ``transient`` and ``policy`` has waits left; then its last error, as it is. Dropped
+    connections, restarted servers and deadlocks are normal with many workers over hours: failing the call at the
+    first one would throw away a trial that was training fine."""
     delays = policy.delays()
     while True:
         try:
             return fn()
-        except SQLAlchemyError as exc:
-            if not is_transient(exc):
-                raise StorageError(f"{what} failed: {_one_line(exc)}") from exc
-            delay = next(delays, None)
+        except Exception as exc:
+            delay = next(delays, None) if transient(exc) else None
             if delay is None:
-                raise StorageError(f"{what} failed, retries used up: {_one_line(exc)}") from exc
+                raise
             log.warning("%s: transient database error (%s); retrying in %.1fs", what, _one_line(exc), delay)
             policy.sleep(delay)
+
+
+def with_retries(fn: Callable[[], T], *, policy: RetryPolicy = DEFAULT_RETRY, what: str = "storage call") -> T:
+    """``retrying`` on our own tables' calls; its last error as a ``StorageError`` that names ``what``."""
+    try:
+        return retrying(
+            fn, policy=policy, what=what, transient=lambda e: isinstance(e, SQLAlchemyError) and is_transient(e)
+        )
+    except SQLAlchemyError as exc:
+        used = ", retries used up" if is_transient(exc) else ""
+        raise StorageError(f"{what} failed{used}: {_one_line(exc)}") from exc
 
 
 def _one_line(exc: BaseException) -> str:
