@@ -16,7 +16,7 @@ import optuna
 
 from hpsearch.search import ranks, retry, stop_signals, study as studies
 from hpsearch.search.early_stop import EarlyStop, PruningGate
-from hpsearch.search.outcome import Outcome, device_seconds
+from hpsearch.search.outcome import Outcome
 from hpsearch.search.space import split_params
 from hpsearch.search.spec import StudySpec
 from hpsearch.search.trial_attrs import AttrReporter
@@ -24,11 +24,21 @@ from hpsearch.storage import attrs, registry
 from hpsearch.storage.trialdir import TrialDir
 from hpsearch.trainer.config import AdapterConfig, ConfigError, TrainConfig
 from hpsearch.trainer.errors import is_disk_full
+from hpsearch.trainer.report import FailReason, Status
 
 if TYPE_CHECKING:
     from hpsearch.search.worker import Worker
 
 log = logging.getLogger(__name__)
+
+
+ENDED = {
+    Status.COMPLETE: Outcome.COMPLETE,
+    Status.PRUNED: Outcome.PRUNED,
+    Status.FAILED: Outcome.FAILED,
+    Status.INTERRUPTED: Outcome.INTERRUPTED,
+}
+"""What a run's end, as the trainer returns it, is for the trial (outcome.py's table says the rest)."""
 
 
 class TrialReporter(AttrReporter):
@@ -64,7 +74,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
     except (ValueError, TypeError) as exc:  # ConfigError among them
         # An enqueued trial's fixed parameters are a database row: a bad one fails this trial, never the worker.
         log.error("trial %d has parameters no trial of this spec can take: %s", trial.number, exc)
-        w.end_attempt(trial, Outcome.FAILED, detail=f"{type(exc).__name__}: {exc}")
+        w.end_attempt(trial, Outcome.FAILED, reason=FailReason.BAD_PARAMS, detail=f"{type(exc).__name__}: {exc}")
         return
     folder = TrialDir(w.root, trial.number)
     try:
@@ -72,7 +82,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
         log_file = folder.open_log()  # the trial's own log
     except OSError as exc:  # TrialDirError: a link or a file in the trial folder's place
         log.error("trial %d cannot start: %s", trial.number, exc)
-        w.end_attempt(trial, Outcome.FAILED, detail=f"trial_dir_refused ({exc})")
+        w.end_attempt(trial, Outcome.FAILED, reason=FailReason.TRIAL_DIR_REFUSED, detail=str(exc))
         return
     folder.unlink_link(folder.curves)
     files = RunFiles(best=folder.best, state=folder.state, curves=folder.curves)
@@ -117,12 +127,12 @@ def run(w: Worker, trial: optuna.Trial) -> None:
         result.fail_reason = result.fail_reason or early.reason
     except CheckpointError as exc:
         log.error("trial %d failed: %s", trial.number, exc)
-        failure: str | None = exc.reason
+        failure: tuple[FailReason, str | None] | None = (exc.reason, None)
     except Exception as exc:
         if stop_signals.is_storage_failure(exc):
             # The database, not the trial: keep its checkpoints and hand it back.
             log.error("trial %d: the storage failed: %s", trial.number, stop_signals.describe(exc))
-            _hand_back_after_storage_failure(w, trial, folder, reporter, started, exc)
+            _hand_back_after_storage_failure(w, trial, folder, reporter, exc)
             return
         log.error("trial %d failed:\n%s", trial.number, traceback.format_exc())
         failure = public_reason(exc, folder)
@@ -135,26 +145,21 @@ def run(w: Worker, trial: optuna.Trial) -> None:
         logging.getLogger().removeHandler(handler)
         handler.close()
         log_file.close()
-    # Device time of this attempt (x its devices), added to earlier attempts' (the gpu_hours budget).
-    spent = device_seconds(started, time.monotonic(), w.world.size)
     if failure is not None:
-        w.end_attempt(trial, Outcome.FAILED, folder=folder, detail=failure, spent=spent)
+        w.end_attempt(trial, Outcome.FAILED, folder=folder, reason=failure[0], detail=failure[1])
         if w.world.size > 1:
             raise ranks.GroupRestart(f"trial {trial.number} failed on a {w.world.size}-device group")
         return
-    if result.status == "complete" and result.best_value is not None:
-        ended, detail = Outcome.COMPLETE, None
-    elif result.status in ("pruned", "interrupted"):
-        ended, detail = Outcome(result.status), result.fail_reason
-    else:
-        ended, detail = Outcome.FAILED, result.fail_reason or "no validation point reached"
-    if w.end_attempt(trial, ended, folder=folder, detail=detail, value=result.best_value, spent=spent) is None:
+    ended, why = ENDED[result.status], result.fail_reason
+    if ended is Outcome.COMPLETE and result.best_value is None:
+        ended, why = Outcome.FAILED, FailReason.NO_VALIDATION_POINT
+    if w.end_attempt(trial, ended, folder=folder, reason=why, value=result.best_value) is None:
         return
     if ended is Outcome.COMPLETE:
         msg = "trial %d complete: %s = %.4f at step %s"
         log.info(msg, trial.number, w.spec.search.metric, result.best_value, result.best_step)
     elif ended is Outcome.PRUNED:
-        log.info("trial %d pruned at step %d%s", trial.number, result.steps, f" ({detail})" if detail else "")
+        log.info("trial %d pruned at step %d%s", trial.number, result.steps, f" ({why.text})" if why else "")
     if ended is not Outcome.INTERRUPTED:
         w.retain()
 
@@ -173,18 +178,18 @@ def trial_config(spec: StudySpec, trial: optuna.Trial) -> tuple[dict[str, Any], 
     return params, cfg, adapter
 
 
-def public_reason(exc: BaseException, folder: TrialDir) -> str:
+def public_reason(exc: BaseException, folder: TrialDir) -> tuple[FailReason, str | None]:
     """What the study records of an error that failed a trial. Nothing read on this host from a data or model file
     may leave it through the database (docs/decisions.md, "Nothing read on a worker's host leaves it"), and an
     error's message can quote a file: the record names the error and where it was raised; its message stays in the
     trial's train.log. A configuration error says only what the spec and the trial's parameters hold."""
     if is_disk_full(exc):
-        return "disk_full"
+        return FailReason.DISK_FULL, None
     if isinstance(exc, ConfigError):
-        return f"{type(exc).__name__}: {exc}"
+        return FailReason.CONFIG_ERROR, f"{type(exc).__name__}: {exc}"
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" in {_code_path(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
-    return f"error ({type(exc).__name__}{where}; its message is in {folder.log} on {registry.this_host()})"
+    return FailReason.ERROR, f"{type(exc).__name__}{where}; its message is in {folder.log} on {registry.this_host()}"
 
 
 def _code_path(filename: str) -> str:
@@ -197,15 +202,15 @@ def _code_path(filename: str) -> str:
 
 
 def _hand_back_after_storage_failure(
-    w: Worker, trial: optuna.Trial, folder: TrialDir, reporter: TrialReporter, started: float, exc: Exception
+    w: Worker, trial: optuna.Trial, folder: TrialDir, reporter: TrialReporter, exc: Exception
 ) -> None:
     """Queue a retry that resumes from the trial's resumable state, like a crash, once the storage answers
     again (each call retries through the outage); if it does not, ``StorageLost`` ends the worker."""
     # Counted up to the storage's last answer: training may have gone on through the outage
     # (see trainer/report_queue.py), but so may a run that ended and waited for its record.
-    spent = device_seconds(started, reporter.last_ok, w.world.size)
+    ago = time.monotonic() - reporter.last_ok
     try:
-        w.end_attempt(trial, Outcome.STORAGE_LOST, folder=folder, detail=type(exc).__name__, spent=spent)
+        w.end_attempt(trial, Outcome.STORAGE_LOST, folder=folder, detail=type(exc).__name__, ago=ago)
     except Exception as err:
         if not stop_signals.is_storage_failure(err):
             raise

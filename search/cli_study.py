@@ -68,7 +68,7 @@ def cmd_reap(args: argparse.Namespace) -> int:
         raise UsageError(f"--grace {args.grace:g}: must be a number of seconds >= 0")
     with closing(open_storage(urls.resolve(args.storage), create=False)) as storage:
         retries = studies.stored_spec(storage, args.study).search.max_retries
-        done = reap.reap_by_hand(storage, args.study, max_retries=retries, grace_s=args.grace)
+        done = reap.by_hand(storage, args.study, max_retries=retries, grace_s=args.grace)
     for r in done:
         outcome = "retry queued" if r.retried else "out of retries"
         print(f"trial {r.trial_number}: worker {r.worker} on {r.host} silent for {r.heartbeat_age_s:.0f}s; {outcome}")

@@ -6,7 +6,6 @@ trial back for a retry, and restarts the child within a bound."""
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import multiprocessing as mp
 import os
@@ -195,15 +194,8 @@ class Supervisor:
             return
         retries = self.spec.search.max_retries
         study = optuna.load_study(study_name=self.study, storage=storage.optuna)
-        frozen = storage.optuna.get_trial(trial_id)
-        # The attempt used its devices from its start (this host's clock wrote it) until now.
-        now = datetime.datetime.now()
-        started = (frozen.datetime_start or now).timestamp()
-        spent = outcome.device_seconds(started, now.timestamp(), child.device.count)
-        folder = TrialDir(self.output_dir / self.study, frozen.number)
-        outcome.finish(
-            storage, study, trial_id, Outcome.CRASHED, max_retries=retries, folder=folder, detail=how, spent=spent
-        )
+        folder = TrialDir(self.output_dir / self.study, storage.optuna.get_trial(trial_id).number)
+        outcome.finish(storage, study, trial_id, Outcome.CRASHED, max_retries=retries, folder=folder, detail=how)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.stopping += 1

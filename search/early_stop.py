@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpsearch.trainer.report import Reporter
+from hpsearch.trainer.report import FailReason, Reporter
 
 if TYPE_CHECKING:
     from hpsearch.search.search_config import SearchConfig
@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from hpsearch.trainer.stats import Figures
 
 log = logging.getLogger(__name__)
-AT_CHANCE = "at_chance"
 
 
 @dataclass(frozen=True)
@@ -112,11 +111,12 @@ class PruningGate:
 
 class EarlyStop:
     """The trial's reporter as the trainer sees it: ``should_prune`` is True once the run is stuck
-    at chance (``reason`` then says "at_chance"), else the pruner's answer where the gate allows."""
+    at chance (``reason`` then says so), else the pruner's answer where the gate allows."""
 
     def __init__(self, inner: Reporter, gate: PruningGate) -> None:
         self.inner, self.gate = inner, gate
-        self.reason: str | None = None  # why the run was pruned, where the pruner was not the one to decide
+        self.immediate = inner.immediate
+        self.reason: FailReason | None = None  # why the run was pruned, where the pruner was not the one to decide
         self._last: tuple[int, Metrics] | None = None
 
     def report(self, value: float, step: int, metrics: Metrics | None = None) -> None:
@@ -131,7 +131,7 @@ class EarlyStop:
         step, metrics = self._last
         if self.gate.stuck:
             log.info("step %d: no better than the label prior %d points in a row: stopping", step, self.gate.at_chance)
-            self.reason = AT_CHANCE
+            self.reason = FailReason.AT_CHANCE
             return True
         return self.gate.may_prune(step, metrics) and self.inner.should_prune()
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from hpsearch.search.errors import SpecError
 from hpsearch.storage import attrs, registry, rundir, trialdir
-from hpsearch.storage.checkpoints import is_deleted
+from hpsearch.storage.retention import is_deleted
 from hpsearch.trainer import adapters
 from hpsearch.trainer.checkpoint import META
 from hpsearch.trainer.errors import ModelError

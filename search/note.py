@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -19,33 +18,17 @@ from hpsearch.storage import attrs
 log = logging.getLogger(__name__)
 
 
-def trial_seconds(trial: FrozenTrial, now: dt.datetime | None = None) -> float:
-    """Device time a trial used: its recorded figure, else start to end (or to ``now``)."""
-    value = trial.user_attrs.get(attrs.DEVICE_SECONDS)
-    if isinstance(value, (int, float)):
-        return float(value)
-    if trial.datetime_start is None:
-        return 0.0
-    end = trial.datetime_complete or now
-    return max(0.0, (end - trial.datetime_start).total_seconds()) if end else 0.0
-
-
-def device_hours(trials: Iterable[FrozenTrial], now: dt.datetime | None = None) -> float:
-    return sum(trial_seconds(t, now) for t in trials) / 3600
-
-
-def render(study: optuna.Study, spec: StudySpec, n_trials: int) -> str:
-    """The note's markdown; a pure function of the study's finished trials and its spec."""
-    trials = study.get_trials(deepcopy=False)
+def render(study: optuna.Study, spec: StudySpec, n_trials: int, used_s: float) -> str:
+    """The note's markdown; a pure function of the study's finished trials, its spec and the device time used
+    (the ledger's, storage/ledger.py)."""
     s = summary.status(study, spec, n_trials, "")
     st = s["states"]
-    finished = [t for t in trials if t.state.is_finished()]
     lines = [
         f"## hpsearch study `{study.study_name}`",
         "",
         f"**Budget:** {s['finished']} of {n_trials} trials finished ({st['complete']} complete, "
-        f"{st['pruned']} pruned), {st['fail']} failed; {device_hours(finished):.2f} device-hours "
-        "used by finished trials.",
+        f"{st['pruned']} pruned), {st['fail']} failed; {used_s / 3600:.2f} device-hours "
+        "used.",
         "",
     ]
     lines += _best(s["best"], spec)
@@ -99,11 +82,11 @@ def _space_table(spec: StudySpec) -> list[str]:
     return rows if spec.space else []
 
 
-def update(study: optuna.Study, spec: StudySpec, n_trials: int) -> None:
+def update(study: optuna.Study, spec: StudySpec, n_trials: int, used_s: float) -> None:
     """Write the note if its text changed."""
     from optuna_dashboard import get_note, save_note
 
-    body = render(study, spec, n_trials)
+    body = render(study, spec, n_trials, used_s)
     if get_note(study) != body:
         save_note(study, body)
         log.debug("study note of %s updated", study.study_name)

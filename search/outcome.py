@@ -1,7 +1,8 @@
 """How an attempt ends: one table (``ENDINGS``), and one ``finish`` that the worker, the supervisor and the reaper call.
 
 Like rq's single ``handle_job_failure``: whoever sees an attempt end names its ``Outcome``; the table decides
-the Optuna state, the retry, what stays of ``best/`` and ``resume/``, the ``fail_reason`` and the device time."""
+the Optuna state, the retry, what stays of ``best/`` and ``resume/`` and the ``fail_reason``; the attempt's
+device time comes from the ledger (storage/ledger.py)."""
 
 from __future__ import annotations
 
@@ -11,25 +12,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.search import retry
-from hpsearch.storage import attrs, checkpoints as retention
+from hpsearch.storage import attrs, ledger, retention
+from hpsearch.storage.db import Database
 from hpsearch.storage.open import Storage
 from hpsearch.storage.trialdir import TrialDir
+from hpsearch.trainer.report import FailReason
 
 log = logging.getLogger(__name__)
 
 
 class Outcome(enum.Enum):
-    COMPLETE = "complete"
-    PRUNED = "pruned"
-    FAILED = "failed"  # an error of the trial (or no validation point reached): not retried
-    INTERRUPTED = "interrupted"  # a stop request: the worker saved its resumable state
-    STORAGE_LOST = "storage_lost"  # the storage failed during the trial: not the trial's fault
-    CRASHED = "crashed"  # the worker process died; its supervisor saw it
-    LOST = "lost"  # the worker vanished (host gone, network cut); a reaper saw its heartbeat go stale
-    NOT_STARTED = "not_started"  # the worker could not register the trial it was given
+    COMPLETE = enum.auto()
+    PRUNED = enum.auto()
+    FAILED = enum.auto()  # an error of the trial (or no validation point reached): not retried
+    INTERRUPTED = enum.auto()  # a stop request: the worker saved its resumable state
+    STORAGE_LOST = enum.auto()  # the storage failed during the trial: not the trial's fault
+    CRASHED = enum.auto()  # the worker process died; its supervisor saw it
+    LOST = enum.auto()  # the worker vanished (host gone, network cut); a reaper saw its heartbeat go stale
+    NOT_STARTED = enum.auto()  # the worker could not register the trial it was given
 
 
 class Files(enum.Enum):
@@ -45,11 +48,6 @@ class Resume(enum.Enum):
     RECORDED = "recorded"  # the path the trial recorded at its start (resume_checkpoint): maybe on another host
 
 
-class DeviceTime(enum.Enum):
-    MEASURED = "measured"  # the attempt measured its own: added to what the trial has
-    ESTIMATED = "estimated"  # by whoever saw it end: written only if the attempt recorded none
-
-
 @dataclass(frozen=True)
 class Ending:
     state: TrialState
@@ -57,28 +55,22 @@ class Ending:
     best: Files
     resume: Files
     resumes_from: Resume
-    reason: str | None  # the fail_reason; "{}" stands for the caller's detail
-    device_time: DeviceTime
+    reason: FailReason | None  # the fail_reason; None: the caller's (a pruned or failed trial says why)
 
 
 _FAIL, _KEEP, _DELETE = TrialState.FAIL, Files.KEEP, Files.DELETE
 ENDINGS: dict[Outcome, Ending] = {
     # Only complete trials compete for a kept best/ (retention); only a retry resumes from resume/.
     #                   Optuna state         retried  best/    resume/  the retry resumes from
-    Outcome.COMPLETE: Ending(TrialState.COMPLETE, False, _KEEP, _DELETE, Resume.NOTHING, None, DeviceTime.MEASURED),
-    Outcome.PRUNED: Ending(TrialState.PRUNED, False, _DELETE, _DELETE, Resume.NOTHING, "{}", DeviceTime.MEASURED),
-    Outcome.FAILED: Ending(_FAIL, False, _DELETE, _DELETE, Resume.NOTHING, "{}", DeviceTime.MEASURED),
-    Outcome.INTERRUPTED: Ending(_FAIL, True, _KEEP, _KEEP, Resume.HERE, "interrupted", DeviceTime.MEASURED),
-    Outcome.STORAGE_LOST: Ending(_FAIL, True, _KEEP, _KEEP, Resume.HERE, "storage_error ({})", DeviceTime.MEASURED),
-    Outcome.CRASHED: Ending(_FAIL, True, _KEEP, _KEEP, Resume.HERE, "worker_crash ({})", DeviceTime.ESTIMATED),
-    Outcome.LOST: Ending(_FAIL, True, _KEEP, _KEEP, Resume.RECORDED, "worker_lost", DeviceTime.ESTIMATED),
-    Outcome.NOT_STARTED: Ending(_FAIL, True, _KEEP, _KEEP, Resume.NOTHING, "not_started", DeviceTime.ESTIMATED),
+    Outcome.COMPLETE: Ending(TrialState.COMPLETE, False, _KEEP, _DELETE, Resume.NOTHING, None),
+    Outcome.PRUNED: Ending(TrialState.PRUNED, False, _DELETE, _DELETE, Resume.NOTHING, None),
+    Outcome.FAILED: Ending(_FAIL, False, _DELETE, _DELETE, Resume.NOTHING, None),
+    Outcome.INTERRUPTED: Ending(_FAIL, True, _KEEP, _KEEP, Resume.HERE, FailReason.INTERRUPTED),
+    Outcome.STORAGE_LOST: Ending(_FAIL, True, _KEEP, _KEEP, Resume.HERE, FailReason.STORAGE_ERROR),
+    Outcome.CRASHED: Ending(_FAIL, True, _KEEP, _KEEP, Resume.HERE, FailReason.WORKER_CRASH),
+    Outcome.LOST: Ending(_FAIL, True, _KEEP, _KEEP, Resume.RECORDED, FailReason.WORKER_LOST),
+    Outcome.NOT_STARTED: Ending(_FAIL, True, _KEEP, _KEEP, Resume.NOTHING, FailReason.NOT_STARTED),
 }
-
-
-def device_seconds(since: float, until: float, devices: int) -> float:
-    """An attempt's device time: its wall time (by one clock) times the devices it held."""
-    return max(0.0, until - since) * devices
 
 
 def finish(
@@ -89,54 +81,69 @@ def finish(
     *,
     max_retries: int,
     folder: TrialDir | None = None,
+    reason: FailReason | None = None,
     detail: str | None = None,
     value: float | None = None,
-    spent: float | None = None,
+    ago: float = 0.0,
 ) -> bool | None:
     """End a running trial's attempt as ``ENDINGS`` says; whether a retry was queued, None if it was not running
     (finished meanwhile by a reaper, or by the worker telling its result late: left alone).
 
-    ``folder``: the trial's folder on this host (None: none to touch); ``spent``: this attempt's device time."""
+    ``folder``: the trial's folder on this host (None: none to touch); ``reason`` and ``detail``: why it was
+    pruned or failed (the table names the reason of every other ending); ``ago``: the attempt stopped that many
+    seconds ago (a worker whose storage went away stopped counting when it last answered)."""
     ending = ENDINGS[outcome]
     frozen = storage.optuna.get_trial(trial_id)
     if frozen.state != TrialState.RUNNING:
         log.info("trial %d is %s already; leaving it as it is", frozen.number, frozen.state.name.lower())
         return None
-    measured = ending.device_time is DeviceTime.MEASURED
-    if spent is not None and (measured or attrs.DEVICE_SECONDS not in frozen.user_attrs):
-        # Recorded before the trial is told: a finished trial takes no more attributes.
-        before = float(frozen.user_attrs.get(attrs.DEVICE_SECONDS, 0.0)) if measured else 0
-        storage.optuna.set_trial_user_attr(trial_id, attrs.DEVICE_SECONDS, round(before + spent, 3))
+    # A copy of the ledger's figure for the dashboard, before the trial is told: a finished trial takes no attributes.
+    seconds = ledger.end_trial(storage.db, study.study_name, frozen.number, ago=ago)
+    storage.optuna.set_trial_user_attr(trial_id, attrs.DEVICE_SECONDS, round(seconds, 3))
     if folder is not None:
-        _clear(storage, trial_id, folder, ending, outcome)
-    reason = ending.reason.format(detail)[:500] if ending.reason and (detail or "{}" not in ending.reason) else None
+        # Read now, not before: the trainer's last attributes may have been on their way.
+        clear(storage.db, storage.optuna.get_trial(trial_id), folder, ending, f"trial {outcome.name.lower()}")
+    why = ending.reason or reason
+    recorded = why.record(detail)[:500] if why else None
     if ending.retried:
-        recorded = frozen.user_attrs.get(attrs.RESUME_CHECKPOINT)
+        state = frozen.user_attrs.get(attrs.RESUME_CHECKPOINT)
         resume = {
             Resume.NOTHING: None,
             Resume.HERE: folder.state if folder else None,
-            Resume.RECORDED: Path(recorded) if recorded else None,
+            Resume.RECORDED: Path(state) if state else None,
         }[ending.resumes_from]
         local = ending.resumes_from is not Resume.RECORDED  # the reaper's may be on another host: take_over checks
-        assert reason is not None
+        assert recorded is not None
         return retry.hand_back(
-            storage, study, trial_id, reason=reason, resume_from=resume, max_retries=max_retries, local=local
+            storage, study, trial_id, reason=recorded, resume_from=resume, max_retries=max_retries, local=local
         )
-    if reason is not None:
-        storage.optuna.set_trial_user_attr(trial_id, attrs.FAIL_REASON, reason)
+    if recorded is not None:
+        storage.optuna.set_trial_user_attr(trial_id, attrs.FAIL_REASON, recorded)
     _tell(storage, study, trial_id, frozen.number, value if ending.state == TrialState.COMPLETE else None, ending.state)
     return False
 
 
-def _clear(storage: Storage, trial_id: int, folder: TrialDir, ending: Ending, outcome: Outcome) -> None:
-    if ending.best is Files.DELETE:
-        folder.remove(folder.best)
-        # Read now, not before: the trainer's last attributes may have been on their way.
-        if storage.optuna.get_trial(trial_id).user_attrs.get(attrs.BEST_CHECKPOINT):
-            note = retention.deleted_note(f"trial {outcome.value}")
-            storage.optuna.set_trial_user_attr(trial_id, attrs.BEST_CHECKPOINT, note)
-    if ending.resume is Files.DELETE:
-        folder.remove(folder.resume)
+def ending_of(trial: FrozenTrial) -> Ending:
+    """A finished trial's row of the table, read back from its state and recorded reason (the leftover sweep's)."""
+    if trial.state != TrialState.FAIL:
+        return ENDINGS[Outcome.COMPLETE if trial.state == TrialState.COMPLETE else Outcome.PRUNED]
+    why = FailReason.of(trial.user_attrs.get(attrs.FAIL_REASON))
+    return next((e for e in ENDINGS.values() if e.retried and e.reason is why), ENDINGS[Outcome.FAILED])
+
+
+def clear(
+    db: Database, trial: FrozenTrial, folder: TrialDir, ending: Ending, why: str, *, released: bool = False
+) -> list[Path]:
+    """Remove what the table says goes of the trial folder's best/ and resume/, and with ``released`` (no retry
+    will take them over) what a retried ending kept; what went. A removed best/ is marked deleted for ``why``."""
+    gone = []
+    for path, files in ((folder.best, ending.best), (folder.resume, ending.resume)):
+        if (files is Files.DELETE or (released and ending.retried)) and folder.remove(path):
+            gone.append(path)
+            if path == folder.best:
+                # The sweep says where it was: it may run on another day than the attempt that ended.
+                retention.mark_deleted(db, trial._trial_id, why, path if trial.state.is_finished() else None)
+    return gone
 
 
 def _tell(

@@ -23,8 +23,8 @@ from sqlalchemy.pool import NullPool
 from hpsearch.search import note, stop_signals, study as studies, summary
 from hpsearch.search.devices import Device
 from hpsearch.search.spec import StudySpec
-from hpsearch.storage import attrs, urls
-from hpsearch.storage.db import engine_kwargs
+from hpsearch.storage import attrs, ledger, urls
+from hpsearch.storage.db import Database, engine_kwargs
 
 log = logging.getLogger(__name__)
 POLL_S = 15.0
@@ -68,7 +68,8 @@ class Snapshot:
         return (self.finished_numbers, self.running, self.best_number, self.n_trials)
 
 
-def read(study: optuna.Study, spec: StudySpec, now: dt.datetime | None = None) -> Snapshot:
+def read(study: optuna.Study, spec: StudySpec, used_s: float, now: dt.datetime | None = None) -> Snapshot:
+    """``used_s``: the study's device time, from the ledger (storage/ledger.py)."""
     now = now or dt.datetime.now()
     trials = study.get_trials(deepcopy=False)
     retried = {t.user_attrs.get(attrs.RETRY_OF) for t in trials}
@@ -84,11 +85,18 @@ def read(study: optuna.Study, spec: StudySpec, now: dt.datetime | None = None) -
         running=len(running),
         best_value=best.value if best else None,
         best_number=best.number if best else None,
-        device_seconds=note.device_hours(trials, now) * 3600,
-        mean_trial_s=sum(note.trial_seconds(t) for t in done) / len(done) if done else None,
-        running_elapsed=[note.trial_seconds(t, now) for t in running],
+        device_seconds=used_s,
+        mean_trial_s=sum(_wall(t, now) for t in done) / len(done) if done else None,
+        running_elapsed=[_wall(t, now) for t in running],
         finished_numbers=note.finished_key(trials),
     )
+
+
+def _wall(t: optuna.trial.FrozenTrial, now: dt.datetime) -> float:
+    """How long a trial ran (runs) by the clock of the host that started it: for a time-left estimate only."""
+    if t.datetime_start is None:
+        return 0.0
+    return max(0.0, ((t.datetime_complete or now) - t.datetime_start).total_seconds())
 
 
 class Poller(threading.Thread):
@@ -100,7 +108,7 @@ class Poller(threading.Thread):
         self.latest: Snapshot | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        self._opened: optuna.Study | None = None
+        self._opened: tuple[optuna.Study, Database] | None = None
         self._noted: tuple[int, ...] | None = None
         self._failing = False
 
@@ -119,10 +127,10 @@ class Poller(threading.Thread):
 
     def refresh(self) -> None:
         try:
-            study = self._open()
-            snap = read(study, self.spec)
+            study, db = self._open()
+            snap = read(study, self.spec, ledger.total(db, self.study_name))
             if snap.finished_numbers != self._noted:
-                note.update(study, self.spec, snap.n_trials)
+                note.update(study, self.spec, snap.n_trials, snap.device_seconds)
                 self._noted = snap.finished_numbers
         except Exception as exc:
             # Progress is a view: a database hiccup must never stop the search it shows.
@@ -135,7 +143,7 @@ class Poller(threading.Thread):
         self._failing = False
         self.latest = snap
 
-    def _open(self) -> optuna.Study:
+    def _open(self) -> tuple[optuna.Study, Database]:
         if self._opened is None:
             url = urls.normalize(self.storage_url)
             kwargs = {
@@ -145,7 +153,7 @@ class Poller(threading.Thread):
             rdb = optuna.storages.RDBStorage(
                 url, engine_kwargs={**kwargs, "poolclass": NullPool}, skip_table_creation=True
             )
-            self._opened = optuna.load_study(study_name=self.study_name, storage=rdb)
+            self._opened = optuna.load_study(study_name=self.study_name, storage=rdb), Database(rdb.engine)
         return self._opened
 
 

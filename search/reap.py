@@ -1,8 +1,9 @@
-"""Reaping: a trial whose worker vanished (host shut down, network cut) is failed and retried.
+"""Reaping, one thing: failing and retrying the trials of lost workers (storage/liveness.py's rule: host shut
+down, network cut). Every worker runs a ``Reaper`` thread that reaps; `hpsearch reap` reaps by hand (``by_hand``).
 
-A crashed child on a live host is handed back by its supervisor (dispatch.py); a vanished host's
-workers just stop beating. Every worker runs a ``Reaper`` thread (`hpsearch reap` one pass by hand)
-that fails and requeues a trial whose heartbeat is past the grace period by the database clock."""
+Two neighbours retry trials the registry cannot judge: ``retry_orphans`` (a worker that vanished before its row
+named its trial) and ``retry_gone_here`` (this host's worker processes that are gone). A crashed child on a live
+host is handed back by its supervisor (dispatch.py)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ from hpsearch.search import outcome, retry
 from hpsearch.search.outcome import Outcome
 from hpsearch.storage import lost, registry, slots
 from hpsearch.storage.errors import StorageError
+from hpsearch.storage.liveness import MISSED_BEATS
 from hpsearch.storage.open import Storage
 
 log = logging.getLogger(__name__)
 
-WORKER_LOST = "worker_lost"
 # One pass at a time in a process: a worker's Reaper thread takes a stale trial off its row and
 # then fails it with the lost worker's device time; a pass of the main thread in between (a
 # worker that finds the budget used scans orphaned slots) would see the slot held by no row
@@ -47,19 +48,13 @@ def reap(
     *,
     max_retries: int,
     grace_s: float | None = None,
-    orphans: bool = False,
-    stale: bool = True,
     watched_since: float | None = None,
 ) -> list[Reaped]:
-    """One pass: fail and retry every trial whose worker is past the grace period. ``orphans``: also the slots
-    whose worker vanished before the registry knew its trial (it reads every slot: not for the background reaper).
-    ``stale=False`` skips heartbeat rows: only a reaper whose connection was healthy for a grace period (since
-    ``watched_since``) may judge those."""
+    """One pass: fail and retry every trial whose worker is lost. Silence counts from ``watched_since`` (database
+    clock), when the caller's own connection was last known healthy (see ``Reaper``)."""
     with _ONE_PASS:
-        stale_rows = (
-            lost.stale_trials(storage.db, study_name, grace_s=grace_s, watched_since=watched_since) if stale else []
-        )
-        if not stale_rows and not orphans:
+        stale_rows = lost.stale_trials(storage.db, study_name, grace_s=grace_s, watched_since=watched_since)
+        if not stale_rows:
             return []
         study = optuna.load_study(study_name=study_name, storage=storage.optuna)
         reaped = []
@@ -68,17 +63,23 @@ def reap(
             if lost.release_stale(storage.db, s):
                 why = f"worker {s.worker} on {s.host} has not beaten for {s.heartbeat_age_s:.0f}s"
                 reaped += _retry_stale(storage, study, s, max_retries, why)
-        if orphans:
-            reaped += _reap_orphans(storage, study, max_retries, grace_s)
         return reaped
 
 
-def _reap_orphans(storage: Storage, study: optuna.Study, max_retries: int, grace_s: float | None) -> list[Reaped]:
+def retry_orphans(storage: Storage, study_name: str, *, max_retries: int, grace_s: float | None = None) -> list[Reaped]:
+    """Fail and retry the trials whose worker vanished before the registry knew them (it reads every slot: not
+    for the background reaper), and free slots claimed by a worker that vanished before its trial began."""
+    with _ONE_PASS:
+        study = optuna.load_study(study_name=study_name, storage=storage.optuna)
+        return _retry_orphans(storage, study, max_retries, grace_s)
+
+
+def _retry_orphans(storage: Storage, study: optuna.Study, max_retries: int, grace_s: float | None) -> list[Reaped]:
     reaped = []
     name = study.study_name
     # By default the slowest worker's own interval, not this process's: a reaper that beats faster must
     # not judge a slot a worker claimed a moment ago (a window of milliseconds: a grace given by hand stands).
-    grace = grace_s if grace_s is not None else registry.MISSED_BEATS * lost.longest_interval(storage.db, name)
+    grace = grace_s if grace_s is not None else MISSED_BEATS * lost.longest_interval(storage.db, name)
 
     def fail(number: int, when: str) -> None:
         retried = _fail_for_retry(storage, study, number, max_retries)
@@ -105,12 +106,12 @@ def _reap_orphans(storage: Storage, study: optuna.Study, max_retries: int, grace
     return reaped
 
 
-def reap_by_hand(
+def by_hand(
     storage: Storage, study_name: str, *, max_retries: int, grace_s: float | None = None, poll_s: float = 1.0
 ) -> list[Reaped]:
     """`hpsearch reap`: one pass, with the ``Reaper``'s guard: after an outage every heartbeat is old, so silence
     counts from this process's first prompt answer, and a stale-looking row is watched for its whole grace."""
-    reaped = reap_gone_here(storage, study_name, max_retries=max_retries)
+    reaped = retry_gone_here(storage, study_name, max_retries=max_retries)
     since: float | None = None
     told = False
     while True:
@@ -127,14 +128,14 @@ def reap_by_hand(
                 "trial(s) %s: their workers are silent; watching them for up to %.0fs, as after an outage "
                 "every heartbeat is old and live workers beat again within an interval",
                 ", ".join(str(w.trial_number) for w in waiting),
-                registry.MISSED_BEATS * lost.longest_interval(storage.db, study_name),
+                MISSED_BEATS * lost.longest_interval(storage.db, study_name),
             )
             told = True
         time.sleep(poll_s)
-    return reaped + reap(storage, study_name, max_retries=max_retries, grace_s=grace_s, orphans=True, stale=False)
+    return reaped + retry_orphans(storage, study_name, max_retries=max_retries, grace_s=grace_s)
 
 
-def reap_gone_here(storage: Storage, study_name: str, *, max_retries: int) -> list[Reaped]:
+def retry_gone_here(storage: Storage, study_name: str, *, max_retries: int) -> list[Reaped]:
     """Fail and retry the trials of this host's workers whose process is gone, and end their rows: at once,
     not a reaper's grace later, for an earlier start killed with its instance (see ``lost.end_gone``)."""
     gone = lost.end_gone(storage.db, study_name, host=registry.this_host(), gone=_process_gone)
@@ -159,19 +160,17 @@ def _process_gone(pid: int) -> bool:
 
 def _retry_stale(storage: Storage, study: optuna.Study, s: lost.StaleTrial, max_retries: int, why: str) -> list[Reaped]:
     log.warning("trial %d: %s; failing it for a retry", s.trial_number, why)
-    retried = _fail_for_retry(storage, study, s.trial_number, max_retries, device_seconds=s.device_seconds)
+    retried = _fail_for_retry(storage, study, s.trial_number, max_retries)
     return [] if retried is None else [Reaped(s.trial_number, s.worker, s.host, s.heartbeat_age_s, retried)]
 
 
-def _fail_for_retry(
-    storage: Storage, study: optuna.Study, number: int, max_retries: int, *, device_seconds: float | None = None
-) -> bool | None:
+def _fail_for_retry(storage: Storage, study: optuna.Study, number: int, max_retries: int) -> bool | None:
     """Hand a running trial back for a retry; None if it is not running (handed back already, or finished
     in time). One that finishes while being reaped (a slow worker, not a gone one) is no error either."""
     trial_id = retry.trial_id(storage, study.study_name, number)
     try:
         # No folder: the resumable state it recorded may be on another host (take_over checks it).
-        return outcome.finish(storage, study, trial_id, Outcome.LOST, max_retries=max_retries, spent=device_seconds)
+        return outcome.finish(storage, study, trial_id, Outcome.LOST, max_retries=max_retries)
     except RuntimeError as err:  # optuna's UpdateFinishedTrialError among them
         log.warning("trial %d finished while being reaped; leaving it as it is (%s)", number, err)
         return None
@@ -184,7 +183,7 @@ class Reaper:
     def __init__(self, storage: Storage, study_name: str, *, max_retries: int, interval_s: float) -> None:
         self.storage, self.study_name, self.max_retries = storage, study_name, max_retries
         self.poll_s = interval_s / 3
-        self.grace_s = registry.MISSED_BEATS * interval_s
+        self.grace_s = MISSED_BEATS * interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hpsearch-reaper", daemon=True)
 

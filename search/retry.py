@@ -11,7 +11,7 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
-from hpsearch.storage import attrs, checkpoints as retention, slots
+from hpsearch.storage import attrs, retention, slots
 from hpsearch.storage.open import Storage
 from hpsearch.storage.trialdir import BEST, RESUME, TrialDir
 
@@ -103,8 +103,8 @@ def take_over(storage: Storage, study_name: str, trial: optuna.Trial, here: Tria
     # fit() takes the best point from the moved model's own meta (see _restored_best).
     if not here.best.exists() and old.move(BEST, here):
         # The failed attempt's best_checkpoint must not name the folder its retry took.
-        note = retention.deleted_note(f"taken over by its retry, trial {trial.number}", old.best)
-        retention.mark_deleted(storage.db, trial_id(storage, study_name, of), note)
+        why = f"taken over by its retry, trial {trial.number}"
+        retention.mark_deleted(storage.db, trial_id(storage, study_name, of), why, old.best)
     if not old.move(RESUME, here):
         return None
     # fit() loads the state (and records resumed_from_step): reading it here too would load it twice.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import uuid
 import warnings
@@ -17,7 +16,7 @@ from sqlalchemy.orm import Session
 from hpsearch.search.errors import SpecError
 from hpsearch.search.space import Param
 from hpsearch.search.spec import StudySpec, difference
-from hpsearch.storage import attrs, registry, slots
+from hpsearch.storage import attrs, ledger, registry, slots
 from hpsearch.storage.open import Storage, require_study
 from hpsearch.storage.tables import StudyCreation
 
@@ -203,27 +202,16 @@ def n_trials(study: optuna.Study, spec: StudySpec) -> int:
     return int(study.user_attrs.get(attrs.N_TRIALS, spec.search.n_trials))
 
 
-def budget_left(study: optuna.Study, spec: StudySpec, now: float) -> str | None:
+def budget_left(storage: Storage, study: optuna.Study, spec: StudySpec, now: float) -> str | None:
     """Why no new trial may start (timeout reached at ``now``, the database clock; device hours used), or None."""
     deadline = study.user_attrs.get(attrs.DEADLINE)
     if deadline is not None and now >= float(deadline):
         return f"timeout of {spec.search.timeout_minutes:g} minutes reached"
     if spec.search.gpu_hours > 0:
-        used = device_seconds(study)
+        used = ledger.total(storage.db, study.study_name)
         if used >= spec.search.gpu_hours * 3600:
             return f"device time budget used ({used / 3600:.3f} of {spec.search.gpu_hours:g} GPU hours)"
     return None
-
-
-def device_seconds(study: optuna.Study) -> float:
-    """The study's trials' training wall time on their device, running trials' so far included."""
-    total = 0.0
-    for t in study.get_trials(deepcopy=False):
-        total += float(t.user_attrs.get(attrs.DEVICE_SECONDS, 0.0))
-        if t.state == optuna.trial.TrialState.RUNNING and t.datetime_start is not None:
-            # The attempt in progress has not recorded its time yet.
-            total += max(0.0, (dt.datetime.now() - t.datetime_start).total_seconds())
-    return total
 
 
 def worker_seed(spec: StudySpec, place: str, n_existing: int) -> int:

@@ -11,8 +11,9 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.search.spec import StudySpec
-from hpsearch.storage import attrs, checkpoints as retention, lost, registry, worker_views
+from hpsearch.storage import attrs, lost, registry, retention, worker_views
 from hpsearch.storage.db import Database
+from hpsearch.trainer.report import FailReason
 
 SHOWN = (
     attrs.BEST_STEP,
@@ -72,15 +73,15 @@ def status(study: optuna.Study, spec: StudySpec, n_trials: int, storage_display:
     }
 
 
-REASONS = {"at_chance": "at chance", "nan_loss": "NaN loss"}
-"""How a pruned trial's recorded reason reads; a pruned trial without one was stopped by the pruner."""
-BY_PRUNER = "by the pruner"
+BY_PRUNER = "by the pruner"  # a pruned trial that records no reason
 
 
 def reason(trial: dict[str, Any]) -> str:
-    """Why a trial ended as it did, in a few words ("" for complete and running trials)."""
+    """Why a trial ended as it did, in a few words ("" for complete and running trials); a failed one's record as it
+    is (its detail says which error, or what became of the trial)."""
     if trial["state"] == "PRUNED":
-        return REASONS.get(trial[attrs.FAIL_REASON] or "", trial[attrs.FAIL_REASON] or BY_PRUNER)
+        why = FailReason.of(trial[attrs.FAIL_REASON])
+        return why.text if why else trial[attrs.FAIL_REASON] or BY_PRUNER
     if trial["state"] == "FAIL":
         return str(trial[attrs.FAIL_REASON] or "no reason recorded")
     return ""
@@ -124,13 +125,13 @@ def _fixes(causes: Counter[str], spec: StudySpec) -> list[str]:
     else:
         lr_now = f"now fixed at train.learning_rate = {t.learning_rate:g}"
     fixes = []
-    if causes[REASONS["at_chance"]]:
+    if causes[FailReason.AT_CHANCE.text]:
         fixes.append(
             f"the models did no better than guessing the label prior: train longer before they are judged "
             f"(train.eval_every, now {t.eval_every}; train.epochs or max_steps), move the learning-rate range "
             f"(search.space.learning_rate, {lr_now}), or set search.prune_at_chance = 0 to let them run"
         )
-    if causes[REASONS["nan_loss"]]:
+    if causes[FailReason.NAN_LOSS.text]:
         fixes.append(
             f"the loss became NaN: lower the learning rate (search.space.learning_rate, {lr_now}), keep "
             f'train.max_grad_norm > 0, or use train.precision = "fp32"'

@@ -12,7 +12,8 @@ from pathlib import Path
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from hpsearch.storage import attrs, checkpoints as retention
+from hpsearch.search import outcome
+from hpsearch.storage import attrs
 from hpsearch.storage.db import Database
 from hpsearch.storage.trialdir import BEST, RESUME, TrialDir
 
@@ -39,21 +40,14 @@ def trial_folders(db: Database, study: optuna.Study, root: Path, *, max_retries:
         if not folder.is_real():
             log.warning("skipping %s: not a folder of %s (a link or a file put in its place)", entry, root)
             continue
-        doomed = [p for p in folder.path.iterdir() if p.name.startswith(partial)]
-        if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
-            doomed.append(folder.resume)  # only a retry resumes, and a finished trial has none
-        if trial.state == TrialState.PRUNED:
-            doomed.append(folder.best)  # never in the top k
-        if trial.state == TrialState.FAIL and _released(trial, retries.get(trial.number, []), max_retries):
-            doomed += [folder.best, folder.resume]
-        for path in dict.fromkeys(doomed):
-            if not folder.remove(path):
-                continue
-            gone.append(path)
-            log.info("removed %s (trial %d is %s)", path, trial.number, trial.state.name.lower())
-            if path.name == BEST and trial.user_attrs.get(attrs.BEST_CHECKPOINT):
-                note = retention.deleted_note(f"trial {trial.state.name.lower()}", path)
-                retention.mark_deleted(db, trial._trial_id, note)
+        went = [p for p in folder.path.iterdir() if p.name.startswith(partial) and folder.remove(p)]
+        # What outcome.py's table says goes of the trial's ending (which finish may not have done on this host).
+        released = trial.state == TrialState.FAIL and _released(trial, retries.get(trial.number, []), max_retries)
+        state = trial.state.name.lower()
+        went += outcome.clear(db, trial, folder, outcome.ending_of(trial), f"trial {state}", released=released)
+        for path in went:
+            log.info("removed %s (trial %d is %s)", path, trial.number, state)
+        gone += went
     return gone
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpsearch.storage import attrs
-from hpsearch.storage.checkpoints import disk_bytes
+from hpsearch.storage.retention import disk_bytes
 from hpsearch.trainer.report import measured
 
 if TYPE_CHECKING:
@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 class AttrReporter:
     """The trainer's ``Reporter`` events as attributes, handed to ``set_attrs`` (a subclass's)."""
+
+    immediate = False  # a trial's calls reach a database: they go through the run's report queue
 
     def set_attrs(self, values: dict[str, Any]) -> None:
         raise NotImplementedError

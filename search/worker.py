@@ -23,9 +23,10 @@ from hpsearch.search.outcome import Outcome
 from hpsearch.search.presets import resolved
 from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import BUDGET_KEYS, StudySpec, difference
-from hpsearch.storage import attrs, checkpoints as retention, lost, registry, slots
+from hpsearch.storage import attrs, lost, registry, retention, slots
 from hpsearch.storage.db import OUTAGE_RETRY
 from hpsearch.storage.errors import StorageError
+from hpsearch.storage.liveness import MISSED_BEATS
 from hpsearch.storage.open import Storage
 
 log = logging.getLogger(__name__)
@@ -152,13 +153,13 @@ class Worker:
         finished = 0
         # A trial left RUNNING by a worker that died before the registry knew it has no heartbeat to go stale: it
         # would hold its slot (and use up gpu_hours) for ever. Failed and retried here, before the budget is judged.
-        reap.reap(self.storage, self.args.study, max_retries=self.spec.search.max_retries, orphans=True, stale=False)
+        reap.retry_orphans(self.storage, self.args.study, max_retries=self.spec.search.max_retries)
         # Trials an earlier start on this host left running (killed, or stopped during an outage) are retried first.
-        reap.reap_gone_here(self.storage, self.args.study, max_retries=self.spec.search.max_retries)
+        reap.retry_gone_here(self.storage, self.args.study, max_retries=self.spec.search.max_retries)
         self._tidy(retain=True)  # checkpoints may have fallen out of the top k while this host was away
         while not self.stop():
             self._follow_budget()
-            stop_reason = studies.budget_left(self.study, self.spec, self.storage.db.now())
+            stop_reason = studies.budget_left(self.storage, self.study, self.spec, self.storage.db.now())
             retries_only = stop_reason is not None
             if retries_only:
                 # Trials that already started finish: a retry is not a new trial.
@@ -243,14 +244,14 @@ class Worker:
         whose worker vanished before the registry knew its trial is freed (or its trial retried) at once."""
         study, retries = self.args.study, self.spec.search.max_retries
         # Stale heartbeat rows are left to the Reaper thread, which knows our connection was healthy.
-        reap.reap(self.storage, study, max_retries=retries, orphans=True, stale=False)
+        reap.retry_orphans(self.storage, study, max_retries=retries)
         if slots.used_slots(self.storage.db, study) < studies.n_trials(self.study, self.spec):
             return True
         waiting = lost.stale_trials(self.storage.db, study, missed_beats=1.5)
         if not waiting:
             return False
         msg = "waiting for trial(s) %s: their workers missed heartbeats (reaped after %d missed beats)"
-        log.info(msg, ", ".join(str(w.trial_number) for w in waiting), registry.MISSED_BEATS)
+        log.info(msg, ", ".join(str(w.trial_number) for w in waiting), MISSED_BEATS)
         interval = self.registration.interval_s if self.registration else registry.heartbeat_interval()
         deadline = time.monotonic() + interval
         while time.monotonic() < deadline and not self.stop():
@@ -280,7 +281,7 @@ class Worker:
             log.warning("could not sweep %s: %s", self.root, err)
 
     def retain(self) -> None:
-        """Keep only the best checkpoints of the study's top trials (see storage/checkpoints.py)."""
+        """Keep only the best checkpoints of the study's top trials (see storage/retention.py)."""
         search, attr = self.spec.search, attrs.BEST_CHECKPOINT
         candidates = [
             retention.candidate(t._trial_id, t.number, float(t.value), self.root, t.user_attrs)

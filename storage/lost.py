@@ -1,36 +1,40 @@
-"""Lost workers: rows that stopped beating without a clean end (killed, host gone, network cut), judged by the
-database clock against each worker's own interval. A trial taken off such a row counts its time up to the last beat."""
+"""Lost workers: rows that stopped beating without a clean end (killed, host gone, network cut), judged by the one
+liveness rule (liveness.py). A trial taken off such a row has its attempt closed at the row's last heartbeat."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import and_, func, select, update
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import ColumnElement
 
+from hpsearch.storage import ledger
 from hpsearch.storage.db import Database
-from hpsearch.storage.registry import MISSED_BEATS, heartbeat_interval, holding, off_trial
+from hpsearch.storage.liveness import MISSED_BEATS, is_lost
+from hpsearch.storage.registry import heartbeat_interval, holding
 from hpsearch.storage.tables import WorkerRecord
 
 log = logging.getLogger(__name__)
 
 
 def end_dead(db: Database, study: str, *, host: str, pid: int) -> int | None:
-    """A worker process its supervisor saw die: end its row at its last heartbeat (else it would turn "lost" and
-    wait for a reaper). Returns the trial the row held, which the worker may not have told its supervisor of."""
+    """A worker process its supervisor saw die: end its row (else it would turn "lost" and wait for a reaper), its
+    attempt closed now, when it died. Returns the trial the row held, which the worker may not have told its
+    supervisor of."""
     where = (
         WorkerRecord.study_name == study,
         WorkerRecord.host == host,
         WorkerRecord.pid == pid,
         WorkerRecord.ended_at.is_(None),
     )
-    stmt = update(WorkerRecord).where(*where).values(**_at_last_beat())
 
     def record(s: Session) -> int | None:
         held = s.execute(select(WorkerRecord.current_trial).where(*where)).scalars().first()
-        s.execute(stmt)
+        _end(s, *where, at=db.clock())
         return None if held is None else int(held)
 
     return db.run(record, what="record a dead worker")
@@ -46,7 +50,6 @@ class StaleTrial:
     trial_number: int
     heartbeat_at: float
     heartbeat_age_s: float
-    device_seconds: float = 0.0  # the trial's device time up to the last heartbeat, times the worker's devices
 
 
 def stale_trials(
@@ -67,7 +70,6 @@ def stale_trials(
         stale = []
         for r in s.execute(select(WorkerRecord).where(*holding(study))).scalars():
             own = missed_beats * r.heartbeat_s
-            grace = own if grace_s is None else max(own, grace_s)
             if grace_s is not None and grace_s < own and (r.id, grace_s) not in _CLAMPED:
                 _CLAMPED.add((r.id, grace_s))  # once: `hpsearch reap` asks again every second while it watches
                 log.warning(
@@ -78,8 +80,7 @@ def stale_trials(
                     r.heartbeat_s,
                     own,
                 )
-            since = r.heartbeat_at if watched_since is None else max(r.heartbeat_at, watched_since)
-            if now - since > grace:
+            if is_lost(r, now, grace_s=grace_s, missed_beats=missed_beats, watched_since=watched_since):
                 stale.append(_stale(r, now))
         return stale
 
@@ -98,11 +99,6 @@ def longest_interval(db: Database, study: str) -> float:
     return heartbeat_interval() if longest is None else float(longest)
 
 
-def silent(r: WorkerRecord, now: float, grace_s: float) -> bool:
-    """No heartbeat from the row's worker for longer than ``grace_s`` (by the database clock)."""
-    return now - r.heartbeat_at > grace_s
-
-
 def _stale(r: WorkerRecord, now: float) -> StaleTrial:
     assert r.current_trial is not None
     return StaleTrial(
@@ -112,7 +108,6 @@ def _stale(r: WorkerRecord, now: float) -> StaleTrial:
         trial_number=int(r.current_trial),
         heartbeat_at=r.heartbeat_at,
         heartbeat_age_s=now - r.heartbeat_at,
-        device_seconds=max(0.0, r.heartbeat_at - (r.trial_started_at or r.heartbeat_at)) * r.devices,
     )
 
 
@@ -130,19 +125,13 @@ def end_gone(db: Database, study: str, *, host: str, gone: Callable[[int], bool]
         ).scalars()
         held = []
         for r in list(rows):
-            if not silent(r, now, MISSED_BEATS * r.heartbeat_s) or not gone(r.pid):
+            if not is_lost(r, now) or not gone(r.pid):
                 continue
             trial = _stale(r, now) if r.current_trial is not None else None
             # Only while the row shows the heartbeat judged stale: of two workers ending it, one wins.
-            ended = s.execute(  # type: ignore[attr-defined]  # an UPDATE's result has a rowcount
-                update(WorkerRecord)
-                .where(
-                    WorkerRecord.id == r.id,
-                    WorkerRecord.heartbeat_at == r.heartbeat_at,
-                    WorkerRecord.ended_at.is_(None),
-                )
-                .values(**_at_last_beat())
-            ).rowcount
+            ended = _end(
+                s, WorkerRecord.id == r.id, WorkerRecord.heartbeat_at == r.heartbeat_at, WorkerRecord.ended_at.is_(None)
+            )
             if ended == 1 and trial is not None:
                 held.append(trial)
         return held
@@ -153,19 +142,24 @@ def end_gone(db: Database, study: str, *, host: str, gone: Callable[[int], bool]
 def release_stale(db: Database, stale: StaleTrial) -> bool:
     """Take a stale trial off its worker's row; True for exactly one caller: the update matches only while the row
     shows the heartbeat judged stale, so a worker that beat again keeps its trial, and of two reapers one wins."""
-    stmt = (
-        update(WorkerRecord)
-        .where(
-            WorkerRecord.id == stale.worker_id,
-            WorkerRecord.current_trial == stale.trial_number,
-            WorkerRecord.heartbeat_at == stale.heartbeat_at,
-            WorkerRecord.ended_at.is_(None),
-        )
-        .values(**off_trial(WorkerRecord.heartbeat_at))
+    where = (
+        WorkerRecord.id == stale.worker_id,
+        WorkerRecord.current_trial == stale.trial_number,
+        WorkerRecord.heartbeat_at == stale.heartbeat_at,
+        WorkerRecord.ended_at.is_(None),
     )
-    return bool(db.run(lambda s: s.execute(stmt).rowcount, what="release a stale trial") == 1)
+
+    def release(s: Session) -> bool:
+        s.execute(ledger.close(and_(*where)))
+        taken = s.execute(update(WorkerRecord).where(*where).values(current_trial=None))
+        return bool(taken.rowcount == 1)  # type: ignore[attr-defined]  # an UPDATE's result has a rowcount
+
+    return db.run(release, what="release a stale trial")
 
 
-def _at_last_beat() -> dict[str, object]:
-    """A row ended at its last heartbeat, its trial taken off it: as far as anyone knows, its device stopped then."""
-    return {**off_trial(WorkerRecord.heartbeat_at), "ended_at": WorkerRecord.heartbeat_at}
+def _end(s: Session, *where: ColumnElement[bool], at: Any = None) -> int:
+    """End the rows ``where`` selects at their last heartbeat, their trials' attempts closed ``at`` (by default that
+    beat: as far as anyone knows, their devices stopped then). How many rows it ended."""
+    s.execute(ledger.close(and_(*where), at))
+    stmt = update(WorkerRecord).where(*where).values(current_trial=None, ended_at=WorkerRecord.heartbeat_at)
+    return int(s.execute(stmt).rowcount)  # type: ignore[attr-defined]  # an UPDATE's result has a rowcount

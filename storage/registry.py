@@ -11,10 +11,11 @@ import threading
 import time
 from typing import Any
 
-from sqlalchemy import case, delete, event, func, select, update
+from sqlalchemy import delete, event, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
+from hpsearch.storage import ledger
 from hpsearch.storage.db import Database
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.tables import WorkerRecord
@@ -24,7 +25,6 @@ log = logging.getLogger(__name__)
 HOST_ENV = "HPSEARCH_HOST"
 HEARTBEAT_ENV = "HPSEARCH_HEARTBEAT_S"
 DEFAULT_HEARTBEAT_S = 30.0
-MISSED_BEATS = 3  # a worker is lost after this many missed heartbeats (one late beat is normal under load)
 
 
 def this_host() -> str:
@@ -81,31 +81,28 @@ def beat(db: Database, worker_id: int) -> None:
 
 
 def trial_started(db: Database, worker_id: int, trial_number: int) -> None:
-    clock = db.clock()
-    _update(db, worker_id, "record trial start", current_trial=trial_number, trial_started_at=clock, heartbeat_at=clock)
+    """The row takes the trial, and the trial's attempt opens in the ledger, in one transaction."""
+
+    def start(s: Session) -> None:
+        clock = float(s.execute(select(db.clock())).scalar_one())
+        row = s.get_one(WorkerRecord, worker_id)
+        row.current_trial, row.heartbeat_at = trial_number, clock
+        ledger.open_attempt(s, row, trial_number, clock)
+
+    db.run(start, what="record trial start")
 
 
 def trial_ended(db: Database, worker_id: int, *, finished: bool = True) -> None:
-    """The current trial ended: add its device time; ``finished=False`` for a handed-back one."""
+    """The current trial ended (``finished=False``: handed back); its attempt, if still open, closes now."""
     clock = db.clock()
     finished_count = WorkerRecord.trials_finished + (1 if finished else 0)
-    _update(db, worker_id, "record trial end", **off_trial(clock), trials_finished=finished_count, heartbeat_at=clock)
-
-
-def off_trial(clock: Any) -> dict[str, Any]:
-    """A row's values once its trial is taken off it at ``clock``: the trial's device time becomes the worker's.
-
-    A worker killed before its first heartbeat inside a trial has its clock (that heartbeat)
-    earlier than the trial's start: that trial adds nothing rather than negative time."""
-    elapsed = func.coalesce(clock - WorkerRecord.trial_started_at, 0.0)
-    device_seconds = WorkerRecord.device_seconds + case((elapsed > 0, elapsed), else_=0.0)
-    return {"device_seconds": device_seconds, "current_trial": None, "trial_started_at": None}
+    _update(db, worker_id, "record trial end", current_trial=None, trials_finished=finished_count, heartbeat_at=clock)
 
 
 def end(db: Database, worker_id: int) -> None:
-    """The worker stops cleanly; a trial still marked current counts its time, not as finished."""
+    """The worker stops cleanly; a trial still marked current is taken off it, not as finished."""
     clock = db.clock()
-    _update(db, worker_id, "record worker end", **off_trial(clock), heartbeat_at=clock, ended_at=clock)
+    _update(db, worker_id, "record worker end", current_trial=None, heartbeat_at=clock, ended_at=clock)
 
 
 def forget_study(db: Database, study: str) -> int:
@@ -126,8 +123,15 @@ def holding(study: str) -> tuple[ColumnElement[bool], ...]:
 
 
 def _update(db: Database, worker_id: int, what: str, **values: Any) -> None:
+    """Update the row; a trial taken off it (``current_trial=None``) has its attempt closed at the same clock."""
     stmt = update(WorkerRecord).where(WorkerRecord.id == worker_id).values(**values)
-    db.run(lambda s: s.execute(stmt), what=what)
+
+    def write(s: Session) -> None:
+        if "current_trial" in values:
+            s.execute(ledger.close(WorkerRecord.id == worker_id, values["heartbeat_at"]))
+        s.execute(stmt)
+
+    db.run(write, what=what)
 
 
 class Registration:

@@ -132,12 +132,15 @@ def retain(
                 continue
             if not folder.remove(folder.best):
                 continue
-        mark_deleted(db, c.trial_id, deleted_note(d.reason, c.path))
+        mark_deleted(db, c.trial_id, d.reason, c.path)
         log.info("deleted the checkpoint of trial %d (%s)", c.number, d.reason)
         done.append(d)
     return done
 
 
-def mark_deleted(db: Database, trial_id: int, note: str) -> None:
+def mark_deleted(db: Database, trial_id: int, why: str, was: Path | None = None) -> None:
+    """The one writer of a ``best_checkpoint`` attribute after the trainer: its folder went (``why``). Only where
+    the trial recorded one: a trial that saved none keeps none."""
+    note = deleted_note(why, was)
     stmt = update(_USER_ATTRS).where(_USER_ATTRS.c.trial_id == trial_id, _USER_ATTRS.c.key == attrs.BEST_CHECKPOINT)
     db.run(lambda s: s.execute(stmt.values(value_json=json.dumps(note))), what="mark a deleted checkpoint")

@@ -40,15 +40,30 @@ class WorkerRecord(Base):
     heartbeat_s: Mapped[float] = mapped_column(Float)  # it is lost after missing a few of its own beats
     ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     current_trial: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    trial_started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     trials_finished: Mapped[int] = mapped_column(Integer, default=0)
-    # Device time in finished trials; the running one is added live.
+    # Written by hpsearch before the attempts ledger; kept so that rows can still be added to those databases.
+    trial_started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     device_seconds: Mapped[float] = mapped_column(Float, default=0.0)
 
     @property
     def devices(self) -> int:
         """How many devices the worker trains each trial on: a device group's label joins them with "+"."""
         return 1 + self.device.count("+")
+
+
+class Attempt(Base):
+    """One attempt of a trial on a worker, stamped by the database clock: the device-time ledger (ledger.py).
+    Open (``ended_at`` NULL) while it trains; every device-time figure is a sum over these rows."""
+
+    __tablename__ = "hpsearch_attempts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    study_name: Mapped[str] = mapped_column(String(512), index=True)
+    trial_number: Mapped[int] = mapped_column(Integer)
+    worker_id: Mapped[int] = mapped_column(Integer, index=True)
+    devices: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class StudyCreation(Base):

@@ -9,9 +9,9 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from hpsearch.storage import ledger
 from hpsearch.storage.db import Database
-from hpsearch.storage.lost import silent
-from hpsearch.storage.registry import MISSED_BEATS
+from hpsearch.storage.liveness import is_lost
 from hpsearch.storage.tables import WorkerRecord
 
 
@@ -29,8 +29,7 @@ class WorkerView:
     current_trial: int | None
     trials_finished: int
     device_seconds: float
-    """Finished trials plus the running one (up to the last heartbeat for a lost worker), times
-    the worker's devices: a worker that trains each trial on "cuda:0+1" uses two GPUs."""
+    """The worker's attempts in the ledger (ledger.py), the running one included."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -42,22 +41,16 @@ def list_workers(db: Database, study: str) -> list[WorkerView]:
     def read(s: Session) -> list[WorkerView]:
         now = float(s.execute(select(db.clock())).scalar_one())
         rows = s.scalars(select(WorkerRecord).where(WorkerRecord.study_name == study).order_by(WorkerRecord.id))
-        return [_view(r, now) for r in rows]
+        seconds: dict[int, float] = {}
+        for x in ledger.spent(s, db, study):
+            seconds[x.worker_id] = seconds.get(x.worker_id, 0.0) + x.seconds
+        return [_view(r, now, seconds.get(r.id, 0.0)) for r in rows]
 
     return db.run(read, what="read worker registry")
 
 
-def _view(r: WorkerRecord, now: float) -> WorkerView:
-    if r.ended_at is not None:
-        state = "finished"
-    elif silent(r, now, MISSED_BEATS * r.heartbeat_s):
-        state = "lost"
-    else:
-        state = "live"
-    seconds = r.device_seconds
-    if r.trial_started_at is not None:
-        # A lost worker stopped using its device at its last heartbeat, as far as anyone knows.
-        seconds += max(0.0, (now if state == "live" else r.heartbeat_at) - r.trial_started_at)
+def _view(r: WorkerRecord, now: float, seconds: float) -> WorkerView:
+    state = "finished" if r.ended_at is not None else "lost" if is_lost(r, now) else "live"
     return WorkerView(
         name=r.name,
         host=r.host,
@@ -68,7 +61,7 @@ def _view(r: WorkerRecord, now: float) -> WorkerView:
         heartbeat_age_s=max(0.0, now - r.heartbeat_at),
         current_trial=r.current_trial,
         trials_finished=r.trials_finished,
-        device_seconds=seconds * r.devices,
+        device_seconds=seconds,
     )
 
 

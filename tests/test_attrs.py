@@ -67,4 +67,14 @@ def test_the_trainer_writes_no_attribute() -> None:
 def test_the_figure_status_shows_is_a_speed_field() -> None:
     # Figures are stored under their field names: attrs.SPEED must name one, or status shows None.
     assert attrs.SPEED in {f.name for f in fields(Speed)}
-    assert attrs.BEST_LOSS == attrs.BEST_VAL + "loss"
+
+
+def test_retention_ranks_by_the_loss_the_reporter_wrote(tmp_path: Path) -> None:
+    """A tie of the objective goes to the lower validation loss: the key retention reads must be the one the
+    trainer's best point is written under."""
+    from hpsearch.search.trial_attrs import NullReporter
+    from hpsearch.storage.retention import recorded_loss
+
+    reporter = NullReporter()
+    reporter.best_saved(tmp_path, 7, {"accuracy": 0.9, "loss": 0.25})
+    assert recorded_loss(reporter.attrs) == 0.25

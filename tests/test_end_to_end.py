@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import optuna
-import pytest
 
 from tests.conftest import hpsearch
 
@@ -58,8 +57,7 @@ def test_start_runs_budget_and_best_checkpoint_predicts(tmp_path: Path, spec_fil
     assert status["finished"] == 2 and status["best"]["number"] == best["number"]
 
 
-@pytest.mark.parametrize("backend", ["sqlite"])
-def test_second_start_adds_only_missing_trials(tmp_path: Path, spec_file: Path, backend: str) -> None:
+def test_second_start_adds_only_missing_trials(tmp_path: Path, spec_file: Path) -> None:
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
     common = [
         "--study",

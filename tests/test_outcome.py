@@ -1,88 +1,103 @@
-"""The attempt-outcome table (search/outcome.py), checked on a real SQLite study and real trial folders.
-
-For each outcome: the Optuna state written, whether a retry is queued, what is left of best/ and
-resume/ on disk, the fail_reason, and the device time recorded.
+"""How an attempt ends (search/outcome.py), checked through what a user and the next attempt see on a real SQLite
+study and real trial folders: the trial's state, whether a retry is queued and what that retry resumes from, what
+the leftover sweep removes afterwards (nothing the ending kept wrongly, nothing it should have removed), the reason
+`status` shows, and the device time the ledger recorded.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpsearch.search import outcome, study as studies
+from hpsearch.search import outcome, retry, study as studies, summary, sweep
 from hpsearch.search.outcome import Outcome
 from hpsearch.search.spec import load_file
-from hpsearch.storage import attrs, slots
+from hpsearch.storage import attrs, ledger, registry, slots
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.trialdir import TrialDir
+from hpsearch.trainer.report import FailReason
 
-# outcome: (state, retried, best/ left, resume/ left, fail_reason, device_seconds)
-EXPECTED = {
-    Outcome.COMPLETE: (TrialState.COMPLETE, False, True, False, None, 12.5),
-    Outcome.PRUNED: (TrialState.PRUNED, False, False, False, "chance", 12.5),
-    Outcome.FAILED: (TrialState.FAIL, False, False, False, "chance", 12.5),
-    Outcome.INTERRUPTED: (TrialState.FAIL, True, True, True, "interrupted", 12.5),
-    Outcome.STORAGE_LOST: (TrialState.FAIL, True, True, True, "storage_error (chance)", 12.5),
-    # Estimated by someone else: written only if the attempt recorded none (2.5 here).
-    Outcome.CRASHED: (TrialState.FAIL, True, True, True, "worker_crash (chance)", 2.5),
-    Outcome.LOST: (TrialState.FAIL, True, True, True, "worker_lost", 2.5),
-    Outcome.NOT_STARTED: (TrialState.FAIL, True, True, True, "not_started", 2.5),
-}
+# What each ending means for the user, in the words of docs/failures.md.
+SUCCEEDED = {Outcome.COMPLETE}
+ENDED_FOR_GOOD = {Outcome.COMPLETE, Outcome.PRUNED, Outcome.FAILED}
+RESUMES_FROM_ITS_STATE = {Outcome.INTERRUPTED, Outcome.STORAGE_LOST, Outcome.CRASHED, Outcome.LOST}
+GIVEN_REASON = {Outcome.PRUNED: FailReason.AT_CHANCE, Outcome.FAILED: FailReason.OOM}
 
 
 @pytest.mark.parametrize("ended", list(Outcome))
-def test_finish_does_what_the_table_says(tmp_path: Path, spec_file: Path, sqlite_url: str, ended: Outcome) -> None:
+def test_an_ending_does_what_its_user_expects(tmp_path: Path, spec_file: Path, sqlite_url: str, ended: Outcome) -> None:
     storage = open_storage(sqlite_url, create=True)
     try:
         study = studies.create_or_resume(storage, "o", load_file(spec_file))
+        worker = registry.register(storage.db, "o", "w", "cpu:0+1")  # two devices: device time counts both
         slot = slots.claim_slot(storage.db, "o", 10, "w")
         trial = study.ask({"learning_rate": optuna.distributions.FloatDistribution(1e-5, 1e-3)})
         assert slot is not None
         slots.bind_slot(storage.db, "o", slot, trial.number)
-        folder = TrialDir(tmp_path / "runs" / "o", trial.number)
+        registry.trial_started(storage.db, worker, trial.number)
+        root = tmp_path / "runs" / "o"
+        folder = TrialDir(root, trial.number)
         folder.make()
         folder.best.mkdir()
-        folder.resume.mkdir()
+        folder.state.parent.mkdir(parents=True, exist_ok=True)
         folder.state.write_bytes(b"state")
-        trial.set_user_attr(attrs.DEVICE_SECONDS, 2.5)  # an earlier record of this attempt
-        trial.set_user_attr("best_checkpoint", str(folder.best))
+        trial.set_user_attr(attrs.BEST_CHECKPOINT, str(folder.best))
         trial.set_user_attr(attrs.RESUME_CHECKPOINT, str(folder.state))
+        time.sleep(0.3)
+        why_given = GIVEN_REASON.get(ended)
         queued = outcome.finish(
-            storage, study, trial._trial_id, ended, max_retries=1, folder=folder, detail="chance", value=0.5, spent=10
+            storage, study, trial._trial_id, ended, max_retries=1, folder=folder, reason=why_given, value=0.5
         )
-        state, retried, best, resume, reason, seconds = EXPECTED[ended]
-        trials = study.get_trials(deepcopy=False)
-        done = trials[trial.number]
-        assert done.state == state
-        assert queued is retried
-        assert [t.user_attrs.get(attrs.RETRY_OF) for t in trials[1:]] == ([trial.number] if retried else [])
-        if retried:
-            resumes = "" if ended is Outcome.NOT_STARTED else str(folder.state)
-            assert trials[1].user_attrs[attrs.RESUME_FROM] == resumes
-        assert (folder.best.exists(), folder.resume.exists()) == (best, resume)
-        assert done.user_attrs.get(attrs.FAIL_REASON) == reason
-        assert done.user_attrs[attrs.DEVICE_SECONDS] == seconds
-        note = done.user_attrs["best_checkpoint"]
-        assert note == (str(folder.best) if best else f"deleted (trial {ended.value})")
+        done = study.get_trials(deepcopy=False)[trial.number]
+
+        assert done.state == {Outcome.COMPLETE: TrialState.COMPLETE, Outcome.PRUNED: TrialState.PRUNED}.get(
+            ended, TrialState.FAIL
+        )
+        assert queued is (ended not in ENDED_FOR_GOOD)
+        # Only a complete trial competes for a kept best model; a resumable state outlives only a handed-back trial.
+        assert folder.best.exists() is (ended not in ENDED_FOR_GOOD - SUCCEEDED)
+        assert folder.resume.exists() is (ended not in ENDED_FOR_GOOD)
+        if ended in ENDED_FOR_GOOD - SUCCEEDED:
+            assert done.user_attrs[attrs.BEST_CHECKPOINT].startswith("deleted (trial ")
+
+        # The reason `status` shows, named once (FailReason) with its text.
+        recorded = done.user_attrs.get(attrs.FAIL_REASON)
+        why = FailReason.of(recorded)
+        assert (why is None) is (ended is Outcome.COMPLETE)
+        if why is not None:
+            assert summary.reason(summary.trial_dict(done)) in (recorded, why.text)
+
+        # Device time: the ledger's figure for this attempt (two devices, >= 0.3 s each), copied onto the trial.
+        seconds = done.user_attrs[attrs.DEVICE_SECONDS]
+        assert seconds == pytest.approx(ledger.total(storage.db, "o"), abs=1e-3) and seconds >= 0.6
+
+        # The sweep reads the same table: it keeps a complete trial's best model and what a retry resumes from,
+        # and removes what no attempt will read again (a trial handed back before it began resumes from nothing).
+        sweep.trial_folders(storage.db, study, root, max_retries=1)
+        assert folder.best.exists() is (ended in SUCCEEDED | RESUMES_FROM_ITS_STATE)
+        assert folder.resume.exists() is (ended in RESUMES_FROM_ITS_STATE)
+
+        if queued:
+            [waiting] = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+            again = retry.pop_retry(study)
+            assert again is not None and waiting.number == again.number
+            resumes = retry.take_over(storage, "o", again, TrialDir(root, again.number))
+            assert (resumes is not None) is (ended in RESUMES_FROM_ITS_STATE)
         assert outcome.finish(storage, study, trial._trial_id, Outcome.LOST, max_retries=1) is None, "finished: left"
     finally:
         storage.close()
 
 
-def test_every_outcome_has_one_row() -> None:
-    assert set(outcome.ENDINGS) == set(Outcome)
-    assert {o for o, e in outcome.ENDINGS.items() if e.retried} == {
-        Outcome.INTERRUPTED,
-        Outcome.STORAGE_LOST,
-        Outcome.CRASHED,
-        Outcome.LOST,
-        Outcome.NOT_STARTED,
-    }
-
-
-def test_device_seconds_counts_every_device_and_never_less_than_zero() -> None:
-    assert outcome.device_seconds(10.0, 13.0, 2) == 6.0
-    assert outcome.device_seconds(13.0, 10.0, 2) == 0.0
+def test_a_finished_trial_reads_back_its_ending() -> None:
+    """The sweep finds a finished trial's row of the table from its state and recorded reason."""
+    for ending in outcome.ENDINGS.values():
+        if ending.state == TrialState.COMPLETE or ending.state == TrialState.PRUNED:
+            continue
+        trial = optuna.trial.create_trial(state=TrialState.FAIL)
+        reason = ending.reason or FailReason.OOM
+        trial.set_user_attr(attrs.FAIL_REASON, reason.record("a detail"))
+        assert outcome.ending_of(trial) is ending or (ending.reason is None and not outcome.ending_of(trial).retried)

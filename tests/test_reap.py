@@ -22,6 +22,7 @@ from hpsearch.search import reap, retry, study as studies
 from hpsearch.search.spec import load_file
 from hpsearch.storage import attrs, registry, slots, worker_views
 from hpsearch.storage.open import open_storage
+from hpsearch.trainer.report import FailReason
 
 
 def _running_trial(storage, study: optuna.Study, worker: str) -> int:  # type: ignore[no-untyped-def]
@@ -56,7 +57,9 @@ def test_reap_fails_and_retries_only_trials_whose_worker_is_gone(storage_url: st
         assert [r.trial_number for r in background] == [lost_trial], "without orphans: stale rows only"
         assert reap.reap(storage, "r", max_retries=2) == [], "a trial is reaped once"
         registry.beat(storage.db, live)  # a live worker beats; a 3 s grace must not take it
-        swept = reap.reap(storage, "r", max_retries=2, grace_s=3.0, orphans=True)
+        swept = reap.reap(storage, "r", max_retries=2, grace_s=3.0) + reap.retry_orphans(
+            storage, "r", max_retries=2, grace_s=3.0
+        )
         assert [r.trial_number for r in swept] == [orphan_trial]
 
         trials = {t.number: t for t in study.get_trials(deepcopy=False)}
@@ -126,9 +129,9 @@ def test_a_start_retries_the_trials_of_this_hosts_gone_workers_and_ends_their_ro
         fresh = worker("fresh", here, dead, 30, trial=True)  # beat a moment ago: a namesake host's, maybe
         time.sleep(1.5)  # 3 beats of 0.3 s
 
-        done = reap.reap_gone_here(storage, "r", max_retries=2)
+        done = reap.retry_gone_here(storage, "r", max_retries=2)
         assert [(r.trial_number, r.retried) for r in done] == [(gone, True)]
-        assert reap.reap_gone_here(storage, "r", max_retries=2) == [], "once"
+        assert reap.retry_gone_here(storage, "r", max_retries=2) == [], "once"
 
         states = {w.name: (w.state, w.current_trial) for w in worker_views.list_workers(storage.db, "r")}
         assert states == {
@@ -237,7 +240,7 @@ def test_a_reap_pass_survives_a_trial_finished_under_it(
             # injected where the race would put it).
             if storage.optuna.get_trial(trial_id).number == slow:
                 study.tell(slow, 0.5)
-                storage.optuna.set_trial_user_attr(trial_id, attrs.FAIL_REASON, reap.WORKER_LOST)
+                storage.optuna.set_trial_user_attr(trial_id, attrs.FAIL_REASON, FailReason.WORKER_LOST.value)
             return hand_back(storage, study, trial_id, **kwargs)
 
         monkeypatch.setattr(retry, "hand_back", finished_meanwhile)

@@ -9,7 +9,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpsearch.storage.checkpoints import Candidate, disk_bytes, is_deleted, plan
+from hpsearch.storage.retention import Candidate, disk_bytes, is_deleted, plan
 from tests.conftest import hpsearch, spec_text
 
 

@@ -9,7 +9,8 @@ import optuna
 import pytest
 import torch
 
-from hpsearch.search import study as studies
+from hpsearch.storage import ledger
+from hpsearch.storage.open import open_storage
 from hpsearch.trainer.evaluate import Metrics, macro_f1
 from tests.conftest import spec_text, start_study
 
@@ -40,7 +41,11 @@ def test_enqueued_trial_runs_first_and_gpu_hours_stop_new_trials(
     assert trials[0].params == {"learning_rate": 0.002}
     assert trials[0].user_attrs["enqueued"] is True
     assert trials[0].user_attrs["device_seconds"] > 0
-    assert studies.device_seconds(study) == pytest.approx(trials[0].user_attrs["device_seconds"])
+    storage = open_storage(f"sqlite:///{tmp_path / 'db.sqlite'}", create=False)
+    try:  # the budget's figure is the ledger's, which the trial's attribute copies
+        assert ledger.total(storage.db, "b") == pytest.approx(trials[0].user_attrs["device_seconds"], abs=1e-3)
+    finally:
+        storage.close()
     assert "device time budget used" in result.stderr
 
 
@@ -56,5 +61,19 @@ def test_macro_f1_weighs_a_rare_label_like_a_frequent_one() -> None:
     confusion = torch.tensor([[90, 0], [10, 0]])
     assert macro_f1(confusion) == pytest.approx((2 * 90 / (90 + 100) + 0.0) / 2)
     assert macro_f1(torch.tensor([[5, 0], [0, 5]])) == 1.0
-    m = Metrics(loss=0.3, accuracy=0.9, f1=0.47)
-    assert (m.objective("loss"), m.objective("accuracy"), m.objective("f1")) == (0.3, 0.9, 0.47)
+
+
+def test_each_metric_is_searched_in_the_direction_that_makes_it_better(spec_file: Path) -> None:
+    """A better model (lower loss, higher accuracy and F1) must be the one the study prefers."""
+    from hpsearch.search.spec import load_file
+
+    worse, better = Metrics(loss=0.7, accuracy=0.6, f1=0.5), Metrics(loss=0.3, accuracy=0.9, f1=0.8)
+    for metric in ("loss", "accuracy", "f1"):
+        spec = spec_file.read_text().replace('metric = "loss"', f'metric = "{metric}"')
+        assert f'metric = "{metric}"' in spec
+        written = spec_file.parent / f"{metric}.toml"
+        written.write_text(spec)
+        study = optuna.create_study(direction=load_file(written).direction)
+        study.add_trial(optuna.trial.create_trial(value=worse.objective(metric)))
+        study.add_trial(optuna.trial.create_trial(value=better.objective(metric)))
+        assert study.best_trial.number == 1, metric

@@ -17,7 +17,7 @@ import pytest
 import sqlalchemy as sa
 import torch
 
-from hpsearch.storage import checkpoints, mounts, urls
+from hpsearch.storage import mounts, retention, urls
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.trialdir import TrialDir
 from tests.conftest import hpsearch, spec_text
@@ -73,7 +73,7 @@ def test_retention_deletes_no_folder_a_row_names_and_the_sweep_follows_no_link(
     _start(tmp_path, spec, pg_url)
     runs = tmp_path / "runs" / "s"
     trials = optuna.load_study(study_name="s", storage=urls.normalize(pg_url)).get_trials()
-    [kept] = [t.number for t in trials if not checkpoints.is_deleted(t.user_attrs["best_checkpoint"])]
+    [kept] = [t.number for t in trials if not retention.is_deleted(t.user_attrs["best_checkpoint"])]
     dropped = 1 - kept
     victim, victim2 = _victim(tmp_path / "a"), _victim(tmp_path / "b")
     # A database writer points the kept trial's checkpoint at the victim and makes it the
@@ -106,7 +106,7 @@ def test_retention_deletes_no_folder_a_row_names_and_the_sweep_follows_no_link(
     # The kept trial's own checkpoint is the one that went, and its row says so.
     assert not (runs / f"trial-{kept}" / "best").exists()
     trials = optuna.load_study(study_name="s", storage=urls.normalize(pg_url)).get_trials()
-    assert len(trials) == 3 and checkpoints.is_deleted(trials[kept].user_attrs["best_checkpoint"])
+    assert len(trials) == 3 and retention.is_deleted(trials[kept].user_attrs["best_checkpoint"])
 
 
 def test_a_retry_moves_and_unpickles_nothing_a_row_names(
@@ -209,11 +209,11 @@ def test_retention_waits_for_an_export_that_is_copying(tmp_path: Path) -> None:
         f.make()
         f.best.mkdir()
         (f.best / "config.json").write_text("{}")
-    candidates = [checkpoints.candidate(100 + n, n, float(n), root, {}) for n in range(2)]
+    candidates = [retention.candidate(100 + n, n, float(n), root, {}) for n in range(2)]
     with folders[1].reading():  # `best --export` is copying trial 1, which a better trial pushes out
-        assert checkpoints.retain(storage.db, candidates, keep_top_k=1, minimize=True) == []
+        assert retention.retain(storage.db, candidates, keep_top_k=1, minimize=True) == []
         assert folders[1].best.is_dir()
-    [deleted] = checkpoints.retain(storage.db, candidates, keep_top_k=1, minimize=True)
+    [deleted] = retention.retain(storage.db, candidates, keep_top_k=1, minimize=True)
     assert deleted.candidate.number == 1 and not folders[1].best.exists()
     assert folders[0].best.is_dir()
     storage.close()

@@ -16,6 +16,7 @@ import torch
 
 from hpsearch.trainer.errors import is_disk_full
 from hpsearch.trainer.model import unwrap
+from hpsearch.trainer.report import FailReason
 
 META = "hpsearch.json"  # beside the best model: the study, trial, step, validation metrics and training config
 
@@ -31,9 +32,9 @@ class RunFiles:
 
 
 class CheckpointError(OSError):
-    """Saving a checkpoint failed; ``reason`` is recorded on the trial (e.g. "disk_full")."""
+    """Saving a checkpoint failed; ``reason`` is recorded on the trial."""
 
-    def __init__(self, message: str, reason: str) -> None:
+    def __init__(self, message: str, reason: FailReason) -> None:
         super().__init__(message)
         self.reason = reason
 
@@ -102,5 +103,5 @@ def _atomic_dir(target: Path, write: Callable[[Path], object]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         # torch.save reports a full disk as a RuntimeError from its zip writer ("file write failed").
         full = is_disk_full(exc) or (isinstance(exc, RuntimeError) and "file write failed" in str(exc))
-        reason = "disk_full" if full else "checkpoint_error"
+        reason = FailReason.DISK_FULL if full else FailReason.CHECKPOINT_ERROR
         raise CheckpointError(f"cannot save checkpoint {target}: {exc}", reason) from exc

@@ -41,7 +41,7 @@ class Point(NamedTuple):
 
     def beats(self, other: Point | None, metric: str) -> bool:
         """Whether this point ranks above ``other``: a better objective or, at an equal one, a lower loss
-        (see docs/decisions.md, "A tie goes to the lower validation loss"; storage/checkpoints.py ranks alike)."""
+        (see docs/decisions.md, "A tie goes to the lower validation loss"; storage/retention.py ranks alike)."""
         if other is None:
             return True
         if self.value != other.value:

@@ -21,7 +21,7 @@ from hpsearch.trainer.distributed import World, parameter_digest
 from hpsearch.trainer.evaluate import Metrics, Point
 from hpsearch.trainer.model import enable_gradient_checkpointing
 from hpsearch.trainer.optim import build_optimizer, build_scheduler, plan_steps
-from hpsearch.trainer.report import Reporter, StateSavingReporter, TrainResult
+from hpsearch.trainer.report import FailReason, Reporter, StateSavingReporter, Status, TrainResult
 from hpsearch.trainer.state import Trainable, TrainState
 from hpsearch.trainer.stats import Figures, Throughput
 from hpsearch.trainer.step import COMPILE_BACKEND_ENV, Batches, compile_model, flops_per_token, train_step, validate
@@ -88,7 +88,7 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
         loss = train_step(loop.model, loop.parts, loop.batches, state.step, loop.precision, run.device, loop.speed)
         state.micro = loop.batches.micro
         if loss is None:
-            result = TrainResult(status="failed", fail_reason="oom")
+            result = TrainResult(Status.FAILED, fail_reason=FailReason.OOM)
             break
         loop.running_loss += loss
         loop.running_steps += 1
@@ -96,7 +96,7 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
         stopping = run.world.from_main(run.should_stop())  # rank 0's stop request ends every rank here
         if state.step % run.cfg.eval_every == 0 or state.step == loop.total_steps or stopping:
             result = validation_point(loop, state, stopping)
-    return _finish(loop, state, result or TrainResult(status="complete"), first_step)
+    return _finish(loop, state, result or TrainResult(Status.COMPLETE), first_step)
 
 
 def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResult | None:
@@ -111,14 +111,14 @@ def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResu
     loop.running_steps = 0
     if not math.isfinite(train_loss):
         log.warning("train loss is %s at step %d: pruning", train_loss, state.step)
-        return TrainResult(status="pruned", fail_reason="nan_loss")
+        return TrainResult(Status.PRUNED, fail_reason=FailReason.NAN_LOSS)
     if stopping:
         if world.is_main:
             _save_state(loop, state)
-        return TrainResult(status="interrupted")
+        return TrainResult(Status.INTERRUPTED)
     metrics = validate(loop.compiled, run.data, state.micro * 2, run.device, loop.precision, world)
     if metrics is None:
-        return TrainResult(status="failed", fail_reason="oom")
+        return TrainResult(Status.FAILED, fail_reason=FailReason.OOM)
     loop.curves.validation(state.step, metrics)
     point = Point(metrics.objective(run.metric), metrics.loss, state.step)
     shown = " ".join(f"val_{k} {v:.4f}" for k, v in metrics.values().items())
@@ -139,7 +139,7 @@ def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResu
         loop.reporter.report(point.value, state.step, metrics)
     # Only rank 0 talks to the search; its answer is every rank's.
     if world.from_main(world.is_main and loop.reporter.should_prune()):
-        return TrainResult(status="pruned")
+        return TrainResult(Status.PRUNED)
     return None
 
 
@@ -190,7 +190,6 @@ def _finish(loop: Loop, state: TrainState, result: TrainResult, first_step: floa
     result.steps = state.step
     if state.best is not None:
         result.best_value, result.best_step = state.best.value, state.best.step
-        result.best_checkpoint = str(run.files.best.resolve())
     digests = _rank_digests(world, loop.speed, run.model)
     result.figures = Figures(
         loop.speed.speed(),

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hpsearch.trainer.report_queue import ReportQueue
 
@@ -21,6 +22,9 @@ log = logging.getLogger(__name__)
 class Reporter(Protocol):
     """What the trainer needs from a search: Optuna's trial, reduced to a few calls that say what
     happened. Where the search records it is its own business (search/trial_attrs.py)."""
+
+    immediate: bool
+    """True: called at once on the run's own thread, never through a report queue (its calls never wait)."""
 
     def report(self, value: float, step: int, metrics: Metrics | None = None) -> None:
         """Record the objective at optimizer step ``step``, with every metric of that point."""
@@ -68,7 +72,7 @@ class StateSavingReporter:
     ) -> None:
         self.inner, self.save_state = inner, save_state
         self.should_stop, self.stop_waiting = should_stop, stop_waiting
-        self.report_queue = ReportQueue(inline=getattr(inner, "immediate", False))
+        self.report_queue = ReportQueue(inline=inner.immediate)
         self._state_saved = False  # by this reporter: once per run, for a failure or a stop
 
     def report(self, value: float, step: int, metrics: Metrics | None = None) -> None:
@@ -134,7 +138,72 @@ class CallAbandoned(Exception):
     """A reporter call still hanging when a stopping run could wait no longer."""
 
 
-Status = Literal["complete", "pruned", "failed", "interrupted"]
+class Status(enum.StrEnum):
+    """How a run ended, as the trainer sees it (search/outcome.py says what each means for the trial)."""
+
+    COMPLETE = "complete"
+    PRUNED = "pruned"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"  # a stop request: the resumable state is saved
+
+
+class FailReason(enum.StrEnum):
+    """Why a trial ended other than complete or pruned by its pruner, each reason named once: its value is what the
+    trial's ``fail_reason`` attribute holds (a detail may follow in brackets), ``text`` what `status` says of it."""
+
+    OOM = "oom"
+    NAN_LOSS = "nan_loss"
+    AT_CHANCE = "at_chance"
+    NO_VALIDATION_POINT = "no_validation_point"
+    DISK_FULL = "disk_full"
+    CHECKPOINT_ERROR = "checkpoint_error"
+    TRIAL_DIR_REFUSED = "trial_dir_refused"
+    BAD_PARAMS = "bad_params"
+    CONFIG_ERROR = "config_error"
+    ERROR = "error"
+    INTERRUPTED = "interrupted"
+    STORAGE_ERROR = "storage_error"
+    WORKER_CRASH = "worker_crash"
+    WORKER_LOST = "worker_lost"
+    NOT_STARTED = "not_started"
+
+    @property
+    def text(self) -> str:
+        return _TEXT[self]
+
+    def record(self, detail: str | None = None) -> str:
+        """The ``fail_reason`` attribute: the value, then the detail in brackets. A bad parameter or configuration
+        is recorded as its error's own line, which says only what the spec and the trial's parameters hold."""
+        if not detail:
+            return self.value
+        return detail if self in (FailReason.BAD_PARAMS, FailReason.CONFIG_ERROR) else f"{self.value} ({detail})"
+
+    @classmethod
+    def of(cls, recorded: str | None) -> FailReason | None:
+        """The reason a ``fail_reason`` attribute names, if it names one (a bare value, or one with a detail)."""
+        try:
+            return cls((recorded or "").split(" (", 1)[0])
+        except ValueError:
+            return None
+
+
+_TEXT = {
+    FailReason.OOM: "out of memory even at micro-batch 1",
+    FailReason.NAN_LOSS: "NaN loss",
+    FailReason.AT_CHANCE: "at chance",
+    FailReason.NO_VALIDATION_POINT: "no validation point reached",
+    FailReason.DISK_FULL: "disk full",
+    FailReason.CHECKPOINT_ERROR: "a checkpoint could not be saved",
+    FailReason.TRIAL_DIR_REFUSED: "its folder was refused",
+    FailReason.BAD_PARAMS: "parameters no trial of the spec can take",
+    FailReason.CONFIG_ERROR: "configuration error",
+    FailReason.ERROR: "error (the trial's train.log says which)",
+    FailReason.INTERRUPTED: "stopped; handed back to resume",
+    FailReason.STORAGE_ERROR: "the storage failed; handed back",
+    FailReason.WORKER_CRASH: "its worker crashed; handed back",
+    FailReason.WORKER_LOST: "its worker was lost; handed back",
+    FailReason.NOT_STARTED: "could not be registered; handed back",
+}
 
 
 @dataclass
@@ -142,9 +211,8 @@ class TrainResult:
     status: Status
     best_value: float | None = None
     best_step: int | None = None
-    best_checkpoint: str | None = None
     steps: int = 0
-    fail_reason: str | None = None
+    fail_reason: FailReason | None = None
     figures: Figures | None = None
 
     @property

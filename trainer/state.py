@@ -49,7 +49,6 @@ class Trainable:
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "step": state.step,
-                "best_value": state.best.value if state.best else None,
                 "best_step": state.best.step if state.best else None,
                 "config": self.config,
                 "micro_batch_size": state.micro,
