@@ -151,25 +151,28 @@ class FailReason(enum.StrEnum):
     """Why a trial ended other than complete or pruned by its pruner, each reason named once: its value is what the
     trial's ``fail_reason`` attribute holds (a detail may follow in brackets), ``text`` what `status` says of it."""
 
-    OOM = "oom"
-    NAN_LOSS = "nan_loss"
-    AT_CHANCE = "at_chance"
-    NO_VALIDATION_POINT = "no_validation_point"
-    DISK_FULL = "disk_full"
-    CHECKPOINT_ERROR = "checkpoint_error"
-    TRIAL_DIR_REFUSED = "trial_dir_refused"
-    BAD_PARAMS = "bad_params"
-    CONFIG_ERROR = "config_error"
-    ERROR = "error"
-    INTERRUPTED = "interrupted"
-    STORAGE_ERROR = "storage_error"
-    WORKER_CRASH = "worker_crash"
-    WORKER_LOST = "worker_lost"
-    NOT_STARTED = "not_started"
+    text: str
 
-    @property
-    def text(self) -> str:
-        return _TEXT[self]
+    def __new__(cls, value: str, text: str) -> FailReason:
+        member = str.__new__(cls, value)
+        member._value_, member.text = value, text
+        return member
+
+    OOM = "oom", "out of memory even at micro-batch 1"
+    NAN_LOSS = "nan_loss", "NaN loss"
+    AT_CHANCE = "at_chance", "at chance"
+    NO_VALIDATION_POINT = "no_validation_point", "no validation point reached"
+    DISK_FULL = "disk_full", "disk full"
+    CHECKPOINT_ERROR = "checkpoint_error", "a checkpoint could not be saved"
+    TRIAL_DIR_REFUSED = "trial_dir_refused", "its folder was refused"
+    BAD_PARAMS = "bad_params", "parameters no trial of the spec can take"
+    CONFIG_ERROR = "config_error", "configuration error"
+    ERROR = "error", "error (the trial's train.log says which)"
+    INTERRUPTED = "interrupted", "stopped; handed back to resume"
+    STORAGE_ERROR = "storage_error", "the storage failed; handed back"
+    WORKER_CRASH = "worker_crash", "its worker crashed; handed back"
+    WORKER_LOST = "worker_lost", "its worker was lost; handed back"
+    NOT_STARTED = "not_started", "could not be registered; handed back"
 
     def record(self, detail: str | None = None) -> str:
         """The ``fail_reason`` attribute: the value, then the detail in brackets. A bad parameter or configuration
@@ -181,29 +184,8 @@ class FailReason(enum.StrEnum):
     @classmethod
     def of(cls, recorded: str | None) -> FailReason | None:
         """The reason a ``fail_reason`` attribute names, if it names one (a bare value, or one with a detail)."""
-        try:
-            return cls((recorded or "").split(" (", 1)[0])
-        except ValueError:
-            return None
-
-
-_TEXT = {
-    FailReason.OOM: "out of memory even at micro-batch 1",
-    FailReason.NAN_LOSS: "NaN loss",
-    FailReason.AT_CHANCE: "at chance",
-    FailReason.NO_VALIDATION_POINT: "no validation point reached",
-    FailReason.DISK_FULL: "disk full",
-    FailReason.CHECKPOINT_ERROR: "a checkpoint could not be saved",
-    FailReason.TRIAL_DIR_REFUSED: "its folder was refused",
-    FailReason.BAD_PARAMS: "parameters no trial of the spec can take",
-    FailReason.CONFIG_ERROR: "configuration error",
-    FailReason.ERROR: "error (the trial's train.log says which)",
-    FailReason.INTERRUPTED: "stopped; handed back to resume",
-    FailReason.STORAGE_ERROR: "the storage failed; handed back",
-    FailReason.WORKER_CRASH: "its worker crashed; handed back",
-    FailReason.WORKER_LOST: "its worker was lost; handed back",
-    FailReason.NOT_STARTED: "could not be registered; handed back",
-}
+        code = (recorded or "").split(" (", 1)[0]
+        return next((reason for reason in cls if reason.value == code), None)
 
 
 @dataclass
