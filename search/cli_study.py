@@ -16,7 +16,7 @@ import optuna
 from hpsearch.search import dashboard, reap, study as studies, summary
 from hpsearch.search.errors import UsageError
 from hpsearch.search.exit_codes import ExitCode
-from hpsearch.storage import attrs, lost, urls
+from hpsearch.storage import attrs, liveness, urls
 from hpsearch.storage.open import open_storage
 
 
@@ -95,7 +95,7 @@ def study_status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
         s["uid"] = study.user_attrs.get(attrs.UID)  # whose checkpoint folder is whose
         if not best_only:
             s.update(summary.workers(storage.db, name))
-            summary.mark_stale(s, lost.stale_trials(storage.db, name))
+            summary.mark_stale(s, liveness.stale_trials(storage.db, name))
     return s
 
 

@@ -24,7 +24,7 @@ from hpsearch.search.devices import Device, only_gpu, threads_per_worker
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.outcome import Outcome
 from hpsearch.search.spec import StudySpec
-from hpsearch.storage import lost, registry
+from hpsearch.storage import liveness, registry
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage, open_storage
 from hpsearch.storage.trialdir import TrialDir
@@ -185,7 +185,7 @@ class Supervisor:
 
     def _hand_back_dead(self, storage: Storage, child: Child, how: str) -> None:
         # Ended here, not left to turn "lost": other workers would wait for it to be reaped.
-        held = lost.end_dead(storage.db, self.study, host=registry.this_host(), pid=child.process.pid)
+        held = liveness.end_dead(storage.db, self.study, host=registry.this_host(), pid=child.process.pid)
         if child.trial is not None:
             trial_id = child.trial[0]
         elif held is not None:  # it died after recording its trial in the registry, before telling us

@@ -19,7 +19,7 @@ from optuna.trial import TrialState
 
 from hpsearch.search import outcome, retry
 from hpsearch.search.outcome import Outcome
-from hpsearch.storage import lost, registry, slots
+from hpsearch.storage import liveness, registry, slots
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.liveness import MISSED_BEATS
 from hpsearch.storage.open import Storage
@@ -53,14 +53,14 @@ def reap(
     """One pass: fail and retry every trial whose worker is lost. Silence counts from ``watched_since`` (database
     clock), when the caller's own connection was last known healthy (see ``Reaper``)."""
     with _ONE_PASS:
-        stale_rows = lost.stale_trials(storage.db, study_name, grace_s=grace_s, watched_since=watched_since)
+        stale_rows = liveness.stale_trials(storage.db, study_name, grace_s=grace_s, watched_since=watched_since)
         if not stale_rows:
             return []
         study = optuna.load_study(study_name=study_name, storage=storage.optuna)
         reaped = []
         for s in stale_rows:
             # Of several reapers (every worker runs one), exactly one wins each trial.
-            if lost.release_stale(storage.db, s):
+            if liveness.release_stale(storage.db, s):
                 why = f"worker {s.worker} on {s.host} has not beaten for {s.heartbeat_age_s:.0f}s"
                 reaped += _retry_stale(storage, study, s, max_retries, why)
         return reaped
@@ -79,7 +79,7 @@ def _retry_orphans(storage: Storage, study: optuna.Study, max_retries: int, grac
     name = study.study_name
     # By default the slowest worker's own interval, not this process's: a reaper that beats faster must
     # not judge a slot a worker claimed a moment ago (a window of milliseconds: a grace given by hand stands).
-    grace = grace_s if grace_s is not None else MISSED_BEATS * lost.longest_interval(storage.db, name)
+    grace = grace_s if grace_s is not None else MISSED_BEATS * liveness.longest_interval(storage.db, name)
 
     def fail(number: int, when: str) -> None:
         retried = _fail_for_retry(storage, study, number, max_retries)
@@ -120,7 +120,7 @@ def by_hand(
         if since is None or time.monotonic() - began > poll_s:
             since = now
         reaped += reap(storage, study_name, max_retries=max_retries, grace_s=grace_s, watched_since=since)
-        waiting = lost.stale_trials(storage.db, study_name, grace_s=grace_s)
+        waiting = liveness.stale_trials(storage.db, study_name, grace_s=grace_s)
         if not waiting:
             break
         if not told:
@@ -128,7 +128,7 @@ def by_hand(
                 "trial(s) %s: their workers are silent; watching them for up to %.0fs, as after an outage "
                 "every heartbeat is old and live workers beat again within an interval",
                 ", ".join(str(w.trial_number) for w in waiting),
-                MISSED_BEATS * lost.longest_interval(storage.db, study_name),
+                MISSED_BEATS * liveness.longest_interval(storage.db, study_name),
             )
             told = True
         time.sleep(poll_s)
@@ -137,8 +137,8 @@ def by_hand(
 
 def retry_gone_here(storage: Storage, study_name: str, *, max_retries: int) -> list[Reaped]:
     """Fail and retry the trials of this host's workers whose process is gone, and end their rows: at once,
-    not a reaper's grace later, for an earlier start killed with its instance (see ``lost.end_gone``)."""
-    gone = lost.end_gone(storage.db, study_name, host=registry.this_host(), gone=_process_gone)
+    not a reaper's grace later, for an earlier start killed with its instance (see ``liveness.end_gone``)."""
+    gone = liveness.end_gone(storage.db, study_name, host=registry.this_host(), gone=_process_gone)
     if not gone:
         return []
     study = optuna.load_study(study_name=study_name, storage=storage.optuna)
@@ -158,7 +158,9 @@ def _process_gone(pid: int) -> bool:
     return False
 
 
-def _retry_stale(storage: Storage, study: optuna.Study, s: lost.StaleTrial, max_retries: int, why: str) -> list[Reaped]:
+def _retry_stale(
+    storage: Storage, study: optuna.Study, s: liveness.StaleTrial, max_retries: int, why: str
+) -> list[Reaped]:
     log.warning("trial %d: %s; failing it for a retry", s.trial_number, why)
     retried = _fail_for_retry(storage, study, s.trial_number, max_retries)
     return [] if retried is None else [Reaped(s.trial_number, s.worker, s.host, s.heartbeat_age_s, retried)]

@@ -11,7 +11,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.search.spec import StudySpec
-from hpsearch.storage import attrs, lost, registry, retention, worker_views
+from hpsearch.storage import attrs, liveness, registry, retention
 from hpsearch.storage.db import Database
 from hpsearch.trainer.report import FailReason
 
@@ -168,7 +168,7 @@ def ended_without_best(s: dict[str, Any]) -> bool:
     return s["best"] is None and bool(s.get("no_best")) and not st["running"] and not st["waiting"]
 
 
-def mark_stale(s: dict[str, Any], stale: list[lost.StaleTrial]) -> None:
+def mark_stale(s: dict[str, Any], stale: list[liveness.StaleTrial]) -> None:
     """Flag running trials whose worker stopped beating: they wait for a reaper."""
     numbers = {t.trial_number for t in stale}
     for trial in s["trials"]:
@@ -274,12 +274,12 @@ def _short(text: str, limit: int) -> str:
 
 def workers(db: Database, study: str) -> dict[str, Any]:
     """What `status` shows about the workers of ``study`` (who runs what, where, how long), as plain data."""
-    found = worker_views.list_workers(db, study)
+    found = liveness.list_workers(db, study)
     return {
         "workers": [w.to_dict() for w in found],
         "workers_by_state": {state: sum(w.state == state for w in found) for state in ("live", "lost", "finished")},
-        "gpu_hours": worker_views.device_hours(found, gpu_only=True),
-        "device_hours": worker_views.device_hours(found, gpu_only=False),
+        "gpu_hours": liveness.device_hours(found, gpu_only=True),
+        "device_hours": liveness.device_hours(found, gpu_only=False),
     }
 
 

@@ -23,7 +23,7 @@ from hpsearch.search.outcome import Outcome
 from hpsearch.search.presets import resolved
 from hpsearch.search.reap import Reaper
 from hpsearch.search.spec import BUDGET_KEYS, StudySpec, difference
-from hpsearch.storage import attrs, lost, registry, retention, slots
+from hpsearch.storage import attrs, liveness, registry, retention, slots
 from hpsearch.storage.db import OUTAGE_RETRY
 from hpsearch.storage.errors import StorageError
 from hpsearch.storage.liveness import MISSED_BEATS
@@ -247,7 +247,7 @@ class Worker:
         reap.retry_orphans(self.storage, study, max_retries=retries)
         if slots.used_slots(self.storage.db, study) < studies.n_trials(self.study, self.spec):
             return True
-        waiting = lost.stale_trials(self.storage.db, study, missed_beats=1.5)
+        waiting = liveness.stale_trials(self.storage.db, study, missed_beats=1.5)
         if not waiting:
             return False
         msg = "waiting for trial(s) %s: their workers missed heartbeats (reaped after %d missed beats)"

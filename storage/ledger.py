@@ -13,8 +13,8 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql import Update
 from sqlalchemy.sql.elements import ColumnElement
 
+from hpsearch.storage import liveness
 from hpsearch.storage.db import Database
-from hpsearch.storage.liveness import is_lost
 from hpsearch.storage.tables import Attempt, WorkerRecord
 
 
@@ -65,7 +65,7 @@ def spent(s: Session, db: Database, study: str, trial: int | None = None) -> lis
         if a.ended_at is not None:
             ended = a.ended_at
         else:
-            ended = w.heartbeat_at if w.ended_at is not None or is_lost(w, now) else now
+            ended = w.heartbeat_at if w.ended_at is not None or liveness.is_lost(w, now) else now
         found.append(Spent(a.trial_number, a.worker_id, w.device, attempt_seconds(a.started_at, ended, a.devices)))
     return found
 

@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy
 
 from hpsearch.search import spec as specs, study as studies
-from hpsearch.storage import registry, worker_views
+from hpsearch.storage import liveness, registry
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.tables import TrialSlot
 from tests.conftest import hpsearch, spec_text
@@ -84,7 +84,7 @@ def test_three_hosts_share_one_study_exactly(tmp_path: Path, tiny_model: Path, p
     try:
         study = optuna.load_study(study_name="shared", storage=storage.optuna)
         trials = study.get_trials()
-        workers = worker_views.list_workers(storage.db, "shared")
+        workers = liveness.list_workers(storage.db, "shared")
         with storage.db.session() as s:
             slots = s.execute(
                 sqlalchemy.select(TrialSlot.slot, TrialSlot.trial_number).where(TrialSlot.study_name == "shared")
@@ -158,6 +158,6 @@ def test_worker_refuses_a_study_that_does_not_exist(tmp_path: Path, storage_url:
     storage = open_storage(storage_url, create=False)
     try:
         assert storage.optuna.get_all_studies() == []
-        assert worker_views.list_workers(storage.db, "nope") == []
+        assert liveness.list_workers(storage.db, "nope") == []
     finally:
         storage.close()

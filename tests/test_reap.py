@@ -20,7 +20,7 @@ from optuna.trial import TrialState
 
 from hpsearch.search import reap, retry, study as studies
 from hpsearch.search.spec import load_file
-from hpsearch.storage import attrs, registry, slots, worker_views
+from hpsearch.storage import attrs, liveness, registry, slots
 from hpsearch.storage.open import open_storage
 from hpsearch.trainer.report import FailReason
 
@@ -72,7 +72,7 @@ def test_reap_fails_and_retries_only_trials_whose_worker_is_gone(storage_url: st
         # The live trial keeps its slot; the lost, orphaned and unbound ones are free again.
         assert slots.used_slots(storage.db, "r") == 1
         assert unbound is not None
-        [view] = [w for w in worker_views.list_workers(storage.db, "r") if w.name == "a/cpu:0/1"]
+        [view] = [w for w in liveness.list_workers(storage.db, "r") if w.name == "a/cpu:0/1"]
         assert view.state == "lost" and view.current_trial is None
     finally:
         storage.close()
@@ -133,7 +133,7 @@ def test_a_start_retries_the_trials_of_this_hosts_gone_workers_and_ends_their_ro
         assert [(r.trial_number, r.retried) for r in done] == [(gone, True)]
         assert reap.retry_gone_here(storage, "r", max_retries=2) == [], "once"
 
-        states = {w.name: (w.state, w.current_trial) for w in worker_views.list_workers(storage.db, "r")}
+        states = {w.name: (w.state, w.current_trial) for w in liveness.list_workers(storage.db, "r")}
         assert states == {
             "gone": ("finished", None),
             "gone-idle": ("finished", None),

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import sqlalchemy
 
-from hpsearch.storage import lost, registry, worker_views
+from hpsearch.storage import liveness, registry
 from hpsearch.storage.db import Database
 from hpsearch.storage.open import Storage, open_storage
 
@@ -23,8 +23,8 @@ def storage(storage_url: str) -> Iterator[Storage]:
         st.close()
 
 
-def _only(db: Database, study: str) -> worker_views.WorkerView:
-    (w,) = worker_views.list_workers(db, study)
+def _only(db: Database, study: str) -> liveness.WorkerView:
+    (w,) = liveness.list_workers(db, study)
     return w
 
 
@@ -55,8 +55,8 @@ class TestRegistryContract:
         registry.end(db, wid)
         w = _only(db, "s")
         assert w.state == "finished"
-        assert worker_views.device_hours([w]) == pytest.approx(w.device_seconds / 3600)
-        assert worker_views.list_workers(db, "other study") == []
+        assert liveness.device_hours([w]) == pytest.approx(w.device_seconds / 3600)
+        assert liveness.list_workers(db, "other study") == []
 
     def test_silent_worker_is_lost_and_its_trial_time_stops_at_last_beat(self, storage: Storage) -> None:
         db = storage.db
@@ -77,7 +77,7 @@ class TestRegistryContract:
         wid = registry.register(db, "s", "w", "cpu:0", host="h", pid=7, heartbeat_s=60)
         time.sleep(0.3)
         registry.trial_started(db, wid, 0)
-        lost.end_dead(db, "s", host="h", pid=7)
+        liveness.end_dead(db, "s", host="h", pid=7)
         w = _only(db, "s")
         assert w.state == "finished" and w.device_seconds == 0.0
 
@@ -113,7 +113,7 @@ class TestRegistryContract:
                     while time.monotonic() < deadline:
                         worst = max(worst, _only(watcher.db, "s").heartbeat_age_s)
                         # What a worker waiting for a retry calls stale (search/worker.py).
-                        assert lost.stale_trials(watcher.db, "s", missed_beats=1.5) == [], worst
+                        assert liveness.stale_trials(watcher.db, "s", missed_beats=1.5) == [], worst
                         time.sleep(0.02)
                     reg.trial_ended()
         finally:

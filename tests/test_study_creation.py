@@ -15,7 +15,7 @@ from optuna.trial import TrialState
 
 from hpsearch.search import study as studies
 from hpsearch.search.spec import load_file
-from hpsearch.storage import attrs, slots, urls, worker_views
+from hpsearch.storage import attrs, liveness, slots, urls
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.tables import StudyCreation
 from tests.conftest import Cli, hpsearch
@@ -112,7 +112,7 @@ def test_a_deleted_and_recreated_study_runs_its_trials(pg_url: str, spec_file: P
     storage = open_storage(pg_url, create=False)
     try:
         assert slots.used_slots(storage.db, "s") == len(done)
-        assert [w.state for w in worker_views.list_workers(storage.db, "s")] == ["finished"], "one worker: this start's"
+        assert [w.state for w in liveness.list_workers(storage.db, "s")] == ["finished"], "one worker: this start's"
     finally:
         storage.close()
 
