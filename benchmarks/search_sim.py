@@ -39,7 +39,7 @@ import warnings
 import numpy as np
 import optuna
 
-from hpsearch.search import study as studies
+from hpsearch.search import sampling
 from hpsearch.search.early_stop import ChanceLevel, PruningGate
 from hpsearch.search.search_config import PRUNERS, SAMPLERS
 from hpsearch.search.spec import StudySpec
@@ -111,7 +111,7 @@ def search(
     best, held_out, samples = -1.0, float("nan"), 0
     for _ in range(spec.search.n_trials):
         trial = study.ask()
-        params = studies.suggest(trial, spec)
+        params = sampling.suggest(trial, spec)
         points, score = run_trial(params, rng)
         # The trainer's own judge; the surrogate has no loss, so each point gets the prior's.
         warmup = round(params["warmup_ratio"] * STEPS)
@@ -184,12 +184,12 @@ def main() -> None:
     specs = [
         dataclasses.replace(spec, search=dataclasses.replace(spec.search, seed=seed)) for seed in range(args.seeds)
     ]
-    seeds = [studies.worker_seed(sp, "cpu:0", 0) for sp in specs]
+    seeds = [sampling.worker_seed(sp, "cpu:0", 0) for sp in specs]
     chance = spec.search.prune_at_chance if spec.search.pruner != "none" else 0
     ours = [
         search(
-            studies.make_sampler(sp, s),
-            studies.make_pruner(sp),
+            sampling.make_sampler(sp, s),
+            sampling.make_pruner(sp),
             sp,
             s,
             prune_at_chance=chance,
@@ -197,7 +197,7 @@ def main() -> None:
         )
         for sp, s in zip(specs, seeds, strict=True)
     ]
-    bound = [search(studies.make_sampler(sp, s), OraclePruner(), sp, s) for sp, s in zip(specs, seeds, strict=True)]
+    bound = [search(sampling.make_sampler(sp, s), OraclePruner(), sp, s) for sp, s in zip(specs, seeds, strict=True)]
     hf = [
         search(optuna.samplers.TPESampler(seed=seed), optuna.pruners.NopPruner(), spec, seed)
         for seed in range(args.seeds)

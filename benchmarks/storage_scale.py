@@ -50,7 +50,7 @@ import psycopg2
 from optuna.trial import TrialState
 from sqlalchemy import func, select
 
-from hpsearch.search import presets, spec as specs, study as studies
+from hpsearch.search import budget, presets, sampling, spec as specs, study as studies
 from hpsearch.search.attempt import TrialReporter
 from hpsearch.storage import registry, slots
 from hpsearch.storage.open import open_storage
@@ -169,7 +169,7 @@ def objective_values(params: dict[str, Any], number: int) -> list[float]:
 
 
 def run_trial(trial: optuna.Trial, spec: specs.StudySpec) -> tuple[TrialState, float | None]:
-    params = studies.suggest(trial, spec)
+    params = sampling.suggest(trial, spec)
     reporter = TrialReporter(trial)
     best = None
     for step, value in enumerate(objective_values(params, trial.number), start=1):
@@ -208,12 +208,12 @@ def hpsearch_worker(url: str, study: str, index: int, go: Any, results: Any, hea
             study_obj = optuna.load_study(
                 study_name=study,
                 storage=storage.optuna,
-                sampler=studies.make_sampler(spec, studies.worker_seed(spec, name)),
-                pruner=studies.make_pruner(spec),
+                sampler=sampling.make_sampler(spec, sampling.worker_seed(spec, name)),
+                pruner=sampling.make_pruner(spec),
             )
             with registry.Registration(storage.db, study, name, f"cpu:{index % 8}", interval_s=heartbeat_s) as reg:
                 while True:
-                    n_trials = studies.n_trials(study_obj, spec)
+                    n_trials = budget.n_trials(study_obj, spec)
                     slot = slots.claim_slot(storage.db, study, n_trials, name)
                     if slot is None:
                         break
@@ -247,8 +247,8 @@ def optuna_worker(
         study_obj = optuna.load_study(
             study_name=study,
             storage=url,
-            sampler=studies.make_sampler(spec, studies.worker_seed(spec, name)),
-            pruner=studies.make_pruner(spec),
+            sampler=sampling.make_sampler(spec, sampling.worker_seed(spec, name)),
+            pruner=sampling.make_pruner(spec),
         )
 
         def objective(trial: optuna.Trial) -> float:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from hpsearch.search import ranks, retry, stop_signals, study as studies
+from hpsearch.search import ranks, retry, sampling, stop_signals
 from hpsearch.search.early_stop import EarlyStop, PruningGate
 from hpsearch.search.outcome import Outcome
 from hpsearch.search.space import split_params
@@ -168,7 +168,7 @@ def trial_config(spec: StudySpec, trial: optuna.Trial) -> tuple[dict[str, Any], 
     """The trial's parameters, checked against the spec's space, and the configurations they make (raises
     ValueError, ConfigError among them, for a parameter no trial of the spec can take: a row sets an enqueued
     trial's values, and Optuna hands a fixed value of the wrong type or range on as it is, or fails on it)."""
-    params = studies.suggest(trial, spec)
+    params = sampling.suggest(trial, spec)
     for name, value in params.items():
         spec.space[name].check_value(value, f"parameter {name}")
     train_params, adapter_params = split_params(params)  # "adapter.r" -> [adapter] r

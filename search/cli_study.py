@@ -13,7 +13,7 @@ from typing import Any
 
 import optuna
 
-from hpsearch.search import dashboard, reap, study as studies, summary
+from hpsearch.search import budget, dashboard, reap, study as studies, summary
 from hpsearch.search.errors import UsageError
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.storage import attrs, liveness, urls
@@ -91,7 +91,7 @@ def study_status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
     with closing(open_storage(url, create=False, read_only=True)) as storage:
         spec = studies.stored_spec(storage, name)
         study = optuna.load_study(study_name=name, storage=storage.optuna)
-        s = summary.status(study, spec, studies.n_trials(study, spec), storage.display)
+        s = summary.status(study, spec, budget.n_trials(study, spec), storage.display)
         s["uid"] = study.user_attrs.get(attrs.UID)  # whose checkpoint folder is whose
         if not best_only:
             s.update(summary.workers(storage.db, name))

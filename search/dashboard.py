@@ -18,7 +18,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import optuna
 
-from hpsearch.search import dashboard_guard as guard, note, study as studies
+from hpsearch.search import budget, dashboard_guard as guard, note, study as studies
 from hpsearch.search.errors import SpecError, UsageError
 from hpsearch.storage import ledger
 from hpsearch.storage.open import Storage, open_storage, require_study
@@ -153,7 +153,7 @@ def _refresh_note(storage: Storage, name: str) -> None:
     except SpecError:
         return  # not an hpsearch study: nothing to summarise, show it as it is
     study = optuna.load_study(study_name=name, storage=storage.optuna)
-    note.update(study, spec, studies.n_trials(study, spec), ledger.total(storage.db, name))
+    note.update(study, spec, budget.n_trials(study, spec), ledger.total(storage.db, name))
 
 
 def _bind_error(host: str, port: int, exc: OSError) -> str:

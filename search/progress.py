@@ -20,7 +20,7 @@ import optuna
 from optuna.trial import TrialState
 from sqlalchemy.pool import NullPool
 
-from hpsearch.search import note, stop_signals, study as studies, summary
+from hpsearch.search import budget, note, stop_signals, summary
 from hpsearch.search.devices import Device
 from hpsearch.search.spec import StudySpec
 from hpsearch.storage import attrs, ledger, urls
@@ -77,7 +77,7 @@ def read(study: optuna.Study, spec: StudySpec, used_s: float, now: dt.datetime |
     done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     running = [t for t in trials if t.state == TrialState.RUNNING]
     return Snapshot(
-        n_trials=studies.n_trials(study, spec),
+        n_trials=budget.n_trials(study, spec),
         metric=spec.search.metric,
         complete=sum(t.state == TrialState.COMPLETE for t in trials),
         pruned=sum(t.state == TrialState.PRUNED for t in trials),

@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import attempt, cli, outcome, ranks, reap, retry, stop_signals, study as studies, sweep
+from hpsearch.search import attempt, budget, cli, outcome, ranks, reap, retry, sampling, stop_signals, sweep
 from hpsearch.search.devices import torch_device
 from hpsearch.search.errors import SpecError
 from hpsearch.search.exit_codes import ExitCode
@@ -132,8 +132,8 @@ class Worker:
         self._told_of_change = False
         place = args.name.rsplit("/", 1)[0]  # host/device, without the pid
         study_id = storage.optuna.get_study_id_from_name(args.study)
-        seed = studies.worker_seed(self.spec, place, len(storage.optuna.get_all_trials(study_id, deepcopy=False)))
-        sampler, pruner = studies.make_sampler(self.spec, seed), studies.make_pruner(self.spec)
+        seed = sampling.worker_seed(self.spec, place, len(storage.optuna.get_all_trials(study_id, deepcopy=False)))
+        sampler, pruner = sampling.make_sampler(self.spec, seed), sampling.make_pruner(self.spec)
         self.study = optuna.load_study(study_name=args.study, storage=storage.optuna, sampler=sampler, pruner=pruner)
         self.device = torch_device(args.device)
         self.tokenizer = load_tokenizer(self.spec.model.name)
@@ -159,7 +159,7 @@ class Worker:
         self._tidy(retain=True)  # checkpoints may have fallen out of the top k while this host was away
         while not self.stop():
             self._follow_budget()
-            stop_reason = studies.budget_left(self.storage, self.study, self.spec, self.storage.db.now())
+            stop_reason = budget.budget_left(self.storage, self.study, self.spec, self.storage.db.now())
             retries_only = stop_reason is not None
             if retries_only:
                 # Trials that already started finish: a retry is not a new trial.
@@ -168,7 +168,7 @@ class Worker:
                     log.info("no new trial: %s; %d run here", stop_reason, finished)
                     return
                 log.info("%s, but trial(s) %s started before: running their retries", stop_reason, waiting)
-            n_trials = studies.n_trials(self.study, self.spec)
+            n_trials = budget.n_trials(self.study, self.spec)
             slot = slots.claim_slot(self.storage.db, self.args.study, n_trials, self.args.name)
             if slot is None:
                 if self._wait_for_missing_workers():
@@ -245,7 +245,7 @@ class Worker:
         study, retries = self.args.study, self.spec.search.max_retries
         # Stale heartbeat rows are left to the Reaper thread, which knows our connection was healthy.
         reap.retry_orphans(self.storage, study, max_retries=retries)
-        if slots.used_slots(self.storage.db, study) < studies.n_trials(self.study, self.spec):
+        if slots.used_slots(self.storage.db, study) < budget.n_trials(self.study, self.spec):
             return True
         waiting = liveness.stale_trials(self.storage.db, study, missed_beats=1.5)
         if not waiting:

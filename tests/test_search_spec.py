@@ -7,7 +7,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from hpsearch.search import study as studies
+from hpsearch.search import sampling
 from hpsearch.search.errors import SpecError
 from hpsearch.search.sobol import SobolSampler
 from hpsearch.search.spec import StudySpec, tomllib
@@ -39,9 +39,9 @@ def test_defaults_are_qmc_and_asha_from_the_first_validation_point() -> None:
     del raw["search"]["pruner"], raw["search"]["sampler"]
     spec = StudySpec.from_dict(raw)
     assert spec.search.pruner == "asha" and spec.search.sampler == "qmc"
-    assert isinstance(studies.make_sampler(spec, 1), SobolSampler)
+    assert isinstance(sampling.make_sampler(spec, 1), SobolSampler)
     assert spec.search.keep_top_k == 3 and spec.search.max_disk_gb == 0
-    pruner = studies.make_pruner(spec)
+    pruner = sampling.make_pruner(spec)
     assert isinstance(pruner, optuna.pruners.SuccessiveHalvingPruner)
     # The first rung is the first validation point (eval_every = 5 in conftest's spec).
     assert pruner._min_resource == 5
@@ -71,7 +71,7 @@ def test_defaults_are_qmc_and_asha_from_the_first_validation_point() -> None:
     ],
 )
 def test_pruner_parameters_reach_optuna(search: str, kind: type, checks: dict[str, object]) -> None:
-    pruner = studies.make_pruner(make_override(search))
+    pruner = sampling.make_pruner(make_override(search))
     assert isinstance(pruner, kind)
     for attr, value in checks.items():
         assert getattr(pruner, attr) == value, attr
@@ -89,11 +89,11 @@ def test_pruner_parameters_reach_optuna(search: str, kind: type, checks: dict[st
 )
 def test_samplers(sampler: str, kind: type) -> None:
     spec = make_override(f'sampler = "{sampler}"', space=GRID_SPACE if sampler == "grid" else SPACE)
-    assert isinstance(studies.make_sampler(spec, 1), kind)
+    assert isinstance(sampling.make_sampler(spec, 1), kind)
 
 
 def test_tpe_is_multivariate_with_a_constant_liar() -> None:
-    tpe = studies.make_sampler(make_override('sampler = "tpe"'), 1)
+    tpe = sampling.make_sampler(make_override('sampler = "tpe"'), 1)
     assert tpe._multivariate and tpe._constant_liar
 
 
@@ -101,8 +101,8 @@ def test_cmaes_and_grid_space() -> None:
     floats = 'learning_rate = { type = "float", low = 1e-4, high = 3e-3, log = true }'
     raw = tomllib.loads(spec_text(Path("/m"), Path("/t.jsonl"), Path("/v.jsonl"), space=floats))
     raw["search"]["sampler"] = "cmaes"
-    assert isinstance(studies.make_sampler(StudySpec.from_dict(raw), 1), optuna.samplers.CmaEsSampler)
-    grid = studies.grid_space(make_override('sampler = "grid"', space=GRID_SPACE))
+    assert isinstance(sampling.make_sampler(StudySpec.from_dict(raw), 1), optuna.samplers.CmaEsSampler)
+    grid = sampling.grid_space(make_override('sampler = "grid"', space=GRID_SPACE))
     assert grid["warmup_ratio"] == [0.0, 0.1, 0.2]
     assert grid["micro_batch_size"] == [8, 16]
 

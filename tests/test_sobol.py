@@ -9,7 +9,7 @@ import optuna
 import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from hpsearch.search import study as studies
+from hpsearch.search import sampling
 from hpsearch.search.sobol import SobolSampler, scale
 from hpsearch.search.spec import StudySpec, tomllib
 from tests.conftest import spec_text
@@ -29,14 +29,14 @@ def qmc_spec(seed: int = 0) -> StudySpec:
 
 def draw(study: optuna.Study, spec: StudySpec) -> dict[str, object]:
     trial = study.ask()
-    params = studies.suggest(trial, spec)
+    params = sampling.suggest(trial, spec)
     study.tell(trial, 0.0)
     return params
 
 
 def test_eight_trials_put_one_learning_rate_in_each_eighth_of_the_log_range() -> None:
     spec = qmc_spec()
-    sampler = studies.make_sampler(spec, seed=123)
+    sampler = sampling.make_sampler(spec, seed=123)
     assert isinstance(sampler, SobolSampler)
     study = optuna.create_study(sampler=sampler)
     eighths = []
@@ -55,15 +55,15 @@ def test_workers_with_their_own_seeds_walk_one_sequence_without_repeats(tmp_path
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     optuna.create_study(study_name="s", storage=url)
     workers = [
-        optuna.load_study(study_name="s", storage=url, sampler=studies.make_sampler(spec, seed))
-        for seed in (studies.worker_seed(spec, "host-a/cuda:0", 0), studies.worker_seed(spec, "host-b/cuda:0", 0))
+        optuna.load_study(study_name="s", storage=url, sampler=sampling.make_sampler(spec, seed))
+        for seed in (sampling.worker_seed(spec, "host-a/cuda:0", 0), sampling.worker_seed(spec, "host-b/cuda:0", 0))
     ]
     shared = [draw(workers[i % 2], spec) for i in range(10)]
-    alone = optuna.create_study(sampler=studies.make_sampler(spec, seed=99))
+    alone = optuna.create_study(sampler=sampling.make_sampler(spec, seed=99))
     assert shared == [draw(alone, spec) for _ in range(10)]
     assert len({p["learning_rate"] for p in shared}) == 10
     # Another search.seed scrambles the sequence differently.
-    other = optuna.create_study(sampler=studies.make_sampler(qmc_spec(seed=8), seed=99))
+    other = optuna.create_study(sampler=sampling.make_sampler(qmc_spec(seed=8), seed=99))
     assert [draw(other, spec) for _ in range(10)] != shared
 
 
@@ -100,9 +100,9 @@ def test_an_enqueued_trial_takes_its_place_in_the_sequence_and_the_rest_follow_i
     """A known-good start (or a crashed trial's retry) uses its trial number's point: parameters
     it leaves out come from that point, and later trials continue the sequence unchanged."""
     spec = qmc_spec()
-    plain = optuna.create_study(sampler=studies.make_sampler(spec, seed=1))
+    plain = optuna.create_study(sampler=sampling.make_sampler(spec, seed=1))
     expected = [draw(plain, spec) for _ in range(4)]
-    study = optuna.create_study(sampler=studies.make_sampler(spec, seed=2))
+    study = optuna.create_study(sampler=sampling.make_sampler(spec, seed=2))
     study.enqueue_trial({"learning_rate": 1e-4})
     got = [draw(study, spec) for _ in range(4)]
     assert got[0] == {**expected[0], "learning_rate": 1e-4}
