@@ -34,7 +34,7 @@ from hpsearch.search.spec import load_file
 from hpsearch.search.trial_attrs import NullReporter
 from hpsearch.storage.trialdir import BEST, CURVES, RESUME, RESUME_FILE
 from hpsearch.trainer.checkpoint import RunFiles
-from hpsearch.trainer.dataset import prepare
+from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 

@@ -350,7 +350,7 @@ def trainer_side(
 
     from hpsearch.trainer.adapters import quantization_config
     from hpsearch.trainer.config import DataConfig, ModelConfig
-    from hpsearch.trainer.dataset import prepare
+    from hpsearch.trainer.encoding import prepare
     from hpsearch.trainer.model import load_tokenizer
     from hpsearch.trainer.step import flops_per_token
 

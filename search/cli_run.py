@@ -30,7 +30,7 @@ from hpsearch.storage.errors import StorageError, StudyNotFoundError
 from hpsearch.storage.open import Storage, check_creatable, open_storage
 from hpsearch.trainer.adapters import check_quantization, check_targets
 from hpsearch.trainer.config import ConfigError
-from hpsearch.trainer.dataset import Prepared, keep, prepare, read_splits
+from hpsearch.trainer.encoding import Prepared, keep, prepare, read_splits
 from hpsearch.trainer.model import check_model, check_reachable, load_tokenizer
 
 log = logging.getLogger("hpsearch")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hpsearch.search.devices import DeviceError
 from hpsearch.storage.errors import StorageUrlError, StudyFolderError, StudyNotFoundError
 from hpsearch.trainer.config import ConfigError
-from hpsearch.trainer.data import DataError
 from hpsearch.trainer.errors import ModelError
+from hpsearch.trainer.reading import DataError
 
 
 class SpecError(ConfigError):

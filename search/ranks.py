@@ -155,7 +155,7 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
     import torch
 
     from hpsearch.trainer import distributed
-    from hpsearch.trainer.dataset import prepare
+    from hpsearch.trainer.encoding import prepare
     from hpsearch.trainer.loop import Run, fit
     from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 

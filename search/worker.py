@@ -143,7 +143,7 @@ class Worker:
 
     @functools.cached_property
     def data(self) -> Any:
-        from hpsearch.trainer.dataset import prepare
+        from hpsearch.trainer.encoding import prepare
 
         # One token cache for every study under this output folder: the same inputs are tokenised once per host.
         cache, model = Path(self.args.output_dir) / "token-cache", self.spec.model

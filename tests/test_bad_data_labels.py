@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from hpsearch.trainer import data as data_module
+from hpsearch.trainer import reading as data_module
 from hpsearch.trainer.config import DataConfig
-from hpsearch.trainer.dataset import prepare, read_splits
+from hpsearch.trainer.encoding import prepare, read_splits
 from hpsearch.trainer.model import load_tokenizer
 from tests.conftest import assert_refused, spec_text
 

@@ -12,9 +12,9 @@ import torch
 
 from hpsearch.search.trial_attrs import NullReporter
 from hpsearch.storage.trialdir import RESUME, RESUME_FILE
-from hpsearch.trainer.batches import IGNORE_INDEX, collate, even_shards
+from hpsearch.trainer.batching import IGNORE_INDEX, collate, even_shards
 from hpsearch.trainer.config import DataConfig, TrainConfig
-from hpsearch.trainer.dataset import prepare
+from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 from hpsearch.trainer.report import TrainResult

@@ -13,7 +13,7 @@ import pytest
 from hpsearch.search.early_stop import ChanceLevel, EarlyStop, PruningGate
 from hpsearch.search.trial_attrs import NullReporter
 from hpsearch.trainer.config import DataConfig, TrainConfig
-from hpsearch.trainer.dataset import prepare
+from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.evaluate import Metrics
 from hpsearch.trainer.loop import fit
 from hpsearch.trainer.model import load_tokenizer

@@ -12,8 +12,8 @@ import torch
 from hpsearch.search.trial_attrs import NullReporter
 from hpsearch.trainer import distributed
 from hpsearch.trainer.config import DataConfig, TrainConfig
-from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.distributed import World
+from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 from tests.conftest import hpsearch, lm_spec_text

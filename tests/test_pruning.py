@@ -10,7 +10,7 @@ import pytest
 from hpsearch.search.early_stop import EarlyStop, PruningGate
 from hpsearch.search.trial_attrs import NullReporter
 from hpsearch.trainer.config import DataConfig, TrainConfig
-from hpsearch.trainer.dataset import prepare
+from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.loop import fit
 from hpsearch.trainer.model import load_tokenizer
 from tests.conftest import spec_text, start_study

@@ -15,7 +15,7 @@ from hpsearch.storage.trialdir import RESUME, RESUME_FILE
 from hpsearch.trainer import loop, step as trainer_step
 from hpsearch.trainer.checkpoint import load_resume
 from hpsearch.trainer.config import DataConfig, TrainConfig
-from hpsearch.trainer.dataset import prepare
+from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 from tests.support.tiny import build_tiny_bert, train_tiny
 

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from hpsearch.search.trial_attrs import NullReporter
-from hpsearch.trainer.batches import micro_batches
+from hpsearch.trainer.batching import micro_batches
 from hpsearch.trainer.config import DataConfig, TrainConfig
-from hpsearch.trainer.dataset import prepare
+from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.loop import COMPILE_BACKEND_ENV, Run, fit, flops_per_token
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 from hpsearch.trainer.optim import build_optimizer
@@ -77,7 +77,7 @@ PREPARE_CHILD = textwrap.dedent("""
     import hashlib, json, sys, time
     from pathlib import Path
     from hpsearch.trainer.config import DataConfig
-    from hpsearch.trainer.dataset import prepare
+    from hpsearch.trainer.encoding import prepare
     from hpsearch.trainer.model import load_tokenizer
 
     model, train, dev, cache, go = sys.argv[1:6]

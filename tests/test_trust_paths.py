@@ -150,7 +150,7 @@ def test_the_token_cache_is_json_and_a_planted_pickle_runs_nothing(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from hpsearch.trainer import dataset
+    from hpsearch.trainer import encoding as dataset
     from hpsearch.trainer.config import DataConfig
 
     cfg = DataConfig(train=str(demo_files[0]), validation=str(demo_files[1]))

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpsearch.trainer.batches import CAUSAL_LM, IGNORE_INDEX, Encoded
-from hpsearch.trainer.data import DataError, Records, short
+from hpsearch.trainer.batching import CAUSAL_LM, IGNORE_INDEX, Encoded
+from hpsearch.trainer.reading import DataError, Records, short
 
 ROLES = ("system", "user", "assistant", "tool")
 Message = dict[str, Any]

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from hpsearch.trainer import precision as prec, tasks
-from hpsearch.trainer.batches import CAUSAL_LM, Encoded, collate, eval_batches
+from hpsearch.trainer.batching import CAUSAL_LM, Encoded, collate, eval_batches
 from hpsearch.trainer.distributed import World
 
 

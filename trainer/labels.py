@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpsearch.trainer.data import DataError, as_int, short
+from hpsearch.trainer.reading import DataError, as_int, short
 
 
 @dataclass(frozen=True)

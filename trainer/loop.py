@@ -14,17 +14,18 @@ from typing import Any
 import torch
 
 from hpsearch.trainer import adapters, attention, checkpoint as ckpt, precision as prec
+from hpsearch.trainer.batching import Batches
 from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.curves import Curves
-from hpsearch.trainer.dataset import Prepared
 from hpsearch.trainer.distributed import World, parameter_digest
+from hpsearch.trainer.encoding import Prepared
 from hpsearch.trainer.evaluate import Metrics, Point
 from hpsearch.trainer.model import enable_gradient_checkpointing
 from hpsearch.trainer.optim import build_optimizer, build_scheduler, plan_steps
 from hpsearch.trainer.report import FailReason, Reporter, StateSavingReporter, Status, TrainResult
 from hpsearch.trainer.state import Trainable, TrainState
 from hpsearch.trainer.stats import Figures, Throughput
-from hpsearch.trainer.step import COMPILE_BACKEND_ENV, Batches, compile_model, flops_per_token, train_step, validate
+from hpsearch.trainer.step import COMPILE_BACKEND_ENV, compile_model, flops_per_token, train_step, validate
 
 __all__ = ["COMPILE_BACKEND_ENV", "Run", "compile_model", "fit", "flops_per_token"]
 log = logging.getLogger(__name__)

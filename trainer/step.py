@@ -5,57 +5,20 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hpsearch.trainer import precision as prec, tasks
-from hpsearch.trainer.batches import collate, even_shards, micro_batches
-from hpsearch.trainer.config import TrainConfig
-from hpsearch.trainer.dataset import Prepared
+from hpsearch.trainer.batching import Batches, collate
 from hpsearch.trainer.distributed import World
+from hpsearch.trainer.encoding import Prepared
 from hpsearch.trainer.evaluate import Metrics, evaluate
 from hpsearch.trainer.state import Trainable
 from hpsearch.trainer.stats import Throughput
 
 log = logging.getLogger(__name__)
 COMPILE_BACKEND_ENV = "HPSEARCH_COMPILE_BACKEND"
-
-
-@dataclass
-class Batches:
-    """Which examples each optimizer step trains on: an epoch's micro-batches, drawn once per
-    epoch, ``per_step`` of them a step (over every rank), shared out evenly over the ranks."""
-
-    data: Prepared
-    cfg: TrainConfig
-    micro: int
-    world: World
-    steps_per_epoch: int
-    _epoch: int = -1
-    _batches: list[list[int]] = field(default_factory=list)
-
-    @property
-    def per_step(self) -> int:
-        return self.cfg.batch_size // self.micro
-
-    def of_step(self, step: int) -> list[list[int]]:
-        """The micro-batches of optimizer step ``step``, over every rank."""
-        epoch, group = divmod(step, self.steps_per_epoch)
-        if epoch != self._epoch:  # the epoch's order is drawn once, not every step
-            cfg = self.cfg
-            drawn = micro_batches(
-                self.data.train.lengths, self.micro, seed=cfg.seed, epoch=epoch, group_by_length=cfg.group_by_length
-            )
-            self._batches, self._epoch = even_shards(drawn, self.world.size), epoch
-        return self._batches[group * self.per_step : (group + 1) * self.per_step]
-
-    def halve(self) -> None:
-        """Same effective batch in smaller pieces (the largest divisor up to half): each drawn micro-batch
-        is cut in equal pieces, which keeps this epoch's data order and its step boundaries."""
-        self.micro = max(d for d in range(1, self.micro // 2 + 1) if self.micro % d == 0)
-        self._batches = [b[i : i + self.micro] for b in self._batches for i in range(0, len(b), self.micro)]
 
 
 def train_step(

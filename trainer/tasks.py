@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hpsearch.trainer.batches import CAUSAL_LM, IGNORE_INDEX
+from hpsearch.trainer.batching import CAUSAL_LM, IGNORE_INDEX
 
 
 def logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], task: str) -> torch.Tensor:

@@ -13,7 +13,7 @@ from hpsearch.search.trial_attrs import NullReporter
 from hpsearch.storage.trialdir import BEST, CURVES, RESUME, RESUME_FILE
 from hpsearch.trainer.checkpoint import RunFiles
 from hpsearch.trainer.config import TrainConfig
-from hpsearch.trainer.dataset import Prepared
+from hpsearch.trainer.encoding import Prepared
 from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache
 from hpsearch.trainer.report import TrainResult

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpsearch.trainer.batches import CAUSAL_LM, CLASSIFICATION, Encoded
+from hpsearch.trainer.batching import CAUSAL_LM, CLASSIFICATION, Encoded
 from hpsearch.trainer.chat import ChatRows, encode_chat, read_chat_rows
 from hpsearch.trainer.config import DataConfig
-from hpsearch.trainer.data import DataError, Rows, TextRows, read_records, read_rows, read_text_rows
 from hpsearch.trainer.labels import LabelMap
+from hpsearch.trainer.reading import DataError, Rows, TextRows, read_records, read_rows, read_text_rows
 
 log = logging.getLogger(__name__)
 # Raised whenever reading or encoding yields other examples from the same file, so no host reuses tokens the

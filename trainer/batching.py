@@ -1,4 +1,5 @@
-"""Tokenised splits and how they are cut into batches: shuffled by length, sharded, padded."""
+"""Tokenised splits and how they are cut into batches: shuffled by length, sharded over ranks, padded; which
+micro-batches each optimizer step trains on (``Batches``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hpsearch.trainer.config import TrainConfig
+    from hpsearch.trainer.distributed import World
+    from hpsearch.trainer.encoding import Prepared
 
 CLASSIFICATION, CAUSAL_LM = "classification", "causal-lm"
 IGNORE_INDEX = -100
@@ -118,3 +124,38 @@ def collate(data: Encoded, indices: Sequence[int], pad_id: int) -> dict[str, Any
         for row, i in enumerate(indices):
             labels[row, : data.prompt_lengths[i]] = IGNORE_INDEX
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@dataclass
+class Batches:
+    """Which examples each optimizer step trains on: an epoch's micro-batches, drawn once per
+    epoch, ``per_step`` of them a step (over every rank), shared out evenly over the ranks."""
+
+    data: Prepared
+    cfg: TrainConfig
+    micro: int
+    world: World
+    steps_per_epoch: int
+    _epoch: int = -1
+    _batches: list[list[int]] = field(default_factory=list)
+
+    @property
+    def per_step(self) -> int:
+        return self.cfg.batch_size // self.micro
+
+    def of_step(self, step: int) -> list[list[int]]:
+        """The micro-batches of optimizer step ``step``, over every rank."""
+        epoch, group = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:  # the epoch's order is drawn once, not every step
+            cfg = self.cfg
+            drawn = micro_batches(
+                self.data.train.lengths, self.micro, seed=cfg.seed, epoch=epoch, group_by_length=cfg.group_by_length
+            )
+            self._batches, self._epoch = even_shards(drawn, self.world.size), epoch
+        return self._batches[group * self.per_step : (group + 1) * self.per_step]
+
+    def halve(self) -> None:
+        """Same effective batch in smaller pieces (the largest divisor up to half): each drawn micro-batch
+        is cut in equal pieces, which keeps this epoch's data order and its step boundaries."""
+        self.micro = max(d for d in range(1, self.micro // 2 + 1) if self.micro % d == 0)
+        self._batches = [b[i : i + self.micro] for b in self._batches for i in range(0, len(b), self.micro)]
