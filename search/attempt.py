@@ -19,7 +19,7 @@ from hpsearch.search.early_stop import EarlyStop, PruningGate
 from hpsearch.search.outcome import Outcome
 from hpsearch.search.space import split_params
 from hpsearch.search.spec import StudySpec
-from hpsearch.search.trial_attrs import AttrReporter
+from hpsearch.search.trial_attrs import TrialReporter
 from hpsearch.storage import attrs, registry
 from hpsearch.storage.trialdir import TrialDir
 from hpsearch.trainer.config import AdapterConfig, ConfigError, TrainConfig
@@ -39,29 +39,6 @@ ENDED = {
     Status.INTERRUPTED: Outcome.INTERRUPTED,
 }
 """What a run's end, as the trainer returns it, is for the trial (outcome.py's table says the rest)."""
-
-
-class TrialReporter(AttrReporter):
-    """The trainer's Reporter, backed by an Optuna trial."""
-
-    def __init__(self, trial: optuna.Trial) -> None:
-        self.trial = trial
-        # When a call last reached the storage: a storage-failed attempt's device time counts up to here.
-        self.last_ok = time.monotonic()
-
-    def report(self, value: float, step: int, metrics: object = None) -> None:
-        self.trial.report(value, step)
-        self.last_ok = time.monotonic()
-
-    def should_prune(self) -> bool:
-        prune = self.trial.should_prune()
-        self.last_ok = time.monotonic()
-        return prune
-
-    def set_attrs(self, values: dict[str, Any]) -> None:
-        for key, value in values.items():
-            self.trial.set_user_attr(key, value)
-        self.last_ok = time.monotonic()
 
 
 def run(w: Worker, trial: optuna.Trial) -> None:

@@ -1,7 +1,9 @@
-"""What the trainer reports, written as trial attributes under storage/attrs.py's keys."""
+"""What the trainer reports, written as trial attributes under storage/attrs.py's keys: ``TrialReporter`` on an Optuna
+trial in a search, ``NullReporter`` in memory outside one."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -10,6 +12,8 @@ from hpsearch.storage.retention import disk_bytes
 from hpsearch.trainer.report import measured
 
 if TYPE_CHECKING:
+    import optuna
+
     from hpsearch.trainer.evaluate import Metrics
     from hpsearch.trainer.stats import Figures
 
@@ -54,3 +58,26 @@ class NullReporter(AttrReporter):
 
     def set_attrs(self, values: dict[str, Any]) -> None:
         self.attrs.update(values)
+
+
+class TrialReporter(AttrReporter):
+    """The trainer's Reporter, backed by an Optuna trial."""
+
+    def __init__(self, trial: optuna.Trial) -> None:
+        self.trial = trial
+        # When a call last reached the storage: a storage-failed attempt's device time counts up to here.
+        self.last_ok = time.monotonic()
+
+    def report(self, value: float, step: int, metrics: object = None) -> None:
+        self.trial.report(value, step)
+        self.last_ok = time.monotonic()
+
+    def should_prune(self) -> bool:
+        prune = self.trial.should_prune()
+        self.last_ok = time.monotonic()
+        return prune
+
+    def set_attrs(self, values: dict[str, Any]) -> None:
+        for key, value in values.items():
+            self.trial.set_user_attr(key, value)
+        self.last_ok = time.monotonic()
