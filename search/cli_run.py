@@ -89,6 +89,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         _check_study(storage, args.study, spec, study_dir)
         device_list = devices.group(device_list, spec.train.devices_per_trial, args.devices)
         inputs = _check_inputs(spec, args.output_dir, args.study, device_list)
+        storage.prepare()  # tables an older hpsearch did not make (the device-time ledger's), before workers use them
         study = optuna.load_study(study_name=args.study, storage=storage.optuna)
         rundir.claim(study_dir, args.study, studies.ensure_uid(study), storage.display)
     inputs.keep()

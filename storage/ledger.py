@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import sqlalchemy
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import Update
 from sqlalchemy.sql.elements import ColumnElement
 
-from hpsearch.storage import liveness
 from hpsearch.storage.db import Database
 from hpsearch.storage.tables import Attempt, WorkerRecord
 
@@ -55,6 +55,8 @@ class Spent:
 def spent(s: Session, db: Database, study: str, trial: int | None = None) -> list[Spent]:
     """Every attempt of ``study`` (of its trial ``trial``) with its device time: an open one runs until now while
     its worker is live, and until its last heartbeat once the worker is lost."""
+    from hpsearch.storage import liveness  # here: liveness closes attempts through this module
+
     now = float(s.execute(select(db.clock())).scalar_one())
     which = [Attempt.study_name == study] + ([] if trial is None else [Attempt.trial_number == trial])
     rows = s.execute(
@@ -71,7 +73,10 @@ def spent(s: Session, db: Database, study: str, trial: int | None = None) -> lis
 
 
 def total(db: Database, study: str) -> float:
-    """The study's device time so far, running attempts included: what the gpu_hours budget counts."""
+    """The study's device time so far, running attempts included: what the gpu_hours budget counts. None is on
+    record in a storage an older hpsearch made and nothing has opened for a search since (the dashboard's)."""
+    if not sqlalchemy.inspect(db.engine).has_table(Attempt.__tablename__):
+        return 0.0
     return sum(x.seconds for x in db.run(lambda s: spent(s, db, study), what="read the device-time ledger"))
 
 

@@ -18,7 +18,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from hpsearch.storage import ledger
 from hpsearch.storage.db import Database
 from hpsearch.storage.errors import StorageError
-from hpsearch.storage.tables import WorkerRecord
+from hpsearch.storage.tables import Attempt, WorkerRecord
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +106,14 @@ def end(db: Database, worker_id: int) -> None:
 
 
 def forget_study(db: Database, study: str) -> int:
-    """Remove every row left under ``study``, which is being created anew (see ``slots.forget_study``)."""
-    stmt = delete(WorkerRecord).where(WorkerRecord.study_name == study)
-    return int(db.run(lambda s: s.execute(stmt).rowcount, what="remove a deleted study's worker rows"))
+    """Remove every row left under ``study``, which is being created anew (see ``slots.forget_study``), and its
+    attempts: a new study of the same name starts with no device time used."""
+
+    def forget(s: Session) -> int:
+        s.execute(delete(Attempt).where(Attempt.study_name == study))
+        return int(s.execute(delete(WorkerRecord).where(WorkerRecord.study_name == study)).rowcount)  # type: ignore[attr-defined]
+
+    return db.run(forget, what="remove a deleted study's worker rows")
 
 
 def held_trials(db: Database, study: str) -> set[int]:

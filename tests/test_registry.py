@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import sqlalchemy
 
-from hpsearch.storage import liveness, registry
+from hpsearch.storage import ledger, liveness, registry
 from hpsearch.storage.db import Database
 from hpsearch.storage.open import Storage, open_storage
 
@@ -71,15 +71,28 @@ class TestRegistryContract:
         assert _only(db, "s").state == "live"
 
     def test_worker_dead_before_a_beat_in_its_trial_counts_no_negative_time(self, storage: Storage) -> None:
-        # Killed 0.3 s into a trial, before its next heartbeat: the supervisor ends the row at
-        # the last beat, which is earlier than the trial's start. `status` printed "-0.000 h".
+        # Killed right after its trial began, before its next heartbeat (which the row's clock is older than):
+        # `status` printed "-0.000 h". The supervisor closes the attempt when it sees the death: a moment's time.
         db = storage.db
         wid = registry.register(db, "s", "w", "cpu:0", host="h", pid=7, heartbeat_s=60)
         time.sleep(0.3)
         registry.trial_started(db, wid, 0)
         liveness.end_dead(db, "s", host="h", pid=7)
         w = _only(db, "s")
-        assert w.state == "finished" and w.device_seconds == 0.0
+        assert w.state == "finished" and 0.0 <= w.device_seconds < 1.0
+
+    def test_the_ledger_sums_attempts_by_the_database_clock_and_forgets_a_deleted_study(self, storage: Storage) -> None:
+        db = storage.db
+        group = registry.register(db, "s", "w2", "cpu:0+1", host="h", pid=8, heartbeat_s=60)
+        registry.trial_started(db, group, 0)
+        time.sleep(0.3)
+        assert ledger.end_trial(db, "s", 0) >= 0.6, "two devices for 0.3 s"
+        closed = ledger.total(db, "s")
+        time.sleep(0.2)
+        assert ledger.total(db, "s") == closed, "a closed attempt counts no more"
+        assert _only(db, "s").device_seconds == pytest.approx(closed)
+        registry.forget_study(db, "s")
+        assert ledger.total(db, "s") == 0.0, "a study made anew under the name starts with no device time"
 
     def test_host_clock_is_never_used(self, storage: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
         # A host whose clock is a day off must still look live: only the database clock counts.

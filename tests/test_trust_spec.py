@@ -122,10 +122,11 @@ def test_public_reason_names_the_error_and_its_place_not_its_message(tmp_path: P
 
     with pytest.raises(ValueError) as caught:
         fails()
-    reason = public_reason(caught.value, TrialDir(tmp_path, 3))
+    why, detail = public_reason(caught.value, TrialDir(tmp_path, 3))
+    reason = why.record(detail)
     assert reason.startswith("error (ValueError in tests/test_trust_spec.py:"), reason
     assert SECRET not in reason and str(tmp_path / "trial-3" / "train.log") in reason
-    assert public_reason(OSError(28, "No space left on device"), TrialDir(tmp_path, 3)) == "disk_full"
+    assert public_reason(OSError(28, "No space left on device"), TrialDir(tmp_path, 3)) == ("disk_full", None)
 
 
 def test_enqueued_trials_of_the_wrong_type_or_range_fail_alone_and_the_worker_goes_on(
