@@ -185,7 +185,7 @@ class StudySpec:
         if (self.adapter.enabled or method_searched) and self.train.devices_per_trial > 1 and not sharded:
             raise SpecError(
                 f"train.devices_per_trial: {self.train.devices_per_trial} is not supported with [adapter] yet; "
-                'set it to 1 (an adapter trial fits one device far more often than a full fine-tune), or shard the '
+                "set it to 1 (an adapter trial fits one device far more often than a full fine-tune), or shard the "
                 'frozen base with sharding = "fsdp"'
             )
         searched = [n for n in self.space if n.startswith(ADAPTER_PREFIX)]

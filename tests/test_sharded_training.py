@@ -1,0 +1,124 @@
+"""Sharded trials (train.sharding = "fsdp") over two real gloo ranks on CPU: the update one device makes, each
+rank holding half of it, a best model plain transformers loads, and a resumable state that is every rank's own."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hpsearch.search.trial_attrs import NullReporter
+from hpsearch.trainer import distributed, sharding
+from hpsearch.trainer.config import AdapterConfig, DataConfig, TrainConfig
+from hpsearch.trainer.dataset import prepare
+from hpsearch.trainer.distributed import World
+from hpsearch.trainer.loop import Run, fit
+from hpsearch.trainer.model import PretrainedCache, load_tokenizer
+from tests.support.tiny import build_tiny_gpt2, files_in
+
+CPU = torch.device("cpu")
+# 192 examples, global batch 16 = micro-batch 4 x 2 ranks x 2 accumulation steps; clipping on (a global norm).
+CFG = TrainConfig(
+    learning_rate=3e-3, batch_size=16, micro_batch_size=4, max_steps=4, eval_every=2, precision="fp32", seed=3
+)
+FSDP = replace(CFG, sharding="fsdp", devices_per_trial=2)
+LORA = AdapterConfig(method="lora", r=4, dropout=0.0)
+
+
+def _fit(
+    model_dir: str, data_files: tuple[str, str], cfg: TrainConfig, out: Path, world: World, adapter: Any = None
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """Train; every rank returns the whole model's parameters (gathered from the shards) and the result."""
+    tokenizer = load_tokenizer(model_dir)
+    data = prepare(DataConfig(train=data_files[0], validation=data_files[1]), tokenizer, 48, None, task="causal-lm")
+    model = PretrainedCache().trial_model(model_dir, None, cfg.seed, adapter, private=True)
+    run = Run(model=model, tokenizer=tokenizer, data=data, cfg=cfg, metric="loss", device=CPU, files=files_in(out))
+    run.world = world
+    result = fit(run, NullReporter())
+    assert result.status == "complete" and result.steps == cfg.max_steps
+    if sharding.is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+        return {k: v.detach().clone() for k, v in full.items()}, result
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, result
+
+
+def _rank(rank: int, port: int, model_dir: str, files: tuple[str, str], out: str, lora: bool) -> None:
+    world = distributed.join(rank, 2, port, CPU)
+    try:
+        params, result = _fit(model_dir, files, FSDP, Path(out), world, LORA if lora else None)
+        torch.save({"params": params, "held": result.figures.rank_held_mb}, Path(out) / f"rank{rank}.pt")
+    finally:
+        world.close()
+
+
+def _two_ranks(tmp_path: Path, model_dir: str, files: tuple[str, str], lora: bool = False) -> list[dict[str, Any]]:
+    store = distributed.main_store(2)
+    ctx = torch.multiprocessing.get_context("spawn")
+    out = tmp_path / "fsdp"
+    ranks = [ctx.Process(target=_rank, args=(r, store.port, model_dir, files, str(out), lora)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(180)
+        assert p.exitcode == 0
+    return [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+
+
+def _unsharded_bytes(model_dir: str, adapter: Any = None) -> int:
+    """Parameters + AdamW moments one device really holds for this model (measured after a real step)."""
+    model = PretrainedCache().trial_model(model_dir, None, 0, adapter, private=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    optimizer.step()
+    held = sharding.held_bytes(model, optimizer)
+    return held["parameters"] + held["optimizer"]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_sharded_ranks_reach_one_devices_parameters_holding_half_each(
+    tmp_path: Path, lm_files: tuple[Path, Path], lora: bool
+) -> None:
+    model_dir = str(build_tiny_gpt2(tmp_path / "m", dropout=0.0))  # dropout would differ between runs
+    files = (str(lm_files[0]), str(lm_files[1]))
+    rank0, rank1 = _two_ranks(tmp_path, model_dir, files, lora)
+    single, _ = _fit(model_dir, files, CFG, tmp_path / "single", World(), LORA if lora else None)
+    initial = PretrainedCache().trial_model(model_dir, None, CFG.seed, LORA if lora else None, private=True)
+    moved = 0
+    for name, value in single.items():
+        # Same data, same update; only the order of float additions (and the all-gathers) differs.
+        torch.testing.assert_close(rank0["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(rank1["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+        moved += int(not torch.equal(value, initial.state_dict()[name]))
+    assert moved >= (4 if lora else 10), "training must change the parameters"
+    # Each rank held about half of what one device holds (FSDP pads a dimension to a multiple of 2: "about").
+    whole_mb = _unsharded_bytes(model_dir, LORA if lora else None) / 2**20
+    held = rank0["held"]
+    assert held == rank1["held"] and len(held) == 2
+    for mb in held:
+        assert 0.45 * whole_mb < mb < 0.56 * whole_mb, (held, whole_mb)
+
+
+def test_sharded_best_checkpoint_loads_with_from_pretrained_and_reproduces_its_loss(
+    tmp_path: Path, lm_files: tuple[Path, Path]
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hpsearch.trainer.evaluate import evaluate
+
+    model_dir = str(build_tiny_gpt2(tmp_path / "m", dropout=0.0))
+    _two_ranks(tmp_path, model_dir, (str(lm_files[0]), str(lm_files[1])))
+    best = tmp_path / "fsdp" / "best"
+    meta = json.loads((best / "hpsearch.json").read_text())
+    assert json.loads((best / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
+    model = AutoModelForCausalLM.from_pretrained(best)
+    tokenizer = load_tokenizer(str(best))
+    data = prepare(DataConfig(train=str(lm_files[0]), validation=str(lm_files[1])), tokenizer, 48, None, "causal-lm")
+    metrics = evaluate(model, data.validation, pad_id=data.pad_id, batch_size=8, device=CPU, precision="fp32")
+    assert meta["step"] == 4
+    assert metrics.loss == pytest.approx(meta["val_loss"], rel=1e-5)
