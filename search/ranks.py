@@ -26,7 +26,7 @@ from hpsearch.search import cli
 from hpsearch.search.devices import only_gpu, torch_device
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.trial_attrs import NullReporter
-from hpsearch.trainer.config import DataConfig, ModelConfig, TrainConfig
+from hpsearch.trainer.config import AdapterConfig, DataConfig, ModelConfig, TrainConfig
 
 if TYPE_CHECKING:
     from hpsearch.trainer.checkpoint import RunFiles
@@ -48,6 +48,7 @@ class TrialJob:
     metric: str
     files: RunFiles
     resume_from: str | None
+    adapter: AdapterConfig | None = None  # a LoRA trial (sharded: every rank holds part of the frozen base)
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,9 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
             cache = Path(args.output_dir) / "token-cache"  # rank 0 tokenised already: a cache hit
             data = prepare(job.data, tokenizer, job.model.max_length, cache, task=job.model.task)
         run = Run(
-            model=models.trial_model(job.model.name, data.labels, job.cfg.seed),
+            model=models.trial_model(
+                job.model.name, data.labels, job.cfg.seed, job.adapter, private=job.cfg.sharding != "none"
+            ),
             tokenizer=tokenizer,
             data=data,
             cfg=job.cfg,
@@ -189,6 +192,7 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
         )
         try:
             result = fit(run, NullReporter())
+            models.release(run.model)
         except Exception:
             # A collective fails at once when rank 0 dies: give that death (the news) a moment to show, not this error.
             time.sleep(1.0)

@@ -4,6 +4,7 @@ rank holding half of it, a best model plain transformers loads, and a resumable 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -122,3 +123,22 @@ def test_sharded_best_checkpoint_loads_with_from_pretrained_and_reproduces_its_l
     metrics = evaluate(model, data.validation, pad_id=data.pad_id, batch_size=8, device=CPU, precision="fp32")
     assert meta["step"] == 4
     assert metrics.loss == pytest.approx(meta["val_loss"], rel=1e-5)
+
+
+def test_a_sharded_state_whose_index_names_code_is_refused_unrun(tmp_path: Path) -> None:
+    """The index of a sharded state is a pickle (torch.distributed.checkpoint's .metadata); a shared runs folder
+    may hold one someone else wrote. Only the checkpoint's own dataclasses and plain torch values load."""
+    import pickle
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, tuple[str]]:
+            return (os.system, (f"touch {marker}",))
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(sharding.UnsafeCheckpoint, match=r"names posix\.system"):
+        sharding._SafeReader(folder).read_metadata()
+    assert not marker.exists()
