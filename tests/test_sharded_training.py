@@ -24,20 +24,34 @@ from tests.support.tiny import build_tiny_gpt2, files_in
 CPU = torch.device("cpu")
 # 192 examples, global batch 16 = micro-batch 4 x 2 ranks x 2 accumulation steps; clipping on (a global norm).
 CFG = TrainConfig(
-    learning_rate=3e-3, batch_size=16, micro_batch_size=4, max_steps=4, eval_every=2, precision="fp32", seed=3
+    learning_rate=3e-3,
+    batch_size=16,
+    micro_batch_size=4,
+    max_steps=4,
+    eval_every=2,
+    precision="fp32",
+    seed=3,
+    resume_every_minutes=0,
 )
 FSDP = replace(CFG, sharding="fsdp", devices_per_trial=2)
 LORA = AdapterConfig(method="lora", r=4, dropout=0.0)
 
 
 def _fit(
-    model_dir: str, data_files: tuple[str, str], cfg: TrainConfig, out: Path, world: World, adapter: Any = None
+    model_dir: str,
+    data_files: tuple[str, str],
+    cfg: TrainConfig,
+    out: Path,
+    world: World,
+    adapter: Any = None,
+    task: str = "causal-lm",
 ) -> tuple[dict[str, torch.Tensor], Any]:
     """Train; every rank returns the whole model's parameters (gathered from the shards) and the result."""
     tokenizer = load_tokenizer(model_dir)
-    data = prepare(DataConfig(train=data_files[0], validation=data_files[1]), tokenizer, 48, None, task="causal-lm")
-    model = PretrainedCache().trial_model(model_dir, None, cfg.seed, adapter, private=True)
-    run = Run(model=model, tokenizer=tokenizer, data=data, cfg=cfg, metric="loss", device=CPU, files=files_in(out))
+    data = prepare(DataConfig(train=data_files[0], validation=data_files[1]), tokenizer, 48, None, task=task)
+    model = PretrainedCache().trial_model(model_dir, data.labels, cfg.seed, adapter, private=True)
+    metric = "loss"
+    run = Run(model=model, tokenizer=tokenizer, data=data, cfg=cfg, metric=metric, device=CPU, files=files_in(out))
     run.world = world
     result = fit(run, NullReporter())
     assert result.status == "complete" and result.steps == cfg.max_steps
@@ -49,26 +63,42 @@ def _fit(
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, result
 
 
-def _rank(rank: int, port: int, model_dir: str, files: tuple[str, str], out: str, lora: bool) -> None:
+def _rank(rank: int, port: int, model_dir: str, files: tuple[str, str], out: str, lora: bool, task: str) -> None:
     world = distributed.join(rank, 2, port, CPU)
     try:
-        params, result = _fit(model_dir, files, FSDP, Path(out), world, LORA if lora else None)
+        params, result = _fit(model_dir, files, FSDP, Path(out), world, LORA if lora else None, task)
         torch.save({"params": params, "held": result.figures.rank_held_mb}, Path(out) / f"rank{rank}.pt")
     finally:
         world.close()
 
 
-def _two_ranks(tmp_path: Path, model_dir: str, files: tuple[str, str], lora: bool = False) -> list[dict[str, Any]]:
+def _two_ranks(
+    tmp_path: Path, model_dir: str, files: tuple[str, str], lora: bool = False, task: str = "causal-lm"
+) -> list[dict[str, Any]]:
     store = distributed.main_store(2)
     ctx = torch.multiprocessing.get_context("spawn")
     out = tmp_path / "fsdp"
-    ranks = [ctx.Process(target=_rank, args=(r, store.port, model_dir, files, str(out), lora)) for r in (0, 1)]
+    args = (store.port, model_dir, files, str(out), lora, task)
+    ranks = [ctx.Process(target=_rank, args=(r, *args)) for r in (0, 1)]
     for p in ranks:
         p.start()
     for p in ranks:
         p.join(180)
         assert p.exitcode == 0
     return [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+
+
+def _reproduces_saved_loss(best: Path, model: torch.nn.Module, files: tuple[str, str], task: str) -> None:
+    from hpsearch.trainer.evaluate import evaluate
+
+    meta = json.loads((best / "hpsearch.json").read_text())
+    data = prepare(DataConfig(train=files[0], validation=files[1]), load_tokenizer(str(best)), 48, None, task=task)
+    labels = data.labels.num_labels if data.labels else 0
+    metrics = evaluate(
+        model, data.validation, pad_id=data.pad_id, batch_size=8, device=CPU, precision="fp32", num_labels=labels
+    )
+    assert meta["step"] in (2, 4)
+    assert metrics.loss == pytest.approx(meta["val_loss"], rel=1e-5)
 
 
 def _unsharded_bytes(model_dir: str, adapter: Any = None) -> int:
@@ -103,6 +133,10 @@ def test_two_sharded_ranks_reach_one_devices_parameters_holding_half_each(
     assert held == rank1["held"] and len(held) == 2
     for mb in held:
         assert 0.45 * whole_mb < mb < 0.56 * whole_mb, (held, whole_mb)
+    if lora:  # the adapter folder, as AutoPeftModelForCausalLM loads it
+        from hpsearch.trainer.adapters import load_saved
+
+        _reproduces_saved_loss(tmp_path / "fsdp" / "best", load_saved(tmp_path / "fsdp" / "best"), files, "causal-lm")
 
 
 def test_sharded_best_checkpoint_loads_with_from_pretrained_and_reproduces_its_loss(
@@ -110,19 +144,35 @@ def test_sharded_best_checkpoint_loads_with_from_pretrained_and_reproduces_its_l
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    from hpsearch.trainer.evaluate import evaluate
-
     model_dir = str(build_tiny_gpt2(tmp_path / "m", dropout=0.0))
-    _two_ranks(tmp_path, model_dir, (str(lm_files[0]), str(lm_files[1])))
+    files = (str(lm_files[0]), str(lm_files[1]))
+    _two_ranks(tmp_path, model_dir, files)
     best = tmp_path / "fsdp" / "best"
-    meta = json.loads((best / "hpsearch.json").read_text())
     assert json.loads((best / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
-    model = AutoModelForCausalLM.from_pretrained(best)
-    tokenizer = load_tokenizer(str(best))
-    data = prepare(DataConfig(train=str(lm_files[0]), validation=str(lm_files[1])), tokenizer, 48, None, "causal-lm")
-    metrics = evaluate(model, data.validation, pad_id=data.pad_id, batch_size=8, device=CPU, precision="fp32")
-    assert meta["step"] == 4
-    assert metrics.loss == pytest.approx(meta["val_loss"], rel=1e-5)
+    _reproduces_saved_loss(best, AutoModelForCausalLM.from_pretrained(best), files, "causal-lm")
+    # The resumable state of step 2 (resume_every_minutes = 0): each rank's own part, and rank 0's plain rest.
+    assert sorted(p.name for p in (tmp_path / "fsdp" / "resume" / "shards").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+
+
+def test_sharded_lora_classifier_saves_an_adapter_folder_autopeftmodel_loads(
+    tmp_path: Path, demo_files: tuple[Path, Path]
+) -> None:
+    """LoRA on a sharded frozen base, a classifier: its head and adapters train, the base is sharded too."""
+    from hpsearch.trainer.adapters import load_saved
+    from tests.support.tiny import build_tiny_bert
+
+    model_dir = str(build_tiny_bert(tmp_path / "bert", dropout=0.0))
+    files = (str(demo_files[0]), str(demo_files[1]))
+    rank0, rank1 = _two_ranks(tmp_path, model_dir, files, lora=True, task="classification")
+    assert rank0["held"] == rank1["held"]
+    best = tmp_path / "fsdp" / "best"
+    assert (best / "adapter_config.json").exists() and not (best / "model.safetensors").exists()
+    model = load_saved(best, num_labels=2)  # AutoPeftModelForSequenceClassification, as a user loads it
+    _reproduces_saved_loss(best, model, files, "classification")
 
 
 def test_a_sharded_state_whose_index_names_code_is_refused_unrun(tmp_path: Path) -> None:

@@ -37,7 +37,22 @@ def _pretrained(model: torch.nn.Module) -> Any:
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
 
 
-def plugin(precision: str) -> Any:
+def block_classes(model: torch.nn.Module) -> list[str]:
+    """The class names of a model's transformer blocks: those its ``_no_split_modules`` names (transformers' own
+    list of what must stay whole on one device) that it holds, else the class of the longest ``nn.ModuleList``'s
+    entries (BERT names none; its ``encoder.layer`` holds its BertLayers)."""
+    present = {type(m).__name__ for m in model.modules()}
+    named = [n for n in getattr(model, "_no_split_modules", None) or [] if n in present]
+    if named:
+        return named
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
+    if not lists:
+        return []
+    longest = max(lists, key=len)
+    return sorted({type(m).__name__ for m in longest})
+
+
+def plugin(precision: str, blocks: list[str] | None = None) -> Any:
     """accelerate's FSDP2 plugin for ``precision``: what it wraps (transformer blocks), when it frees a block's
     gathered weights (after its forward: the memory is the point), and the mixed precision (weights gathered in
     bf16/fp16 for compute, gradients reduced in fp32 so the N-way sum does not lose bits)."""
@@ -49,6 +64,7 @@ def plugin(precision: str) -> Any:
     return FullyShardedDataParallelPlugin(
         fsdp_version=2,
         auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=blocks,
         reshard_after_forward=True,
         mixed_precision_policy=policy,
     )
@@ -64,8 +80,8 @@ def shard(model: torch.nn.Module, precision: str) -> int:
 
     from hpsearch.trainer.config import ConfigError
 
-    fsdp = plugin(precision)
     pretrained = _pretrained(model)
+    fsdp = plugin(precision, block_classes(pretrained) or None)
     fsdp.set_auto_wrap_policy(pretrained)
     is_block = fsdp2_prepare_auto_wrap_policy(fsdp, pretrained)
     kwargs = {"reshard_after_forward": fsdp.reshard_after_forward, "mp_policy": fsdp.mixed_precision_policy}
