@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hpsearch.search.trial_attrs import NullReporter
-from hpsearch.trainer import distributed, sharding
+from hpsearch.trainer import distributed, memory, sharding
 from hpsearch.trainer.config import AdapterConfig, DataConfig, TrainConfig
 from hpsearch.trainer.dataset import prepare
 from hpsearch.trainer.distributed import World
@@ -133,6 +133,12 @@ def test_two_sharded_ranks_reach_one_devices_parameters_holding_half_each(
     assert held == rank1["held"] and len(held) == 2
     for mb in held:
         assert 0.45 * whole_mb < mb < 0.56 * whole_mb, (held, whole_mb)
+    # The memory plan's sharded terms are what each rank held (to FSDP's padding of a dimension to an even size).
+    meta, shape = memory.meta_model(model_dir, "causal-lm")
+    if lora:
+        meta = memory.with_adapter(meta, LORA, "causal-lm")
+    planned = memory.estimate(meta, shape, memory.Setup("fp32", 4, 48, sharding="fsdp", devices=2))
+    assert (planned.weights + planned.optimizer) / 2**20 == pytest.approx(held[0], rel=0.02)
     if lora:  # the adapter folder, as AutoPeftModelForCausalLM loads it
         from hpsearch.trainer.adapters import load_saved
 

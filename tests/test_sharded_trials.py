@@ -54,6 +54,9 @@ def test_a_sharded_search_runs_to_the_end_and_its_best_model_loads(
     assert done.returncode == 0, done.stderr
     assert (export / "model.safetensors").exists()
     assert not list(runs.glob("s/trial-*/resume")), "a finished trial's sharded state is swept"
+    # The memory plan `start` made is on the study, and status shows it.
+    status = hpsearch("status", "--study", "s", "--storage", url, cwd=tmp_path).stdout
+    assert "memory plan: " in status and "fsdp over 2" in status and ": fits cpu:0+1's" in status, status
 
 
 @pytest.mark.parametrize("who,sig,reason", [(1, signal.SIGKILL, "worker_crash"), (0, signal.SIGTERM, "interrupted")])
