@@ -157,7 +157,8 @@ def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
     attention.use_fast_attention(run.model, device, precision)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(run.model)
-    sharded = cfg.sharding == "fsdp" and world.size > 1
+    # Sharded wherever there is a process group to shard over (one rank of one: the GPU check's path).
+    sharded = cfg.sharding == "fsdp" and torch.distributed.is_available() and torch.distributed.is_initialized()
     if sharded:
         # In place, before the optimizer is made: its moments are then shard-sized too.
         blocks = sharding.shard(run.model, precision)
@@ -231,7 +232,7 @@ def _finish(loop: Loop, state: TrainState, result: TrainResult, first_step: floa
         None if first_step is None else round(first_step, 3),
         world.size if world.size > 1 else None,
         digests,
-        "fsdp" if held else None,
+        "fsdp" if loop.parts.sharded else None,
         held,
     )
     if world.is_main:
@@ -243,8 +244,9 @@ def _finish(loop: Loop, state: TrainState, result: TrainResult, first_step: floa
 
 
 def _held_mb(loop: Loop) -> list[float] | None:
-    """Sharded: the parameters and optimizer state each rank held at the end, measured from its shards."""
-    if not loop.parts.sharded:
+    """With several ranks, the parameters and optimizer state each rank held at the end, measured from its
+    tensors (a sharded rank's: its shards)."""
+    if loop.run.world.size == 1:
         return None
     held = sharding.held_bytes(loop.parts.model, loop.parts.optimizer)
     log.info("rank %d holds %s", loop.run.world.rank, ", ".join(f"{k} {v / 2**20:.1f} MB" for k, v in held.items()))

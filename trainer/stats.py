@@ -137,7 +137,7 @@ class Figures:
     devices: int | None = None  # data-parallel ranks, when more than one
     rank_parameter_digests: list[str] | None = None  # equal digests: the ranks' parameters stayed identical
     sharding: str | None = None  # "fsdp" for a sharded trial (its ranks hold different parts: no digests)
-    rank_held_mb: list[float] | None = None  # sharded: parameters + optimizer state each rank held, from its shards
+    rank_held_mb: list[float] | None = None  # several ranks: parameters + optimizer state each held (its shards)
 
 
 def peak_memory_mb(device: torch.device) -> float:
