@@ -66,7 +66,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     with closing(open_storage(url, create=True)) as storage:
         _check_study(storage, args.study, spec, study_dir)  # again: another host may have made it meanwhile
         study = studies.create_or_resume(storage, args.study, spec)
-        study.set_user_attr(attrs.MEMORY_PLAN, plan.record())  # `status` shows it
+        if plan is not None:
+            study.set_user_attr(attrs.MEMORY_PLAN, plan.record())  # `status` shows it
         rundir.claim(study_dir, args.study, studies.ensure_uid(study), storage.display)
     inputs.keep()
     on = ", ".join(d.label for d in device_list)
@@ -94,7 +95,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         inputs = _check_inputs(spec, args.output_dir, args.study, device_list)
         plan = plans.check(inputs.spec, device_list)  # against this host's devices, before its first trial
         study = optuna.load_study(study_name=args.study, storage=storage.optuna)
-        study.set_user_attr(attrs.MEMORY_PLAN, plan.record())
+        if plan is not None:
+            study.set_user_attr(attrs.MEMORY_PLAN, plan.record())
         rundir.claim(study_dir, args.study, studies.ensure_uid(study), storage.display)
     inputs.keep()
     return _run_and_report(args, url, device_list, spec)

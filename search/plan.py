@@ -210,9 +210,16 @@ def _gpu_memory() -> dict[int, int]:
         return {}
 
 
-def check(spec: StudySpec, device_list: list[Device]) -> Plan:
-    """The plan for `start` / `worker`: refused (PlanError) when far over; a warning when close; logged."""
-    plan = make(spec, device_list)
+def check(spec: StudySpec, device_list: list[Device]) -> Plan | None:
+    """The plan for `start` / `worker`: refused (PlanError) when far over; a warning when close; logged. None when
+    the model cannot be built from its config here (an architecture the meta device does not take): said, not fatal."""
+    try:
+        plan = make(spec, device_list)
+    except ConfigError:
+        raise
+    except Exception as exc:  # the inputs were checked before: a model whose config the meta device does not take
+        log.warning("memory plan: cannot estimate %s here (%s); no plan", spec.model.name, type(exc).__name__)
+        return None
     if plan.verdict == "too_big":
         raise PlanError(plan.line())
     if plan.verdict == "close":

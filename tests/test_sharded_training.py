@@ -54,6 +54,8 @@ def _fit(
     run = Run(model=model, tokenizer=tokenizer, data=data, cfg=cfg, metric=metric, device=CPU, files=files_in(out))
     run.world = world
     result = fit(run, NullReporter())
+    if cfg.learning_rate > 1e3:  # the NaN test's: it ends early, pruned
+        return {}, result
     assert result.status == "complete" and result.steps == cfg.max_steps
     if sharding.is_sharded(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -63,22 +65,30 @@ def _fit(
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, result
 
 
-def _rank(rank: int, port: int, model_dir: str, files: tuple[str, str], out: str, lora: bool, task: str) -> None:
+def _rank(
+    rank: int, port: int, model_dir: str, files: tuple[str, str], out: str, lora: bool, task: str, cfg: TrainConfig
+) -> None:
     world = distributed.join(rank, 2, port, CPU)
     try:
-        params, result = _fit(model_dir, files, FSDP, Path(out), world, LORA if lora else None, task)
-        torch.save({"params": params, "held": result.figures.rank_held_mb}, Path(out) / f"rank{rank}.pt")
+        params, result = _fit(model_dir, files, cfg, Path(out), world, LORA if lora else None, task)
+        ended = {"status": result.status, "steps": result.steps, "reason": result.fail_reason}
+        torch.save({"params": params, "held": result.figures.rank_held_mb, **ended}, Path(out) / f"rank{rank}.pt")
     finally:
         world.close()
 
 
 def _two_ranks(
-    tmp_path: Path, model_dir: str, files: tuple[str, str], lora: bool = False, task: str = "causal-lm"
+    tmp_path: Path,
+    model_dir: str,
+    files: tuple[str, str],
+    lora: bool = False,
+    task: str = "causal-lm",
+    cfg: TrainConfig = FSDP,
 ) -> list[dict[str, Any]]:
     store = distributed.main_store(2)
     ctx = torch.multiprocessing.get_context("spawn")
     out = tmp_path / "fsdp"
-    args = (store.port, model_dir, files, str(out), lora, task)
+    args = (store.port, model_dir, files, str(out), lora, task, cfg)
     ranks = [ctx.Process(target=_rank, args=(r, *args)) for r in (0, 1)]
     for p in ranks:
         p.start()
@@ -179,6 +189,15 @@ def test_sharded_lora_classifier_saves_an_adapter_folder_autopeftmodel_loads(
     assert (best / "adapter_config.json").exists() and not (best / "model.safetensors").exists()
     model = load_saved(best, num_labels=2)  # AutoPeftModelForSequenceClassification, as a user loads it
     _reproduces_saved_loss(best, model, files, "classification")
+
+
+def test_a_sharded_trial_whose_loss_turns_nan_is_pruned_on_every_rank_at_one_step(
+    tmp_path: Path, lm_files: tuple[Path, Path]
+) -> None:
+    model_dir = str(build_tiny_gpt2(tmp_path / "m", dropout=0.0))
+    diverging = replace(FSDP, learning_rate=1e6, max_grad_norm=0.0, max_steps=6, eval_every=3)
+    ranks = _two_ranks(tmp_path, model_dir, (str(lm_files[0]), str(lm_files[1])), cfg=diverging)
+    assert [(r["status"], r["reason"], r["steps"]) for r in ranks] == [("pruned", "nan_loss", 3)] * 2
 
 
 def test_a_sharded_state_whose_index_names_code_is_refused_unrun(tmp_path: Path) -> None:
