@@ -84,18 +84,20 @@ def _train(model_dir: str, files: tuple[str, str], cfg: Any, out: Path, world: A
     import torch
 
     from hpsearch.search.trial_attrs import NullReporter
+    from hpsearch.trainer.checkpoint import RunFiles
     from hpsearch.trainer.config import DataConfig
     from hpsearch.trainer.dataset import prepare
     from hpsearch.trainer.loop import Run, fit
-    from hpsearch.trainer.model import PretrainedCache, load_tokenizer
-    from tests.support.tiny import files_in
+    from hpsearch.trainer.model import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     data = prepare(DataConfig(train=files[0], validation=files[1]), tokenizer, 64, None, task="causal-lm")
     before = _rss()
     with PeakRss() as rss:
-        model = PretrainedCache().fresh_causal_lm(model_dir)
-        run = Run(model, tokenizer, data, cfg, "loss", torch.device("cpu"), files_in(out), world=world)
+        # One copy, read from disk: a worker's cache would hold a pristine one beside it (for its next trial).
+        model = load_model(model_dir, 0)
+        files_out = RunFiles(best=out / "best", state=out / "resume" / "state.pt", curves=out / "tensorboard")
+        run = Run(model, tokenizer, data, cfg, "loss", torch.device("cpu"), files_out, world=world)
         started = time.perf_counter()
         result = fit(run, NullReporter())
         seconds = time.perf_counter() - started
