@@ -155,7 +155,7 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
     threading.Thread(target=exit_with_parent, name="hpsearch-parent-watch", daemon=True).start()
     import torch
 
-    from hpsearch.trainer import distributed
+    from hpsearch.trainer import distributed, sharding
     from hpsearch.trainer.dataset import prepare
     from hpsearch.trainer.loop import Run, fit
     from hpsearch.trainer.model import PretrainedCache, load_tokenizer
@@ -177,10 +177,13 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
             loaded, tokenizer = job.model.name, load_tokenizer(job.model.name)
             cache = Path(args.output_dir) / "token-cache"  # rank 0 tokenised already: a cache hit
             data = prepare(job.data, tokenizer, job.model.max_length, cache, task=job.model.task)
+        if job.cfg.sharding == "fsdp":
+            # Built empty: its shards come from rank 0's model, so this host holds the model once, not N times.
+            model = sharding.empty_model(job.model.name, data.labels, job.adapter)
+        else:
+            model = models.trial_model(job.model.name, data.labels, job.cfg.seed, job.adapter)
         run = Run(
-            model=models.trial_model(
-                job.model.name, data.labels, job.cfg.seed, job.adapter, private=job.cfg.sharding != "none"
-            ),
+            model=model,
             tokenizer=tokenizer,
             data=data,
             cfg=job.cfg,
@@ -192,7 +195,8 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
         )
         try:
             result = fit(run, NullReporter())
-            models.release(run.model)
+            if job.cfg.sharding == "none":
+                models.release(run.model)
         except Exception:
             # A collective fails at once when rank 0 dies: give that death (the news) a moment to show, not this error.
             time.sleep(1.0)

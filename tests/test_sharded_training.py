@@ -49,7 +49,10 @@ def _fit(
     """Train; every rank returns the whole model's parameters (gathered from the shards) and the result."""
     tokenizer = load_tokenizer(model_dir)
     data = prepare(DataConfig(train=data_files[0], validation=data_files[1]), tokenizer, 48, None, task=task)
-    model = PretrainedCache().trial_model(model_dir, data.labels, cfg.seed, adapter, private=True)
+    if cfg.sharding == "fsdp" and world.rank > 0:  # as a peer rank builds it: empty, filled from rank 0's
+        model = sharding.empty_model(model_dir, data.labels, adapter)
+    else:
+        model = PretrainedCache().trial_model(model_dir, data.labels, cfg.seed, adapter, private=True)
     metric = "loss"
     run = Run(model=model, tokenizer=tokenizer, data=data, cfg=cfg, metric=metric, device=CPU, files=files_in(out))
     run.world = world

@@ -150,18 +150,19 @@ def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
     precision = prec.resolve(cfg.precision, device)
     # Ranks draw different dropout masks; their weights are equal anyway (DDP starts from rank 0's).
     torch.manual_seed(cfg.seed + world.rank)
-    if not getattr(run.model, "is_quantized", False):
-        # A quantized (QLoRA) base was put on its GPU by bitsandbytes as it loaded, and cannot be moved.
+    # Sharded wherever there is a process group to shard over (one rank of one: the GPU check's path).
+    sharded = cfg.sharding == "fsdp" and torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not getattr(run.model, "is_quantized", False) and not sharded:
+        # A quantized (QLoRA) base was put on its GPU by bitsandbytes as it loaded, and cannot be moved. A sharded
+        # model reaches its device as it is sharded, block by block: never whole.
         run.model.to(device)
     run.model.train()
     attention.use_fast_attention(run.model, device, precision)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(run.model)
-    # Sharded wherever there is a process group to shard over (one rank of one: the GPU check's path).
-    sharded = cfg.sharding == "fsdp" and torch.distributed.is_available() and torch.distributed.is_initialized()
     if sharded:
         # In place, before the optimizer is made: its moments are then shard-sized too.
-        blocks = sharding.shard(run.model, precision)
+        blocks = sharding.shard_from_first(run.model, precision, device, world)
         log.info("sharded over %d ranks: %d blocks and the root", world.size, blocks)
     # The optimizer and checkpoints hold the plain module; only the forward pass is compiled.
     compiled = compile_model(run.model) if cfg.compile else run.model

@@ -95,7 +95,12 @@ def meta_model(name: str, task: str, num_labels: int = 2) -> tuple[torch.nn.Modu
         config.num_labels = num_labels
     auto: Any = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
     with init_empty_weights():
-        model = auto.from_config(config, dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32)
+        # sdpa, as model.py loads it: a sharded trial's empty ranks compute exactly as its first one.
+        dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
+        try:
+            model = auto.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        except (ValueError, ImportError):  # an architecture without an SDPA kernel
+            model = auto.from_config(config, dtype=dtype)
     # As from_pretrained does: a tied head is the embedding, not a second copy. Outside the context, whose
     # parameter hook would make the tied one a new meta parameter again.
     model.tie_weights()

@@ -98,6 +98,56 @@ def shard(model: torch.nn.Module, precision: str) -> int:
     return len(blocks)
 
 
+def empty_model(name: str, labels: Any, adapter: Any) -> torch.nn.Module:
+    """A sharded trial's model on a rank other than the first: built from the config on the meta device (no weights
+    read, no host copy), with the trial's adapter; :func:`shard_from_first` fills its shards from rank 0's model."""
+    from hpsearch.trainer.memory import meta_model, with_adapter
+
+    task = "causal-lm" if labels is None else "classification"
+    model, _ = meta_model(name, task, labels.num_labels if labels is not None else 2)
+    if labels is not None:
+        config: Any = model.config
+        config.id2label = dict(labels.id2label())
+        config.label2id = {v: k for k, v in config.id2label.items()}
+    if adapter is not None and adapter.enabled:
+        model = with_adapter(model, adapter, task)
+    return model
+
+
+def shard_from_first(model: torch.nn.Module, precision: str, device: torch.device, world: Any) -> int:
+    """Shard the trial's model over its ranks, where rank 0's is real (in host memory) and the others' are
+    :func:`empty_model`'s: one host copy of the model, not N. Every rank shards its module (rank 0's blocks move
+    to the device one at a time as they are sharded), the empty ones get device memory for their shards only, and
+    rank 0 sends each tensor, of which every rank keeps its shard. Returns the number of blocks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from hpsearch.trainer.config import ConfigError
+
+    layout = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
+    first = world.gather(layout)[0]
+    if [entry[:2] for entry in first] != [entry[:2] for entry in layout]:
+        # Every rank sees the same gathered layouts, so every rank raises: none waits in a collective.
+        raise ConfigError(f"train.sharding: {type(model).__name__} built from its config differs from the loaded one")
+    empty = next(model.parameters()).is_meta
+    if empty:  # take rank 0's dtypes (a checkpoint saved in another dtype than its config says) and trainability
+        dtypes = {name: (getattr(torch, dtype.removeprefix("torch.")), trains) for name, _, dtype, trains in first}
+        for name, param in model.named_parameters():
+            param.data = param.data.to(dtypes[name][0])
+            param.requires_grad_(dtypes[name][1])
+    full = {} if empty else model.state_dict()  # rank 0's weights, until they are sent
+    buffers = {name: b.clone() for name, b in model.named_buffers()} if empty else {}
+    blocks = shard(model, precision)
+    if empty:
+        model.to_empty(device=device)
+        with torch.no_grad():  # to_empty left them uninitialised: the values the config computed
+            for name, b in model.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    return blocks
+
+
 def grad_scaler(precision: str, device: torch.device) -> Any:
     """fp16's loss scaler, which must skip a step on every rank when any rank's shard of the gradients overflows:
     torch's sharded scaler all-reduces that finding (a plain GradScaler sees only its own shard)."""
