@@ -5,9 +5,9 @@
 
 1. One GPT-2 (8 layers, 512 wide) trained for ``--steps`` optimizer steps by hpsearch's ``fit`` over 2 real gloo
    ranks, with ``sharding = "none"`` (DDP) and ``"fsdp"``: per rank, the parameters + AdamW moments it held (measured
-   from its tensors: its shards under fsdp), its peak resident memory while training (sampled every 5 ms; it
-   includes the torch runtime and, before sharding, the whole model each rank read from disk), and the time a step
-   took; and the fsdp / none ratios.
+   from its tensors: its shards under fsdp), its peak resident memory while training (sampled every 5 ms, with
+   glibc told to return freed tensor memory: see main(); it includes the torch runtime, ~0.3 GB), and the time a
+   step took; and the fsdp / none ratios.
 2. The memory plan (trainer/memory.py, from the config on the meta device) against one process's measured peak for
    3 sizes: weights + gradients + optimizer against the tensors it held after a step, and the plan's total against
    the peak resident memory above what the process held before the model was made.
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 SIZES = {"small": (4, 256), "medium": (8, 512), "large": (12, 768)}  # (layers, hidden)
-COMPARED = "medium"
+COMPARED = "large"  # parameters and moments (1.3 GB) outweigh its activations: what sharding is for
 
 
 def _rss() -> int:
@@ -84,6 +84,7 @@ def _train(model_dir: str, files: tuple[str, str], cfg: Any, out: Path, world: A
     import torch
 
     from hpsearch.search.trial_attrs import NullReporter
+    from hpsearch.trainer import sharding
     from hpsearch.trainer.checkpoint import RunFiles
     from hpsearch.trainer.config import DataConfig
     from hpsearch.trainer.dataset import prepare
@@ -94,8 +95,12 @@ def _train(model_dir: str, files: tuple[str, str], cfg: Any, out: Path, world: A
     data = prepare(DataConfig(train=files[0], validation=files[1]), tokenizer, 64, None, task="causal-lm")
     before = _rss()
     with PeakRss() as rss:
-        # One copy, read from disk: a worker's cache would hold a pristine one beside it (for its next trial).
-        model = load_model(model_dir, 0)
+        # One copy, read from disk (a worker's cache would hold a pristine one beside it, for its next trial);
+        # a sharded trial's other ranks build it empty, as search/ranks.py does, and receive their shards.
+        if cfg.sharding == "fsdp" and world.rank > 0:
+            model = sharding.empty_model(model_dir, None, None)
+        else:
+            model = load_model(model_dir, 0)
         files_out = RunFiles(best=out / "best", state=out / "resume" / "state.pt", curves=out / "tensorboard")
         run = Run(model, tokenizer, data, cfg, "loss", torch.device("cpu"), files_out, world=world)
         started = time.perf_counter()
@@ -175,6 +180,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # The ranks are spawned: they start with these. glibc otherwise keeps freed tensor memory (its mmap threshold
+    # rises to the largest block freed, and later blocks of that size come from the heap, never returned), and
+    # the resident peak measures what the allocator hoards, not what the run holds: FSDP's gathered blocks and
+    # unsharded gradients, freed after each use, read as 1.3x DDP's peak without these and 0.6x with them.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         files = _data(work)
