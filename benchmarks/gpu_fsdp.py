@@ -39,7 +39,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp())
     cpu = "--cpu" in sys.argv
     device = torch.device("cpu" if cpu else "cuda:0")
-    model_dir = str(tiny_gpt2.build(work / "gpt2", layers=12, hidden=768, heads=12, dropout=0.0))
+    size = {"layers": 2, "hidden": 64, "heads": 4} if cpu else {"layers": 12, "hidden": 768, "heads": 12}
+    model_dir = str(tiny_gpt2.build(work / "gpt2", dropout=0.0, **size))
+    steps = (4, 6, 2) if cpu else (20, 30, 10)  # first run, resumed run, validation interval
     for name, n, seed in (("train", 1024, 1), ("dev", 128, 2)):
         rows = "".join(json.dumps({"text": t}) + "\n" for t in tiny_gpt2.texts(n, seed))
         (work / f"{name}.jsonl").write_text(rows)
@@ -47,7 +49,7 @@ def main() -> int:
     world = distributed.join(0, 1, store.port, device, store=store)
     tokenizer = load_tokenizer(model_dir)
     data = prepare(DataConfig(str(work / "train.jsonl"), str(work / "dev.jsonl")), tokenizer, 64, None, "causal-lm")
-    cfg = TrainConfig(learning_rate=5e-4, batch_size=32, micro_batch_size=8, max_steps=20, eval_every=10)
+    cfg = TrainConfig(learning_rate=5e-4, batch_size=32, micro_batch_size=8, max_steps=steps[0], eval_every=steps[2])
     cfg = replace(cfg, precision="bf16", sharding="fsdp", devices_per_trial=2, resume_every_minutes=0)
     files = RunFiles(best=work / "out/best", state=work / "out/resume/state.pt", curves=work / "out/tb")
     failures = []
@@ -59,13 +61,13 @@ def main() -> int:
 
     if not cpu:
         torch.cuda.reset_peak_memory_stats()
-    first = run(None, 20)
+    first = run(None, steps[0])
     peak = 1 if cpu else torch.cuda.max_memory_allocated()
     print(f"1. fsdp on one GPU: {first.status} at step {first.steps}, best {first.best_value:.4f}")
-    resumed = run(files.state, 30)
-    says = f"resumed: {resumed.status} at step {resumed.steps} from the sharded state at step 10"
+    resumed = run(files.state, steps[1])
+    says = f"resumed: {resumed.status} at step {resumed.steps} from the sharded state at step {steps[2]}"
     print(says)
-    if resumed.steps != 30 or not (files.state.parent / "shards").exists():
+    if resumed.steps != steps[1] or not (files.state.parent / "shards").exists():
         failures.append(says)
     best = AutoModelForCausalLM.from_pretrained(files.best).to(device)
     meta = json.loads((files.best / "hpsearch.json").read_text())
