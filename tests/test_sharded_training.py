@@ -220,3 +220,22 @@ def test_a_sharded_state_whose_index_names_code_is_refused_unrun(tmp_path: Path)
     with pytest.raises(sharding.UnsafeCheckpoint, match=r"names posix\.system"):
         sharding._SafeReader(folder).read_metadata()
     assert not marker.exists()
+
+
+def test_a_sharded_state_whose_index_names_a_file_outside_its_folder_is_refused(tmp_path: Path) -> None:
+    """The index says which file holds each tensor; a rewritten one could send a rank to read any file."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    index = Metadata(state_dict_metadata={}, storage_data={MetadataIndex("w"): _StorageInfo("../../secret", 0, 8)})
+    (folder / ".metadata").write_bytes(pickle.dumps(index))
+    with pytest.raises(sharding.UnsafeCheckpoint, match="not a file of its folder"):
+        sharding._SafeReader(folder).read_metadata()
+    # The same index naming its own file is read (the restricted unpickler takes the checkpoint's classes).
+    good = Metadata(state_dict_metadata={}, storage_data={MetadataIndex("w"): _StorageInfo("__0_0.distcp", 0, 8)})
+    (folder / ".metadata").write_bytes(pickle.dumps(good))
+    assert sharding._SafeReader(folder).read_metadata().storage_data[MetadataIndex("w")].relative_path == "__0_0.distcp"

@@ -277,6 +277,12 @@ def _reader_class() -> type:
             pickled = [k for k, v in items.items() if isinstance(v, BytesStorageMetadata)]
             if pickled:
                 raise UnsafeCheckpoint(f"the sharded state holds pickled items ({pickled[:3]}): refused")
+            # Every file the index names is a plain file of this folder: no "../", no link out of it.
+            for info in (getattr(metadata, "storage_data", None) or {}).values():
+                name = str(getattr(info, "relative_path", ""))
+                part = self.folder / name
+                if Path(name).name != name or part.is_symlink() or self.folder.is_symlink():
+                    raise UnsafeCheckpoint(f"the sharded state's index names {name!r}, not a file of its folder")
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

@@ -74,7 +74,16 @@ class Trainable:
         """Every rank writes its shards into one new folder, rank 0 the rest (state.pt) and then swaps the folder in:
         a crash of any rank before the swap leaves the previous state whole."""
         target, world = self.files.state.parent, self.world
-        tmp = Path(world.gather(str(ckpt.temp_dir(target)) if world.is_main else None)[0])
+        made: str | None = None
+        if world.is_main:
+            try:
+                made = str(ckpt.temp_dir(target))
+            except OSError as exc:  # said to every rank below: none may wait in the save's collectives
+                made = f"!{exc}"
+        shared = world.gather(made)[0]
+        if shared.startswith("!"):
+            raise ckpt.save_failed(target, OSError(shared[1:]))
+        tmp = Path(shared)
         trained_only = adapters.is_adapter(self.model)
         try:
             groups = sharding.save_shards(self.model, self.optimizer, tmp / sharding.SHARDS, trained_only=trained_only)
