@@ -17,7 +17,9 @@ Arithmetic a reader can check (docs/multi-gpu.md, "The memory plan"):
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -153,8 +155,15 @@ def with_adapter(model: torch.nn.Module, adapter: AdapterConfig, task: str) -> t
 
     from hpsearch.trainer import adapters
 
-    with init_empty_weights():
-        return adapters.attach(model, replace(adapter), task, seed=0)
+    quiet = logging.getLogger(adapters.__name__)
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # its "N trainable parameters" line is a trial's news, not a plan's
+    try:
+        with init_empty_weights(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # peft's and transformers' notes on the architecture, said at each trial
+            return adapters.attach(model, replace(adapter), task, seed=0)
+    finally:
+        quiet.setLevel(level)
 
 
 def _weight_bytes(model: torch.nn.Module, quantization: str) -> dict[int, float]:
