@@ -86,3 +86,29 @@ def test_a_sharded_trial_killed_or_stopped_resumes_from_its_sharded_state(
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
     _assert_recovered(sqlite_url, 1, reason, tmp_path / "runs")
+
+
+def test_a_sharded_lora_search_through_the_cli_saves_an_adapter_folder(
+    tmp_path: Path, tiny_gpt2: Path, lm_files: tuple[Path, Path]
+) -> None:
+    """The worker path of a LoRA trial over 2 sharded ranks: rank 0's adapter on its own copy of the base, the
+    peer's built empty and filled from rank 0's."""
+    from hpsearch.trainer.adapters import load_saved
+
+    spec = tmp_path / "lora.toml"
+    spec.write_text(
+        lm_spec_text(tiny_gpt2, *lm_files, extra_train=FSDP) + '[adapter]\nmethod = "lora"\nr = 4\ndropout = 0.0\n'
+    )
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    result = hpsearch(
+        *("start", "--study", "l", "--config", str(spec), "--storage", url),
+        *("--devices", "cpu:2", "--output-dir", str(tmp_path / "runs")),
+        cwd=tmp_path,
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (trial,) = optuna.load_study(study_name="l", storage=url).trials
+    assert trial.state == TrialState.COMPLETE and trial.user_attrs["sharding"] == "fsdp"
+    best = Path(trial.user_attrs["best_checkpoint"])
+    assert (best / "adapter_config.json").exists() and not (best / "model.safetensors").exists()
+    assert load_saved(best) is not None  # AutoPeftModelForCausalLM
