@@ -32,3 +32,8 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tm
 export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 benchmarks/gpu_check.py "$@" 2>&1 | tee "${OUT:-/tmp}/gpu_check.log"
+# Sharded trials (issue 40), about a minute: the fsdp path on one rank over NCCL, its plan against the measured peak,
+# and the memory plan of a Llama-3-8B full fine-tune against this GPU. HPSEARCH_SKIP_FSDP=1 leaves it out.
+if [ "${HPSEARCH_SKIP_FSDP:-0}" != "1" ]; then
+    python3 benchmarks/gpu_fsdp.py 2>&1 | tee "${OUT:-/tmp}/gpu_fsdp.log"
+fi

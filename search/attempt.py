@@ -80,10 +80,13 @@ def run(w: Worker, trial: optuna.Trial) -> None:
             # First, so the peers prepare their copy while this rank prepares its own.
             spec = w.spec
             resume_from = str(resume) if resume else None
-            job = ranks.TrialJob(trial.number, spec.model, spec.data, cfg, spec.search.metric, files, resume_from)
+            job = ranks.TrialJob(
+                trial.number, spec.model, spec.data, cfg, spec.search.metric, files, resume_from, adapter
+            )
             w.peers.run(job)
         data = w.data
-        model = w.models.trial_model(w.spec.model.name, data.labels, cfg.seed, adapter)
+        # A sharded trial's base turns into shards: it gets its own copy, not the worker's shared one.
+        model = w.models.trial_model(w.spec.model.name, data.labels, cfg.seed, adapter, private=cfg.sharding != "none")
         run = Run(
             model=model,
             tokenizer=w.tokenizer,

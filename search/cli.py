@@ -27,6 +27,7 @@ def _command(module: str, name: str) -> Callable[[argparse.Namespace], int]:
 cmd_start, cmd_worker = _command("cli_run", "start"), _command("cli_run", "worker")
 cmd_status, cmd_best = _command("cli_study", "status"), _command("cli_study", "best")
 cmd_reap, cmd_dashboard = _command("cli_study", "reap"), _command("cli_study", "dashboard")
+cmd_plan = _command("cli_plan", "plan")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,6 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     _worker_args(wk)
     storage_arg(wk)
     wk.set_defaults(func=cmd_worker)
+
+    pl = sub.add_parser("plan", help="the memory a trial needs per device, and what would make it fit")
+    pl.add_argument("--study", required=True, type=study_name)
+    pl.add_argument("--config", metavar="FILE", type=Path, help="study spec (.toml); default: the study's stored one")
+    pl.add_argument("--devices", help="GPU indices (0,1) or cpu:N, as for start; default: this host's")
+    pl.add_argument(
+        "--device-memory", type=float, metavar="GIB", help="plan for devices of this many GiB (not this host's)"
+    )
+    storage_arg(pl)
+    pl.set_defaults(func=cmd_plan)
 
     st = sub.add_parser("status", help="trials by state, best trial, and every worker on every host")
     st.add_argument("--study", required=True)

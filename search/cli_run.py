@@ -16,7 +16,7 @@ from typing import Any
 
 import optuna
 
-from hpsearch.search import devices, stop_signals, study as studies, summary
+from hpsearch.search import devices, plan as plans, stop_signals, study as studies, summary
 from hpsearch.search.cli_study import format_status, study_status
 from hpsearch.search.devices import Device, check_precision
 from hpsearch.search.dispatch import Supervisor
@@ -25,7 +25,7 @@ from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.presets import BUILTIN_DIR, PRESETS, preset_file, resolved, resolved_data
 from hpsearch.search.search_config import MAX_TRIALS
 from hpsearch.search.spec import StudySpec, load_file
-from hpsearch.storage import rundir, trialdir, urls
+from hpsearch.storage import attrs, rundir, trialdir, urls
 from hpsearch.storage.errors import StorageError, StudyNotFoundError
 from hpsearch.storage.open import Storage, check_creatable, open_storage
 from hpsearch.trainer.adapters import check_quantization, check_targets
@@ -60,10 +60,14 @@ def cmd_start(args: argparse.Namespace) -> int:
         with closing(storage):
             _check_study(storage, args.study, spec, study_dir)
     inputs = _check_inputs(spec, args.output_dir, args.study, device_list)
+    # Before anything is paid for: a trial far bigger than a device is refused here (exit 2), nothing written.
+    plan = plans.check(inputs.spec, device_list)
     # Every check passed: only now is anything written (the storage, the study, its folder, the token cache).
     with closing(open_storage(url, create=True)) as storage:
         _check_study(storage, args.study, spec, study_dir)  # again: another host may have made it meanwhile
         study = studies.create_or_resume(storage, args.study, spec)
+        if plan is not None:
+            study.set_user_attr(attrs.MEMORY_PLAN, plan.record())  # `status` shows it
         rundir.claim(study_dir, args.study, studies.ensure_uid(study), storage.display)
     inputs.keep()
     on = ", ".join(d.label for d in device_list)
@@ -89,8 +93,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
         _check_study(storage, args.study, spec, study_dir)
         device_list = devices.group(device_list, spec.train.devices_per_trial, args.devices)
         inputs = _check_inputs(spec, args.output_dir, args.study, device_list)
+        plan = plans.check(inputs.spec, device_list)  # against this host's devices, before its first trial
         storage.prepare()  # tables an older hpsearch did not make (the device-time ledger's), before workers use them
         study = optuna.load_study(study_name=args.study, storage=storage.optuna)
+        if plan is not None:
+            study.set_user_attr(attrs.MEMORY_PLAN, plan.record())
         rundir.claim(study_dir, args.study, studies.ensure_uid(study), storage.display)
     inputs.keep()
     return _run_and_report(args, url, device_list, spec)

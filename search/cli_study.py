@@ -93,6 +93,8 @@ def study_status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
         study = optuna.load_study(study_name=name, storage=storage.optuna)
         s = summary.status(study, spec, budget.n_trials(study, spec), storage.display)
         s["uid"] = study.user_attrs.get(attrs.UID)  # whose checkpoint folder is whose
+        plan = study.user_attrs.get(attrs.MEMORY_PLAN)
+        s["memory_plan"] = plan.get("line") if isinstance(plan, dict) else None
         if not best_only:
             s.update(summary.workers(storage.db, name))
             summary.mark_stale(s, liveness.stale_trials(storage.db, name))

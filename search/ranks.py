@@ -26,7 +26,7 @@ from hpsearch.search import cli
 from hpsearch.search.devices import only_gpu, torch_device
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.trial_attrs import NullReporter
-from hpsearch.trainer.config import DataConfig, ModelConfig, TrainConfig
+from hpsearch.trainer.config import AdapterConfig, DataConfig, ModelConfig, TrainConfig
 
 if TYPE_CHECKING:
     from hpsearch.trainer.checkpoint import RunFiles
@@ -48,6 +48,7 @@ class TrialJob:
     metric: str
     files: RunFiles
     resume_from: str | None
+    adapter: AdapterConfig | None = None  # a LoRA trial (sharded: every rank holds part of the frozen base)
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
     threading.Thread(target=exit_with_parent, name="hpsearch-parent-watch", daemon=True).start()
     import torch
 
-    from hpsearch.trainer import distributed
+    from hpsearch.trainer import distributed, sharding
     from hpsearch.trainer.encoding import prepare
     from hpsearch.trainer.loop import Run, fit
     from hpsearch.trainer.model import PretrainedCache, load_tokenizer
@@ -176,8 +177,13 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
             loaded, tokenizer = job.model.name, load_tokenizer(job.model.name)
             cache = Path(args.output_dir) / "token-cache"  # rank 0 tokenised already: a cache hit
             data = prepare(job.data, tokenizer, job.model.max_length, cache, task=job.model.task)
+        if job.cfg.sharding == "fsdp":
+            # Built empty: its shards come from rank 0's model, so this host holds the model once, not N times.
+            model = sharding.empty_model(job.model.name, data.labels, job.adapter)
+        else:
+            model = models.trial_model(job.model.name, data.labels, job.cfg.seed, job.adapter)
         run = Run(
-            model=models.trial_model(job.model.name, data.labels, job.cfg.seed),
+            model=model,
             tokenizer=tokenizer,
             data=data,
             cfg=job.cfg,
@@ -189,6 +195,8 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
         )
         try:
             result = fit(run, NullReporter())
+            if job.cfg.sharding == "none":
+                models.release(run.model)
         except Exception:
             # A collective fails at once when rank 0 dies: give that death (the news) a moment to show, not this error.
             time.sleep(1.0)

@@ -34,7 +34,10 @@ from hpsearch.trainer.config import AdapterConfig, ConfigError, DataConfig, Mode
 
 # Values that may change between runs of one study: raising the budget is not a new study.
 BUDGET_KEYS = ("n_trials", "timeout_minutes", "gpu_hours", "keep_top_k", "max_disk_gb")
-UNSEARCHABLE = {"devices_per_trial": "the workers' device groups are fixed when they start; set it in [train]"}
+UNSEARCHABLE = {
+    "devices_per_trial": "the workers' device groups are fixed when they start; set it in [train]",
+    "sharding": "it decides how a worker's device group holds the model, fixed when it starts; set it in [train]",
+}
 LORA_LEARNING_RATE = 5e-4
 """train.learning_rate of a LoRA spec that gives none, 10x the full fine-tune's default (5e-5): docs/decisions.md,
 "LoRA trains at 10x the full fine-tune's learning rate by default"."""
@@ -172,10 +175,18 @@ class StudySpec:
                 f'model.quantization: {self.model.quantization!r} needs [adapter] method = "lora" (QLoRA: a '
                 'quantized base cannot be fine-tuned in full); set it, or quantization = "none"'
             )
-        if (self.adapter.enabled or method_searched) and self.train.devices_per_trial > 1:
+        if self.model.quantization != "none" and self.train.sharding != "none":
+            # bitsandbytes#1945, accelerate#3983: FSDP2 shards the packed 4-bit bytes as if they were weights.
+            raise SpecError(
+                f'train.sharding: "fsdp" with model.quantization = {self.model.quantization!r} (QLoRA) is refused: '
+                'sharding quantized weights corrupts them today; use quantization = "none" with LoRA and fsdp'
+            )
+        sharded = self.train.sharding != "none"
+        if (self.adapter.enabled or method_searched) and self.train.devices_per_trial > 1 and not sharded:
             raise SpecError(
                 f"train.devices_per_trial: {self.train.devices_per_trial} is not supported with [adapter] yet; "
-                "set it to 1 (an adapter trial fits one device far more often than a full fine-tune)"
+                "set it to 1 (an adapter trial fits one device far more often than a full fine-tune), or shard the "
+                'frozen base with sharding = "fsdp"'
             )
         searched = [n for n in self.space if n.startswith(ADAPTER_PREFIX)]
         if searched and not (self.adapter.enabled or method_searched):

@@ -183,6 +183,8 @@ def format_status(s: dict[str, Any]) -> str:
         f"trials: {s['finished']}/{s['n_trials']} finished  complete {st['complete']}  pruned {st['pruned']}  "
         f"failed {st['fail']}  running {st['running']}  waiting {st['waiting']}",
     ]
+    if s.get("memory_plan"):
+        lines.append(s["memory_plan"])
     if s.get("stale_trials"):
         numbers = ", ".join(map(str, s["stale_trials"]))
         lines.append(

@@ -9,6 +9,7 @@ SPEC = "hpsearch_spec"  # the study's spec as a dict: what every worker trains
 N_TRIALS = "hpsearch_n_trials"  # the trial budget, as `start --n-trials` last set it
 DEADLINE = "hpsearch_deadline"  # database-clock time (s) after which no new trial starts, or None
 UID = "hpsearch_uid"  # a random id per study, also in its folder's marker (rundir.py): whose folder is whose
+MEMORY_PLAN = "hpsearch_memory_plan"  # the memory plan of the last start/worker (search/plan.py): its line and terms
 SPEC_TABLE = "spec: "  # + a spec table's name ("search.space"): that table in one line, for the dashboard
 
 # -- a trial's, written by the worker that runs it (search/worker.py)

@@ -39,16 +39,43 @@ class CheckpointError(OSError):
         self.reason = reason
 
 
-def save_best(model: torch.nn.Module, tokenizer: Any, target: Path, meta: dict[str, Any]) -> Path:
-    """Save model + tokenizer to ``target``, loadable with ``from_pretrained``; replaces the previous best."""
+def save_best(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    target: Path,
+    meta: dict[str, Any],
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Save model + tokenizer to ``target``, loadable with ``from_pretrained``; replaces the previous best.
+    ``state_dict``: the weights to write, when the model's own are shards (trainer/sharding.py ``full_state``)."""
 
     def write(tmp: Path) -> None:
-        unwrap(model).save_pretrained(tmp, safe_serialization=True)
+        plain = unwrap(model)
+        if state_dict is None:
+            plain.save_pretrained(tmp, safe_serialization=True)
+        else:
+            plain.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+            _name_unsharded_class(plain, tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
 
     _atomic_dir(target, write)
     return target
+
+
+def _name_unsharded_class(model: torch.nn.Module, folder: Path) -> None:
+    """FSDP2 gives a sharded module a class of its own (FSDPGPT2LMHeadModel, a subclass of FSDPModule and the
+    model's class), and transformers records the class name in config.json's ``architectures``: write the model's
+    real class there, as an unsharded save would."""
+    from torch.distributed.fsdp import FSDPModule
+
+    config = folder / "config.json"
+    if not config.exists():  # an adapter folder: adapter_config.json names its base by path
+        return
+    real = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    values = json.loads(config.read_text())
+    values["architectures"] = [real.__name__]
+    config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
 
 
 def best_meta(best: Path) -> dict[str, Any] | None:
@@ -60,9 +87,14 @@ def best_meta(best: Path) -> dict[str, Any] | None:
     return meta if isinstance(meta, dict) else None
 
 
-def save_resume(path: Path, state: dict[str, Any]) -> Path:
+def save_resume(path: Path, state: dict[str, Any], *, atomic: bool = True) -> Path:
+    """The state (and this process's RNG) to ``path``, its folder swapped in whole; ``atomic=False``: into a
+    folder the caller swaps in itself (a sharded state's, which every rank writes into)."""
     state = {**state, "rng": rng_state()}
-    _atomic_dir(path.parent, lambda tmp: torch.save(state, tmp / path.name))
+    if atomic:
+        _atomic_dir(path.parent, lambda tmp: torch.save(state, tmp / path.name))
+    else:
+        torch.save(state, path)
     return path
 
 
@@ -89,19 +121,34 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def _atomic_dir(target: Path, write: Callable[[Path], object]) -> None:
     """Write into a sibling temp folder, then swap it in: a crash never leaves half a checkpoint."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = temp_dir(target)
     try:
-        tmp.mkdir()
         write(tmp)
-        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-        if target.exists():
-            os.replace(target, old)
-        os.replace(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
+        swap_in(tmp, target)
     except Exception as exc:  # SafetensorError is neither an OSError nor a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
-        # torch.save reports a full disk as a RuntimeError from its zip writer ("file write failed").
-        full = is_disk_full(exc) or (isinstance(exc, RuntimeError) and "file write failed" in str(exc))
-        reason = FailReason.DISK_FULL if full else FailReason.CHECKPOINT_ERROR
-        raise CheckpointError(f"cannot save checkpoint {target}: {exc}", reason) from exc
+        raise save_failed(target, exc) from exc
+
+
+def temp_dir(target: Path) -> Path:
+    """A new, empty sibling of ``target`` to write a checkpoint into (the ranks of a sharded trial share one)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def swap_in(tmp: Path, target: Path) -> None:
+    """Replace ``target`` with the complete ``tmp``: two renames, so a reader sees the old folder or the new one."""
+    old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+    if target.exists():
+        os.replace(target, old)
+    os.replace(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_failed(target: Path, exc: BaseException) -> CheckpointError:
+    # torch.save reports a full disk as a RuntimeError from its zip writer ("file write failed").
+    full = is_disk_full(exc) or (isinstance(exc, RuntimeError) and "file write failed" in str(exc))
+    reason = FailReason.DISK_FULL if full else FailReason.CHECKPOINT_ERROR
+    return CheckpointError(f"cannot save checkpoint {target}: {exc}", reason)

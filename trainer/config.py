@@ -16,6 +16,7 @@ PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 TASKS = ("classification", "causal-lm")
 QUANTIZATIONS = ("none", "4bit", "8bit")
 ADAPTER_METHODS = ("none", "lora")
+SHARDINGS = ("none", "fsdp")
 
 
 MAX_STEPS = 10**9
@@ -130,6 +131,10 @@ class TrainConfig:
     devices_per_trial: int = 1
     """Devices of one host that train one trial together, data-parallel (DDP); the workers
     of a host get the devices in groups of this size."""
+    sharding: Literal["none", "fsdp"] = "none"
+    """none: every device of a trial holds the whole model, its gradients and optimizer state (data parallel).
+    fsdp: they are sharded over the trial's devices (FSDP2), each holding about 1/devices_per_trial of them: for a
+    model that does not fit one device (docs/multi-gpu.md). Needs devices_per_trial >= 2; not searchable."""
     resume_every_minutes: float = 5.0
     """Minimum minutes between resumable checkpoints (model + optimizer state, written at a
     validation point; 0 = at every validation point). A crash loses at most this much work;
@@ -153,6 +158,9 @@ class TrainConfig:
         rule(self.batch_size >= 1, "batch_size", "must be >= 1")
         rule(1 <= self.devices_per_trial <= 64, "devices_per_trial", "must be between 1 and 64")
         n = self.devices_per_trial
+        rule(self.sharding in SHARDINGS, "sharding", f"must be one of {', '.join(SHARDINGS)}")
+        # One device has nothing to share the model with: fsdp there is a mistake, not a no-op to allow.
+        rule(self.sharding == "none" or n >= 2, "sharding", f"needs devices_per_trial >= 2 (it is {n})")
         if self.micro_batch_size == "auto":
             rule(self.batch_size % n == 0, "batch_size", f"must be divisible by devices_per_trial ({n})")
         else:

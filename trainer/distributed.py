@@ -33,7 +33,10 @@ class World:
         return self.rank == 0
 
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-        if self.size == 1:
+        """DDP around ``model``; a sharded model (trainer/sharding.py) is its own wrapper already."""
+        from hpsearch.trainer.sharding import is_sharded
+
+        if self.size == 1 or is_sharded(model):
             return model
         from torch.nn.parallel import DistributedDataParallel
 
@@ -41,8 +44,12 @@ class World:
         return DistributedDataParallel(model, device_ids=ids)
 
     def no_sync(self, model: torch.nn.Module, is_accumulating: bool) -> contextlib.AbstractContextManager[Any]:
-        """DDP all-reduces the gradients in every backward pass: while a step accumulates, only its last one syncs."""
-        if self.size == 1 or not is_accumulating:
+        """DDP all-reduces the gradients in every backward pass: while a step accumulates, only its last one syncs.
+        FSDP reduce-scatters every micro-batch's gradients: each rank keeps only its shard of the step's sum, where
+        skipping the sync would hold every block's full gradients until the step's end (docs/decisions.md)."""
+        from hpsearch.trainer.sharding import is_sharded
+
+        if self.size == 1 or not is_accumulating or is_sharded(model):
             return contextlib.nullcontext()
         sync: contextlib.AbstractContextManager[Any] = model.no_sync()  # type: ignore[operator]
         return sync

@@ -12,6 +12,7 @@ import torch
 from hpsearch.trainer import precision as prec, tasks
 from hpsearch.trainer.batching import CAUSAL_LM, Encoded, collate, eval_batches
 from hpsearch.trainer.distributed import World
+from hpsearch.trainer.sharding import is_sharded
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,18 @@ def evaluate(
     model.eval()
     # One vector of sums (loss, targets, then the confusion matrix): one all-reduce for all.
     sums = torch.zeros(2 + num_labels * num_labels, device=device, dtype=torch.float64)
-    for indices in eval_batches(data.lengths, batch_size)[world.rank :: world.size]:
+    batches = eval_batches(data.lengths, batch_size)
+    mine = batches[world.rank :: world.size]
+    # A sharded model's forward gathers each block from every rank: all ranks must run as many passes, and one
+    # short of a batch runs a spare pass whose result it drops.
+    passes = -(-len(batches) // world.size) if is_sharded(model) else len(mine)
+    for i in range(passes):
+        indices = mine[i] if i < len(mine) else batches[0]
         batch = {k: v.to(device, non_blocking=True) for k, v in collate(data, indices, pad_id).items()}
         with prec.autocast(precision, device):
             logits = tasks.logits(model, batch, data.task)
+        if i >= len(mine):
+            continue
         sums[0] += tasks.loss_sum(logits, batch["labels"], data.task).double()
         sums[1] += data.targets(indices)
         if data.task != CAUSAL_LM:

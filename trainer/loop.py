@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hpsearch.trainer import adapters, attention, checkpoint as ckpt, precision as prec
+from hpsearch.trainer import adapters, attention, checkpoint as ckpt, precision as prec, sharding
 from hpsearch.trainer.batching import Batches
 from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.curves import Curves
@@ -114,8 +114,7 @@ def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResu
         log.warning("train loss is %s at step %d: pruning", train_loss, state.step)
         return TrainResult(Status.PRUNED, fail_reason=FailReason.NAN_LOSS)
     if stopping:
-        if world.is_main:
-            _save_state(loop, state)
+        _save_state(loop, state)  # every rank: a sharded state is written by all of them
         return TrainResult(Status.INTERRUPTED)
     metrics = validate(loop.compiled, run.data, state.micro * 2, run.device, loop.precision, world)
     if metrics is None:
@@ -124,19 +123,19 @@ def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResu
     point = Point(metrics.objective(run.metric), metrics.loss, state.step)
     shown = " ".join(f"val_{k} {v:.4f}" for k, v in metrics.values().items())
     log.info("step %d/%d train_loss %.4f %s", state.step, loop.total_steps, train_loss, shown)
-    if point.beats(state.best, run.metric):
+    if point.beats(state.best, run.metric):  # the same answer on every rank: the metrics are summed over them
         state.best = point
+        _save_best(loop, metrics, state.step)
+    # The resumable state (weights and optimizer moments, ~3x the model) is costly to write: it is
+    # refreshed at most every resume_every_minutes, by rank 0's clock.
+    due = time.monotonic() - loop.last_resume >= run.cfg.resume_every_minutes * 60
+    if world.from_main(state.step < loop.total_steps and due):
+        path = _save_state(loop, state)
+        loop.last_resume = time.monotonic()
         if world.is_main:
-            path = ckpt.save_best(run.model, run.tokenizer, run.files.best, _meta(run, metrics, state.step))
-            loop.reporter.best_saved(path.resolve(), state.step, metrics.values())
-    if world.is_main:
-        # The resumable state (weights and optimizer moments, ~3x the model) is costly to write: it is
-        # refreshed at most every resume_every_minutes.
-        due = time.monotonic() - loop.last_resume >= run.cfg.resume_every_minutes * 60
-        if state.step < loop.total_steps and due:
             # Recorded so that a retry on another worker can find it (see search/reap.py).
-            loop.reporter.state_saved(_save_state(loop, state).resolve())
-            loop.last_resume = time.monotonic()
+            loop.reporter.state_saved(path.resolve())
+    if world.is_main:
         loop.reporter.report(point.value, state.step, metrics)
     # Only rank 0 talks to the search; its answer is every rank's.
     if world.from_main(world.is_main and loop.reporter.should_prune()):
@@ -152,20 +151,28 @@ def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
     precision = prec.resolve(cfg.precision, device)
     # Ranks draw different dropout masks; their weights are equal anyway (DDP starts from rank 0's).
     torch.manual_seed(cfg.seed + world.rank)
-    if not getattr(run.model, "is_quantized", False):
-        # A quantized (QLoRA) base was put on its GPU by bitsandbytes as it loaded, and cannot be moved.
+    # Sharded wherever there is a process group to shard over (one rank of one: the GPU check's path).
+    sharded = cfg.sharding == "fsdp" and torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not getattr(run.model, "is_quantized", False) and not sharded:
+        # A quantized (QLoRA) base was put on its GPU by bitsandbytes as it loaded, and cannot be moved. A sharded
+        # model reaches its device as it is sharded, block by block: never whole.
         run.model.to(device)
     run.model.train()
     attention.use_fast_attention(run.model, device, precision)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(run.model)
+    if sharded:
+        # In place, before the optimizer is made: its moments are then shard-sized too.
+        blocks = sharding.shard_from_first(run.model, precision, device, world)
+        log.info("sharded over %d ranks: %d blocks and the root", world.size, blocks)
     # The optimizer and checkpoints hold the plain module; only the forward pass is compiled.
     compiled = compile_model(run.model) if cfg.compile else run.model
     micro = cfg.batch_size // world.size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
     total_steps, steps_per_epoch = plan_steps(len(run.data.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
     optimizer = build_optimizer(run.model, cfg, device)
-    scheduler, scaler = build_scheduler(optimizer, cfg, total_steps), prec.grad_scaler(precision, device)
-    parts = Trainable(run.model, optimizer, scheduler, scaler, run.files, vars(cfg))
+    scaler = sharding.grad_scaler(precision, device) if sharded else prec.grad_scaler(precision, device)
+    scheduler = build_scheduler(optimizer, cfg, total_steps)
+    parts = Trainable(run.model, optimizer, scheduler, scaler, run.files, vars(cfg), world)
     state = parts.restore(run.resume_from, run.metric, micro)
     if state.resumed_from is not None and world.is_main:
         reporter.resumed(state.resumed_from)
@@ -173,15 +180,38 @@ def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
             reporter.best_saved(run.files.best.resolve(), state.best.step, state.best_values)
     batches = Batches(run.data, cfg, state.micro, world, steps_per_epoch)
     loop = Loop(run, world.wrap(compiled, device), compiled, parts, precision, total_steps, batches)
-    loop.reporter = StateSavingReporter(reporter, lambda: _save_state(loop, state), run.should_stop, run.stop_waiting)
+    loop.reporter = StateSavingReporter(
+        reporter, lambda: _state_for_reporter(loop, state), run.should_stop, run.stop_waiting
+    )
     return loop, state
 
 
 def _save_state(loop: Loop, state: TrainState) -> Path:
-    """The resumable state of the step reached, written once per step."""
+    """The resumable state of the step reached, written once per step (every rank calls it)."""
     if loop.saved is None or loop.saved[0] != state.step:
         loop.saved = (state.step, loop.parts.save(state))
     return loop.saved[1]
+
+
+def _state_for_reporter(loop: Loop, state: TrainState) -> Path:
+    """What rank 0's reporter saves when the search cannot be reached. A sharded state needs every rank, and the
+    others are not there to help: the retry resumes from the last one written (every resume_every_minutes)."""
+    if loop.parts.sharded:
+        log.warning("the search is unreachable: a sharded trial resumes from its last resumable state")
+        return loop.saved[1] if loop.saved else loop.run.files.state
+    return _save_state(loop, state)
+
+
+def _save_best(loop: Loop, metrics: Metrics, step: int) -> None:
+    """Save the best model (rank 0), from weights gathered off every rank when they are sharded."""
+    run = loop.run
+    weights = None
+    if loop.parts.sharded:
+        # A collective: every rank sends its shards; they reach rank 0's host memory one block at a time.
+        weights = sharding.full_state(run.model, trained_only=adapters.is_adapter(run.model))
+    if run.world.is_main:
+        path = ckpt.save_best(run.model, run.tokenizer, run.files.best, _meta(run, metrics, step), weights)
+        loop.reporter.best_saved(path.resolve(), step, metrics.values())
 
 
 def _finish(loop: Loop, state: TrainState, result: TrainResult, first_step: float | None) -> TrainResult:
@@ -192,6 +222,7 @@ def _finish(loop: Loop, state: TrainState, result: TrainResult, first_step: floa
     if state.best is not None:
         result.best_value, result.best_step = state.best.value, state.best.step
     digests = _rank_digests(world, loop.speed, run.model)
+    held = _held_mb(loop)
     result.figures = Figures(
         loop.speed.speed(),
         loop.precision,
@@ -200,8 +231,10 @@ def _finish(loop: Loop, state: TrainState, result: TrainResult, first_step: floa
         run.cfg.compile,
         adapters.trainable_parameters(run.model),
         None if first_step is None else round(first_step, 3),
-        world.size if digests else None,
+        world.size if world.size > 1 else None,
         digests,
+        "fsdp" if loop.parts.sharded else None,
+        held,
     )
     if world.is_main:
         loop.reporter.measured(result.figures)
@@ -211,15 +244,29 @@ def _finish(loop: Loop, state: TrainState, result: TrainResult, first_step: floa
     return result
 
 
+def _held_mb(loop: Loop) -> list[float] | None:
+    """With several ranks, the parameters and optimizer state each rank held at the end, measured from its
+    tensors (a sharded rank's: its shards)."""
+    if loop.run.world.size == 1:
+        return None
+    held = sharding.held_bytes(loop.parts.model, loop.parts.optimizer)
+    log.info("rank %d holds %s", loop.run.world.rank, ", ".join(f"{k} {v / 2**20:.1f} MB" for k, v in held.items()))
+    mine = (held["parameters"] + held["optimizer"]) / 2**20
+    return [round(mb, 3) for mb in loop.run.world.gather(mine)]
+
+
 def _rank_digests(world: World, speed: Throughput, model: torch.nn.Module) -> list[str] | None:
     """With several ranks, each rank's parameter digest (equal: data parallelism kept the ranks'
-    parameters identical), and ``speed`` summed over every rank."""
+    parameters identical; None for sharded ranks, which hold different parts), and ``speed`` summed
+    over every rank."""
     if world.size == 1:
         return None
-    digest = parameter_digest(model)
+    digest = "" if sharding.is_sharded(model) else parameter_digest(model)
     counts = world.gather((speed.examples, speed.tokens, speed.padded, digest))
     speed.examples, speed.tokens, speed.padded = (sum(c[k] for c in counts) for k in range(3))
     digests = [c[3] for c in counts]
+    if not digest:
+        return None
     log.info("rank %d of %d: parameter digest %s", world.rank, world.size, digest)
     if len(set(digests)) > 1:
         log.error("the ranks' parameters differ (digests %s)", digests)

@@ -202,17 +202,24 @@ class PretrainedCache:
         _new_head(model, id2label, seed)
         return model
 
-    def trial_model(self, name: str, labels: Any, seed: int, adapter: AdapterConfig | None = None) -> torch.nn.Module:
+    def trial_model(
+        self, name: str, labels: Any, seed: int, adapter: AdapterConfig | None = None, *, private: bool = False
+    ) -> torch.nn.Module:
         """A fresh model for one trial: a classifier for ``labels`` (a LabelMap), or a causal LM
         when there are none; with an enabled ``adapter``, that adapter on the shared base
-        (hand it back with :meth:`release`)."""
+        (hand it back with :meth:`release`), or with ``private`` on a copy of it: a sharded trial
+        replaces the base's weights by its shards, which no later trial could use."""
         if adapter is not None and adapter.enabled:
             from hpsearch.trainer import adapters
 
             base = self._base(name, labels.num_labels if labels is not None else 0)
+            if private:
+                base = copy.deepcopy(base)
             if labels is not None:
                 _new_head(base, labels.id2label(), seed)  # peft's trainable head is a copy of this one
-            return adapters.attach(base, adapter, "causal-lm" if labels is None else "classification", seed)
+            model = adapters.attach(base, adapter, "causal-lm" if labels is None else "classification", seed)
+            model.hpsearch_private = private  # release() leaves a private copy alone
+            return model
         if labels is None:
             return self.fresh_causal_lm(name)
         return self.fresh(name, labels.num_labels, labels.id2label(), seed)
@@ -221,7 +228,7 @@ class PretrainedCache:
         """After a trial: take an adapter off the shared base (a full fine-tune's copy is just dropped)."""
         from hpsearch.trainer import adapters
 
-        if adapters.is_adapter(model):
+        if adapters.is_adapter(model) and not getattr(model, "hpsearch_private", False):
             adapters.detach(model)
 
     def fresh_causal_lm(self, name: str) -> torch.nn.Module:

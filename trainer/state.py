@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hpsearch.trainer import adapters, checkpoint as ckpt
+from hpsearch.trainer import adapters, checkpoint as ckpt, sharding
+from hpsearch.trainer.distributed import World
 from hpsearch.trainer.evaluate import Point
 
 log = logging.getLogger(__name__)
@@ -37,23 +39,62 @@ class Trainable:
     scaler: Any
     files: ckpt.RunFiles
     config: dict[str, Any]
+    world: World = field(default_factory=World)
+
+    @property
+    def sharded(self) -> bool:
+        return sharding.is_sharded(self.model)
 
     def save(self, state: TrainState) -> Path:
+        """Write the resumable state (rank 0; a sharded model's every rank, each its own part) and return its path."""
+        if self.sharded:
+            return self._save_sharded(state)
+        if not self.world.is_main:  # data parallel: the ranks' states are equal, rank 0's is written
+            return self.files.state
         # The plain module: no DDP / compile prefixes. Of an adapter, only what it trains.
         model = adapters.trainable_state(self.model) if adapters.is_adapter(self.model) else self.model.state_dict()
         return ckpt.save_resume(
             self.files.state,
-            {
-                "model": model,
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict(),
-                "step": state.step,
-                "best_step": state.best.step if state.best else None,
-                "config": self.config,
-                "micro_batch_size": state.micro,
-            },
+            {"model": model, "optimizer": self.optimizer.state_dict(), **self._plain(state)},
         )
+
+    def _plain(self, state: TrainState) -> dict[str, Any]:
+        """Everything of the state but the weights and optimizer moments."""
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": state.step,
+            "best_step": state.best.step if state.best else None,
+            "config": self.config,
+            "micro_batch_size": state.micro,
+        }
+
+    def _save_sharded(self, state: TrainState) -> Path:
+        """Every rank writes its shards into one new folder, rank 0 the rest (state.pt) and then swaps the folder in:
+        a crash of any rank before the swap leaves the previous state whole."""
+        target, world = self.files.state.parent, self.world
+        made: str | None = None
+        if world.is_main:
+            try:
+                made = str(ckpt.temp_dir(target))
+            except OSError as exc:  # said to every rank below: none may wait in the save's collectives
+                made = f"!{exc}"
+        shared = world.gather(made)[0]
+        if shared.startswith("!"):
+            raise ckpt.save_failed(target, OSError(shared[1:]))
+        tmp = Path(shared)
+        trained_only = adapters.is_adapter(self.model)
+        try:
+            groups = sharding.save_shards(self.model, self.optimizer, tmp / sharding.SHARDS, trained_only=trained_only)
+            if world.is_main:
+                rest = {**self._plain(state), "optimizer_groups": groups, "sharded": world.size}
+                ckpt.save_resume(tmp / self.files.state.name, rest, atomic=False)
+                ckpt.swap_in(tmp, target)
+        except Exception as exc:
+            if world.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise ckpt.save_failed(target, exc) from exc
+        return self.files.state
 
     def restore(self, path: Path | None, metric: str, micro: int) -> TrainState:
         """The state to start from: ``path``'s, or a fresh one where there is none (or it is unreadable)."""
@@ -61,14 +102,26 @@ class Trainable:
             return TrainState(micro=micro)
         try:
             saved = ckpt.load_resume(path)
+            readable = self.sharded == ("sharded" in saved) and saved.get("sharded", self.world.size) == self.world.size
         except Exception as exc:  # truncated zip, refused types, missing file: must not cost the trial
-            log.warning("cannot read the resumable state %s (%s); training from the start", path, exc)
+            log.warning("cannot read the resumable state %s (%s)", path, exc)
+            readable = False
+        # A sharded state is loaded by every rank together: they all load it, or none does.
+        if self.sharded and not all(self.world.gather(readable)):
+            readable = False
+        if not readable:
+            log.warning("the resumable state %s is not usable here; training from the start", path)
             return TrainState(micro=micro)
-        if adapters.is_adapter(self.model):
+        if self.sharded:
+            shards, trained_only = path.parent / sharding.SHARDS, adapters.is_adapter(self.model)
+            groups = saved["optimizer_groups"]
+            sharding.load_shards(self.model, self.optimizer, shards, groups, trained_only=trained_only)
+        elif adapters.is_adapter(self.model):
             adapters.load_trainable(self.model, saved["model"])
+            self.optimizer.load_state_dict(saved["optimizer"])
         else:
             self.model.load_state_dict(saved["model"])
-        self.optimizer.load_state_dict(saved["optimizer"])
+            self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.scaler.load_state_dict(saved["scaler"])
         ckpt.set_rng_state(saved["rng"])

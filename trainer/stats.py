@@ -136,6 +136,8 @@ class Figures:
     first_step_seconds: float | None = None  # how long the trial took to get going (model copy, data, resume)
     devices: int | None = None  # data-parallel ranks, when more than one
     rank_parameter_digests: list[str] | None = None  # equal digests: the ranks' parameters stayed identical
+    sharding: str | None = None  # "fsdp" for a sharded trial (its ranks hold different parts: no digests)
+    rank_held_mb: list[float] | None = None  # several ranks: parameters + optimizer state each held (its shards)
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -1,0 +1,38 @@
+"""`hpsearch plan`: the memory plan of a spec (a file, or a study's stored one), printed with what each change
+would need per device. Reads config.json only: a model too big for this host can be planned here."""
+
+from __future__ import annotations
+
+import argparse
+from contextlib import closing
+from pathlib import Path
+
+from hpsearch.search import devices, plan as plans, study as studies
+from hpsearch.search.errors import UsageError
+from hpsearch.search.presets import resolved
+from hpsearch.search.spec import StudySpec, load_file
+from hpsearch.storage import urls
+from hpsearch.storage.open import open_storage
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    if args.device_memory is not None and not 0 < args.device_memory < 2**20:
+        raise UsageError(f"--device-memory {args.device_memory:g}: must be a number of GiB > 0")
+    spec = resolved(_spec(args), Path("hpsearch-runs"))  # a builtin:// model is built there, as start would
+    device_list = devices.group(devices.parse(args.devices), spec.train.devices_per_trial, args.devices)
+    memory = int(args.device_memory * 2**30) if args.device_memory is not None else None
+    plan = plans.make(spec, device_list, memory, every_fix=True)
+    print(plan.line())
+    heads = ("weights", "gradients", "optimizer", "gathered", "activations", "total")
+    print(f"  {'per device':<44}" + "".join(f"{h:>12}" for h in heads))
+    for change, e in [("as specified", plan.estimate), *plan.alternatives]:
+        cells = (e.weights, e.gradients, e.optimizer, e.gathered, e.activations, e.total)
+        print(f"  {change:<44}" + "".join(f"{plans.gib(b):>12}" for b in cells))
+    return 0
+
+
+def _spec(args: argparse.Namespace) -> StudySpec:
+    if args.config is not None:
+        return load_file(args.config)
+    with closing(open_storage(urls.resolve(args.storage), create=False, read_only=True)) as storage:
+        return studies.stored_spec(storage, args.study)

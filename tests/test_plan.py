@@ -1,0 +1,117 @@
+"""The memory plan: its terms are what the tiny models really allocate; `start` refuses a plan far over the
+device's memory (set low through the tests' override) before anything is written; `hpsearch plan` prints it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpsearch.search import plan as plans
+from hpsearch.search.devices import Device
+from hpsearch.search.spec import StudySpec, tomllib
+from hpsearch.trainer import memory, sharding
+from hpsearch.trainer.config import AdapterConfig
+from hpsearch.trainer.model import PretrainedCache
+from tests.conftest import Cli, assert_refused, spec_text
+
+LORA = AdapterConfig(method="lora", r=4)
+
+
+def _real(model_dir: Path, adapter: AdapterConfig | None, task: str) -> dict[str, int]:
+    """What one training step really allocates: parameters, gradients (before zero_grad) and AdamW moments."""
+    labels = None
+    if task == "classification":
+        from hpsearch.trainer.labels import LabelMap
+
+        labels = LabelMap(("negative", "positive"), numeric=False)
+    model = PretrainedCache().trial_model(str(model_dir), labels, 0, adapter, private=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    ids = torch.tensor([[5, 6, 7]])
+    kwargs = {"labels": ids} if task == "causal-lm" else {"labels": torch.tensor([1])}
+    model(input_ids=ids, **kwargs).loss.backward()
+    optimizer.step()
+    return sharding.held_bytes(model, optimizer)
+
+
+@pytest.mark.parametrize("adapter", [None, LORA], ids=["full", "lora"])
+@pytest.mark.parametrize("task", ["causal-lm", "classification"])
+def test_the_plans_terms_are_what_a_tiny_model_allocates(
+    tiny_gpt2: Path, tiny_model: Path, adapter: AdapterConfig | None, task: str
+) -> None:
+    model_dir = tiny_gpt2 if task == "causal-lm" else tiny_model
+    meta, shape = memory.meta_model(str(model_dir), task)
+    assert next(meta.parameters()).device.type == "meta", "no weights read"
+    if adapter is not None:
+        meta = memory.with_adapter(meta, adapter, task)
+    est = memory.estimate(meta, shape, memory.Setup("fp32", micro_batch=4, length=32))
+    real = _real(model_dir, adapter, task)
+    assert (est.weights, est.gradients, est.optimizer) == (real["parameters"], real["gradients"], real["optimizer"])
+    # fsdp over 2: each of the three halves (up to FSDP's padding of a dimension to an even size).
+    half = memory.estimate(meta, shape, memory.Setup("fp32", 4, 32, sharding="fsdp", devices=2))
+    assert half.weights == -(-est.weights // 2) and half.optimizer == -(-est.optimizer // 2)
+    assert half.gathered > 0 and half.activations == est.activations
+
+
+def test_start_refuses_a_plan_far_over_the_devices_memory_before_writing_anything(
+    cli: Cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = tmp_path / "s.toml"
+    spec.write_text(spec_text(tiny_model, *demo_files))
+    need = plans.make(StudySpec.from_dict(tomllib.loads(spec.read_text())), [Device("cpu", 0)], 10**12).estimate
+    # Half of what a trial needs: LoRA (most of the tiny model is its embeddings, frozen then) does not fit
+    # either; a micro-batch of 1 does.
+    monkeypatch.setenv(plans.DEVICE_MEMORY_ENV, str(need.total / 2 / 2**20))
+    line = assert_refused(cli, spec, tmp_path, "memory plan: ")
+    assert "more than cpu:0's" in line and "would fit: micro_batch_size = " in line, line
+    assert not (tmp_path / "hpsearch-runs").exists()
+
+
+def test_a_close_plan_is_a_warning(
+    tiny_model: Path, demo_files: tuple[Path, Path], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = StudySpec.from_dict(tomllib.loads(spec_text(tiny_model, *demo_files)))
+    need = plans.make(spec, [Device("cpu", 0)], 10**12).estimate.total
+    monkeypatch.setenv(plans.DEVICE_MEMORY_ENV, str(need / 1.1 / 2**20))
+    with caplog.at_level(logging.INFO):
+        plan = plans.check(spec, [Device("cpu", 0)])
+    assert plan.verdict == "close" and plan.record()["total"] == need
+    assert any(r.levelno == logging.WARNING and "close to cpu:0's" in r.message for r in caplog.records)
+
+
+def test_hpsearch_plan_prints_a_llama_3_8b_full_fine_tune_with_and_without_sharding(cli: Cli, tmp_path: Path) -> None:
+    from transformers import LlamaConfig
+
+    folder = tmp_path / "llama-3-8b"  # the config alone: the plan reads no weights
+    LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        dtype=torch.bfloat16,
+    ).save_pretrained(folder)
+    spec = tmp_path / "llama.toml"
+    spec.write_text(
+        f'[model]\nname = "{folder}"\ntask = "causal-lm"\nmax_length = 2048\n'
+        '[data]\ntrain = "t.jsonl"\nvalidation = "v.jsonl"\n'
+        '[train]\nbatch_size = 8\nmicro_batch_size = 1\nprecision = "bf16"\n'
+        '[search]\nmetric = "loss"\n[search.space]\nlearning_rate = { type = "float", low = 1e-5, high = 1e-4 }\n'
+    )
+    result = cli("plan", "--study", "llama", "--config", str(spec), "--device-memory", "80", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    # 8.03e9 bf16 weights: 15.0 GiB; AdamW's two bf16 moments twice that; 32 layers of 2048 x 4096 activations.
+    assert lines[0].startswith("memory plan: 70.3 GiB per device (weights 15.0 GiB, gradients 15.0 GiB, optimizer")
+    assert "fits the device's 80.0 GiB" in lines[0]
+    fsdp2 = next(line for line in lines if 'sharding = "fsdp" over 2 devices' in line)
+    assert fsdp2.split()[-1] == "GiB" and "7.5 GiB" in fsdp2 and "43.1 GiB" in fsdp2
+    small = cli("plan", "--study", "llama", "--config", str(spec), "--device-memory", "24", cwd=tmp_path)
+    assert 'more than the device\'s 24.0 GiB; would fit: [adapter] method = "lora"' not in small.stdout
+    assert "more than the device's 24.0 GiB; would fit: " in small.stdout
+    assert 'sharding = "fsdp" over 8 devices: 20.7 GiB' in small.stdout.splitlines()[0]

@@ -1,0 +1,114 @@
+"""Sharded trials through the CLI, as a user runs them: `start` on --devices cpu:2 with sharding = "fsdp" runs a
+search to the end, and a sharded trial whose rank is killed (or stopped) resumes from its sharded state."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+from optuna.trial import TrialState
+
+from tests.conftest import hpsearch, lm_spec_text
+from tests.test_faults import _assert_recovered, _spawned_workers, _start, _wait_for_report
+
+FSDP = 'devices_per_trial = 2\nsharding = "fsdp"'
+
+
+def test_a_sharded_search_runs_to_the_end_and_its_best_model_loads(
+    tmp_path: Path, tiny_gpt2: Path, lm_files: tuple[Path, Path]
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    spec = tmp_path / "fsdp.toml"
+    spec.write_text(
+        lm_spec_text(tiny_gpt2, *lm_files, extra_train=FSDP, search="keep_top_k = 1")
+        .replace("n_trials = 1", "n_trials = 2")
+        .replace('pruner = "median"', 'pruner = "none"')
+    )
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    runs = tmp_path / "runs"
+    result = hpsearch(
+        *("start", "--study", "s", "--config", str(spec), "--storage", url),
+        *("--devices", "cpu:2", "--output-dir", str(runs)),
+        cwd=tmp_path,
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = optuna.load_study(study_name="s", storage=url).trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+    for t in trials:
+        assert t.user_attrs["sharding"] == "fsdp" and t.user_attrs["devices"] == 2
+        assert len(t.user_attrs["rank_held_mb"]) == 2 and "rank_parameter_digests" not in t.user_attrs
+    # Retention kept the best trial's model only; it is a plain Hugging Face folder.
+    best = json.loads(hpsearch("best", "--study", "s", "--storage", url, "--json", cwd=tmp_path).stdout)
+    assert len(list(runs.glob("s/trial-*/best"))) == 1
+    model = AutoModelForCausalLM.from_pretrained(best["best_checkpoint"])
+    assert isinstance(next(model.parameters()), torch.nn.Parameter)
+    export = tmp_path / "export"
+    done = hpsearch("best", "--study", "s", "--storage", url, "--export", str(export), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (export / "model.safetensors").exists()
+    assert not list(runs.glob("s/trial-*/resume")), "a finished trial's sharded state is swept"
+    # The memory plan `start` made is on the study, and status shows it.
+    status = hpsearch("status", "--study", "s", "--storage", url, cwd=tmp_path).stdout
+    assert "memory plan: " in status and "fsdp over 2" in status and ": fits cpu:0+1's" in status, status
+
+
+@pytest.mark.parametrize("who,sig,reason", [(1, signal.SIGKILL, "worker_crash"), (0, signal.SIGTERM, "interrupted")])
+def test_a_sharded_trial_killed_or_stopped_resumes_from_its_sharded_state(
+    tmp_path: Path, tiny_gpt2: Path, lm_files: tuple[Path, Path], sqlite_url: str, who: int, sig: int, reason: str
+) -> None:
+    spec = tmp_path / "fsdp.toml"
+    # 192 examples, batch 16 in micro-batches of 2: 12 slow-ish steps per epoch, 3 epochs.
+    spec.write_text(
+        lm_spec_text(tiny_gpt2, *lm_files, extra_train=f"{FSDP}\nepochs = 3", search="max_retries = 2")
+        .replace("micro_batch_size = 8", "micro_batch_size = 2")
+        .replace("epochs = 1\n", "")
+        .replace('pruner = "median"', 'pruner = "none"')
+    )
+    proc = _start(tmp_path, spec, sqlite_url, devices="cpu:2")
+    try:
+        _wait_for_report(sqlite_url, min_step=4)
+        (rank0,) = _spawned_workers(proc.pid)
+        (rank1,) = _spawned_workers(rank0)
+        state = next((tmp_path / "runs" / "f").glob("trial-*/resume"))
+        # Each rank wrote its own part of the state; rank 0 the rest.
+        assert sorted(p.name for p in (state / "shards").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+        assert (state / "state.pt").is_file()
+        os.kill(rank1 if who == 1 else rank0, sig)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    _assert_recovered(sqlite_url, 1, reason, tmp_path / "runs")
+
+
+def test_a_sharded_lora_search_through_the_cli_saves_an_adapter_folder(
+    tmp_path: Path, tiny_gpt2: Path, lm_files: tuple[Path, Path]
+) -> None:
+    """The worker path of a LoRA trial over 2 sharded ranks: rank 0's adapter on its own copy of the base, the
+    peer's built empty and filled from rank 0's."""
+    from hpsearch.trainer.adapters import load_saved
+
+    spec = tmp_path / "lora.toml"
+    spec.write_text(
+        lm_spec_text(tiny_gpt2, *lm_files, extra_train=FSDP) + '[adapter]\nmethod = "lora"\nr = 4\ndropout = 0.0\n'
+    )
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    result = hpsearch(
+        *("start", "--study", "l", "--config", str(spec), "--storage", url),
+        *("--devices", "cpu:2", "--output-dir", str(tmp_path / "runs")),
+        cwd=tmp_path,
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (trial,) = optuna.load_study(study_name="l", storage=url).trials
+    assert trial.state == TrialState.COMPLETE and trial.user_attrs["sharding"] == "fsdp"
+    best = Path(trial.user_attrs["best_checkpoint"])
+    assert (best / "adapter_config.json").exists() and not (best / "model.safetensors").exists()
+    assert load_saved(best) is not None  # AutoPeftModelForCausalLM

@@ -1,0 +1,206 @@
+"""How many bytes one trial needs on each of its devices, from the model's config alone: the model is built on
+the meta device (accelerate's ``init_empty_weights``: shapes and dtypes, no storage, no weights read).
+
+Arithmetic a reader can check (docs/multi-gpu.md, "The memory plan"):
+- weights: every parameter, at the dtype it loads in (the config's ``dtype``: transformers loads "auto"); a
+  4-bit base 0.5 byte a weight plus its fp32 scale per 64, an 8-bit one 1 byte; the rest upcast to fp32;
+- gradients: every trained parameter, at its dtype;
+- optimizer: AdamW's two moments per trained parameter, at its dtype;
+- sharded (fsdp over N): those three divided by N, plus what is gathered whole while it computes: the root's
+  parameters (embeddings and head; FSDP keeps the root's gathered through the backward) and two blocks (the one
+  computing and the one prefetched);
+- activations (never sharded: each rank runs its own micro-batch): per layer 34 x micro x length x hidden bytes
+  at 16 bits (Korthikanti et al. 2022, without the attention scores, which SDPA does not keep), twice that at fp32;
+  with gradient checkpointing a layer keeps only its input (2 bytes a value) and one layer is recomputed at a
+  time; a causal LM adds its fp32 logits and their gradient (micro x length x vocab x 8 bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+from hpsearch.trainer.config import AdapterConfig
+
+ACTIVATION_BYTES_PER_VALUE = 34
+"""Bytes stored per (token x hidden unit) per transformer layer at 16 bits for the backward pass."""
+QUANTIZED_BYTES = {"4bit": 0.5 + 4 / 64, "8bit": 1.0}
+"""Bytes a quantized weight takes: NF4 packs two a byte and keeps an fp32 absmax per block of 64; int8 one."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the estimate depends on, besides the model."""
+
+    precision: str  # "bf16", "fp16" or "fp32" (resolved)
+    micro_batch: int
+    length: int  # tokens per example (model.max_length)
+    checkpointing: bool = False
+    sharding: str = "none"
+    devices: int = 1
+    adapter: AdapterConfig | None = None
+    quantization: str = "none"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per device, by term."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    gathered: int  # sharded: what is all-gathered whole while a block or the root computes
+    activations: int
+    parameters: int  # counts, for the reader
+    trained: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.gathered + self.activations
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the activations depend on, read from the config."""
+
+    hidden: int
+    layers: int
+    vocab: int
+    causal: bool
+
+
+def meta_model(name: str, task: str, num_labels: int = 2) -> tuple[torch.nn.Module, Shape]:
+    """The model of ``name``'s config on the meta device, in the dtype from_pretrained would load it in."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from hpsearch.trainer.errors import ModelError
+    from hpsearch.trainer.model import NO_REMOTE_CODE, _explain, refuse_custom_code
+
+    refuse_custom_code(name)
+    try:
+        config: Any = AutoConfig.from_pretrained(name, **NO_REMOTE_CODE)
+    except Exception as exc:  # a folder without config.json, an unknown hub id: the spec's to fix
+        raise ModelError(_explain(name, exc)) from None
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    causal = task == "causal-lm"
+    if not causal:
+        config.num_labels = num_labels
+    auto: Any = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
+    with init_empty_weights():
+        # sdpa, as model.py loads it: a sharded trial's empty ranks compute exactly as its first one.
+        dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
+        try:
+            model = auto.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        except (ValueError, ImportError):  # an architecture without an SDPA kernel
+            model = auto.from_config(config, dtype=dtype)
+    # As from_pretrained does: a tied head is the embedding, not a second copy. Outside the context, whose
+    # parameter hook would make the tied one a new meta parameter again.
+    model.tie_weights()
+    text: Any = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0))
+    layers = int(getattr(text, "num_hidden_layers", 0) or getattr(text, "n_layer", 0))
+    return model, Shape(hidden, layers, int(getattr(text, "vocab_size", 0)), causal)
+
+
+def estimate(model: torch.nn.Module, shape: Shape, setup: Setup) -> Estimate:
+    """The bytes per device for training ``model`` (on the meta device, or real) as ``setup`` says."""
+    params = list(model.parameters())
+    trained = [p for p in params if p.requires_grad]
+    quantized = _weight_bytes(model, setup.quantization)
+    weights = sum(quantized.get(id(p), p.numel() * p.element_size()) for p in params)
+    gradients = sum(p.numel() * p.element_size() for p in trained)
+    optimizer = 2 * gradients  # AdamW: exp_avg and exp_avg_sq, each the parameter's size and dtype
+    gathered = 0
+    if setup.sharding == "fsdp" and setup.devices > 1:
+        n = setup.devices
+        weights, gradients, optimizer = (math.ceil(b / n) for b in (weights, gradients, optimizer))
+        gathered = _gathered_bytes(model, setup.precision)
+    return Estimate(
+        weights=int(weights),
+        gradients=gradients,
+        optimizer=optimizer,
+        gathered=gathered,
+        activations=activation_bytes(shape, setup),
+        parameters=sum(p.numel() for p in params),
+        trained=sum(p.numel() for p in trained),
+    )
+
+
+def activation_bytes(shape: Shape, setup: Setup) -> int:
+    tokens = setup.micro_batch * setup.length
+    scale = 2 if setup.precision == "fp32" else 1  # 34 bytes is for 16-bit values
+    per_layer = ACTIVATION_BYTES_PER_VALUE * tokens * shape.hidden * scale
+    if setup.checkpointing:
+        # Each layer keeps its input (16-bit: 2 bytes a value); one layer's full activations while recomputed.
+        stored = 2 * tokens * shape.hidden * scale * shape.layers + per_layer
+    else:
+        stored = per_layer * shape.layers
+    logits = 8 * tokens * shape.vocab if shape.causal else 0  # fp32 logits and their gradient
+    return int(stored + logits)
+
+
+def with_adapter(model: torch.nn.Module, adapter: AdapterConfig, task: str) -> torch.nn.Module:
+    """``model`` (on the meta device) with ``adapter`` attached, as a trial would have it."""
+    from accelerate import init_empty_weights
+
+    from hpsearch.trainer import adapters
+
+    quiet = logging.getLogger(adapters.__name__)
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # its "N trainable parameters" line is a trial's news, not a plan's
+    try:
+        with init_empty_weights(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # peft's and transformers' notes on the architecture, said at each trial
+            return adapters.attach(model, replace(adapter), task, seed=0)
+    finally:
+        quiet.setLevel(level)
+
+
+def _weight_bytes(model: torch.nn.Module, quantization: str) -> dict[int, float]:
+    """A quantized base: its transformer blocks' linear weights at the quantized size, the rest in fp32 (what
+    peft's prepare_model_for_kbit_training upcasts them to). Empty without quantization."""
+    if quantization not in QUANTIZED_BYTES:
+        return {}
+    sizes: dict[int, float] = {id(p): p.numel() * 4 for p in model.parameters()}
+    for block in _blocks(model):
+        for module in block.modules():
+            if isinstance(module, torch.nn.Linear) and not module.weight.requires_grad:
+                sizes[id(module.weight)] = module.weight.numel() * QUANTIZED_BYTES[quantization]
+    return sizes
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from hpsearch.trainer.sharding import block_classes
+
+    inner: Any = model
+    pretrained = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    names = set(block_classes(pretrained))
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def _gathered_bytes(model: torch.nn.Module, precision: str) -> int:
+    """The root's parameters and the two largest blocks', whole, at the dtype they are gathered in."""
+    blocks = _blocks(model)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    compute = 4 if precision == "fp32" else 2
+
+    def size(params: Any) -> int:
+        return sum(p.numel() * min(p.element_size(), compute) for p in params)
+
+    root = size(p for p in model.parameters() if id(p) not in in_blocks)
+    largest = sorted((size(b.parameters()) for b in blocks), reverse=True)[:2]
+    return root + sum(largest)
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.1f} MiB"
