@@ -30,7 +30,7 @@ from hpsearch.storage.errors import StorageError, StudyNotFoundError
 from hpsearch.storage.open import Storage, check_creatable, open_storage
 from hpsearch.trainer.adapters import check_quantization, check_targets
 from hpsearch.trainer.config import ConfigError
-from hpsearch.trainer.dataset import Prepared, keep, prepare, read_splits
+from hpsearch.trainer.dataset import Prepared, keep, left_out, prepare, read_splits
 from hpsearch.trainer.model import check_model, check_reachable, load_tokenizer
 
 log = logging.getLogger("hpsearch")
@@ -190,6 +190,8 @@ def _check_inputs(spec: StudySpec, output_dir: Path, study: str, device_list: li
     cache = output_dir / TOKEN_CACHE
     max_length, task = spec.model.max_length, spec.model.task
     prepared = prepare(spec.data, tokenizer, max_length, cache, task, splits, write=False)
+    for line in left_out(prepared, spec.data, max_length):
+        log.warning("%s", line)
     return Inputs(spec, tokenizer, prepared, cache)
 
 

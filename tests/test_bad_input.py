@@ -515,7 +515,7 @@ def test_causal_lm_prompts_that_fill_max_length_are_refused_up_front(  # type: i
     train, dev = _write(tmp_path / "t.jsonl", rows), _write(tmp_path / "v.jsonl", rows)
     spec = tmp_path / "s.toml"
     spec.write_text(lm_spec_text(tiny_gpt2, train, dev).replace("max_length = 48", "max_length = 8"))
-    assert_refused(cli, spec, tmp_path, "no example has a token to train on within model.max_length (8)")
+    assert_refused(cli, spec, tmp_path, "every row (8) is left out, as every token it trains on")
 
 
 def test_a_classifier_checkpoint_with_another_label_count_loads(tiny_model: Path) -> None:

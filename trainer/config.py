@@ -81,6 +81,10 @@ class DataConfig:
     messages_column: str = "messages"
     """causal-lm: a file whose rows hold this key is chat data: a list of {"role", "content"}
     messages rendered with the tokenizer's chat template; only assistant turns count in the loss."""
+    max_dropped_share: float = 0.05
+    """causal-lm: the share of a file's rows that may be left out because every token they train on lies beyond
+    model.max_length (as axolotl and LLaMA-Factory drop long sequences); more, or every row, is refused.
+    Classification texts are truncated to model.max_length instead, never left out."""
 
     def validate(self, where: str = "data") -> None:
         for name in ("train", "validation"):
@@ -93,6 +97,10 @@ class DataConfig:
                 raise ConfigError(f"{where}.{name}: must not be empty")
             if isinstance(value, int) and value < 0:
                 raise ConfigError(f"{where}.{name}: {value} must be a column position >= 0 (0 = the first column)")
+        if not 0 <= self.max_dropped_share < 1:
+            raise ConfigError(
+                f"{where}.max_dropped_share: {self.max_dropped_share:g} must be >= 0 and < 1 (a share of the rows)"
+            )
 
 
 @dataclass
