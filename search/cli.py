@@ -160,12 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DEFAULT_OUTPUT_DIR = Path("hpsearch-runs")
+
+
 def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", help="GPU indices (0,1) or cpu:N; default: every GPU, else one CPU worker")
     p.add_argument(
         "--output-dir",
         type=Path,
-        default=Path("hpsearch-runs"),
+        default=DEFAULT_OUTPUT_DIR,
         metavar="DIR",
         help="where trial checkpoints go (DIR/STUDY/trial-N); default ./hpsearch-runs",
     )

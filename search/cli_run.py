@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
+import signal
 import sys
 import tempfile
 from contextlib import closing, suppress
@@ -17,6 +19,7 @@ from typing import Any
 import optuna
 
 from hpsearch.search import devices, stop_signals, study as studies, summary
+from hpsearch.search.cli import DEFAULT_OUTPUT_DIR
 from hpsearch.search.cli_study import format_status, study_status
 from hpsearch.search.devices import Device, check_precision
 from hpsearch.search.dispatch import Supervisor
@@ -114,6 +117,8 @@ def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Device
             file=sys.stderr,
         )
         return code or ExitCode.FAILED
+    if code in STOPPED:
+        summary.mark_stopped(s, STOPPED[code], resume_command(args))
     print(format_status(s, as_json=False, best_only=False))
     failure = summary.failed_only(s)
     if code == 0 and failure:
@@ -126,6 +131,27 @@ def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Device
         print(f"hpsearch {args.command}: error: {s['no_best'][0]}; the fix is above", file=sys.stderr)
         return ExitCode.FAILED
     return code
+
+
+STOPPED = {ExitCode.signalled(sig): sig.name for sig in (signal.SIGINT, signal.SIGTERM)}
+"""The supervisor's exit codes after a stop, and the signal each stands for."""
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command that resumes this search: the one that ran, less nothing it needs. A password given in --storage
+    is shown masked (it belongs in ~/.pgpass or PGPASSWORD, and this line may be pasted anywhere)."""
+    words = ["hpsearch", args.command, "--study", args.study]
+    if getattr(args, "config", None) is not None:
+        words += ["--config", str(args.config)]
+    if getattr(args, "n_trials", None) is not None:
+        words += ["--n-trials", str(args.n_trials)]
+    if args.devices is not None:
+        words += ["--devices", args.devices]
+    if args.output_dir != DEFAULT_OUTPUT_DIR:
+        words += ["--output-dir", str(args.output_dir)]
+    if args.storage is not None:
+        words += ["--storage", urls.mask(args.storage)]
+    return shlex.join(words)
 
 
 def _spec_for_start(args: argparse.Namespace, url: str) -> StudySpec:

@@ -23,6 +23,7 @@ SHOWN = (
     attrs.WORKER,
     attrs.SPEED,
     attrs.FAIL_REASON,
+    attrs.RETRY_OF,
 )
 
 
@@ -175,6 +176,25 @@ def mark_stale(s: dict[str, Any], stale: list[lost.StaleTrial]) -> None:
     s["stale_trials"] = sorted(t["number"] for t in s["trials"] if t["stale"])
 
 
+def mark_stopped(s: dict[str, Any], signal_name: str, resume: str) -> None:
+    """Record that this host's search was stopped (Ctrl-C, SIGTERM): which trials wait to resume, and the command
+    that resumes them. A handed-back trial counts as failed in Optuna's states, but it was stopped, not broken."""
+    trials = s["trials"]
+    waiting = sorted(t[attrs.RETRY_OF] for t in trials if t["state"] == "WAITING" and t[attrs.RETRY_OF] is not None)
+    s["stopped"] = {"signal": signal_name, "waiting_to_resume": waiting, "resume": resume}
+
+
+def _format_stopped(stopped: dict[str, Any]) -> list[str]:
+    waiting = stopped["waiting_to_resume"]
+    if waiting:
+        which = f"trial{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))}"
+        held = f"{which} {'were' if len(waiting) > 1 else 'was'} handed back and wait{'' if len(waiting) > 1 else 's'}"
+        held += " to resume from its last resumable state" if len(waiting) == 1 else " to resume from their states"
+    else:
+        held = "no trial waits to resume"
+    return [f"stopped: the search was stopped ({stopped['signal']}); {held}", f"  resume with: {stopped['resume']}"]
+
+
 def format_status(s: dict[str, Any]) -> str:
     st = s["states"]
     lines = [
@@ -182,6 +202,8 @@ def format_status(s: dict[str, Any]) -> str:
         f"trials: {s['finished']}/{s['n_trials']} finished  complete {st['complete']}  pruned {st['pruned']}  "
         f"failed {st['fail']}  running {st['running']}  waiting {st['waiting']}",
     ]
+    if s.get("stopped"):
+        lines += _format_stopped(s["stopped"])
     if s.get("stale_trials"):
         numbers = ", ".join(map(str, s["stale_trials"]))
         lines.append(
@@ -195,6 +217,8 @@ def format_status(s: dict[str, Any]) -> str:
 def format_best(s: dict[str, Any]) -> str:
     best, metric = s["best"], s["metric"]
     if best is None:
+        if s.get("stopped"):  # the failures why_no_best counts are the trials handed back: no fix to give
+            return "best: none yet; no trial completed before the stop"
         if not s.get("no_best"):
             return "best: no complete trial yet"
         first, *rest = s["no_best"]

@@ -84,7 +84,13 @@ def prepare(
 
 
 def _prepare(
-    cfg: DataConfig, tokenizer: Any, max_length: int, cache_dir: Path | None, task: str, splits: Splits | None, write: bool
+    cfg: DataConfig,
+    tokenizer: Any,
+    max_length: int,
+    cache_dir: Path | None,
+    task: str,
+    splits: Splits | None,
+    write: bool,
 ) -> Prepared:
     if cache_dir is not None and cache_dir.is_symlink():
         # A shared runs folder is input: a link there would have the cache written (and read) elsewhere.
