@@ -21,6 +21,7 @@ SHOWN = (
     attrs.HOST,
     attrs.DEVICE,
     attrs.WORKER,
+    attrs.THREADS,
     attrs.SPEED,
     attrs.FAIL_REASON,
     attrs.RETRY_OF,
@@ -258,7 +259,7 @@ def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
         keep = {t["number"] for t in ranked[:BEST_ROWS]} | {t["number"] for t in trials[-LATEST_ROWS:]}
         shown = [t for t in trials if t["number"] in keep]
     names = sorted({k for t in trials for k in t["params"]})
-    header = ["#", "state", s["metric"], "step", *names, "time", "worker", "reason"]
+    header = ["#", "state", s["metric"], "step", *names, "time", "threads", "worker", "reason"]
     rows = [header]
     for t in shown:
         state = t["state"].lower() + (" (stale)" if t.get("stale") else "")
@@ -270,6 +271,7 @@ def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
                 str(t["step"]) if t["step"] is not None else "-",
                 *(fmt(t["params"][n]) if n in t["params"] else "-" for n in names),
                 duration(t["duration_s"]),
+                str(t[attrs.THREADS] or "-"),
                 t[attrs.WORKER] or "-",
                 _short(reason(t), 60),
             ]
