@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--storage",
             metavar="URL",
-            help="postgresql://user:pass@host:5432/db or sqlite:///file.db "
-            "(default: $HPSEARCH_STORAGE, else ./hpsearch.db)",
+            help="postgresql://user@host:5432/db (the password in ~/.pgpass or $PGPASSWORD, not in the URL: ps shows "
+            "it) or sqlite:///file.db (default: $HPSEARCH_STORAGE, else ./hpsearch.db)",
         )
 
     start = sub.add_parser("start", help="create or resume a study and run workers on this host's devices")

@@ -21,8 +21,27 @@ SPEC_CASES = [
     (
         "unknown_train_key",
         lambda s: s.replace("[train]", "[train]\nlearnin_rate = 3"),
-        "train.learnin_rate: unknown key",
+        "train.learnin_rate: unknown key; did you mean learning_rate?",
     ),
+    (
+        # The typo: a near key is named alone, not hidden in a list of thirty.
+        "near_train_key",
+        lambda s: s.replace("[train]", "[train]\nmicro_batch_sise = 8"),
+        "train.micro_batch_sise: unknown key; did you mean micro_batch_size?",
+    ),
+    (
+        "far_train_key",
+        lambda s: s.replace("[train]", "[train]\noptimizer = 'sgd'"),
+        "train.optimizer: unknown key; known keys: batch_size, ",
+    ),
+    (
+        "near_space_key",
+        lambda s: s.replace(
+            "[search.space]", '[search.space]\nwarmup_ration = { type = "float", low = 0, high = 0.1 }'
+        ),
+        "search.space.warmup_ration: not a [train] key; did you mean warmup_ratio?",
+    ),
+    ("near_table", lambda s: s + "\n[trian]\nseed = 1\n", "trian: unknown table; did you mean [train]?"),
     (
         "micro_not_divisor",
         lambda s: s.replace("micro_batch_size = 16", "micro_batch_size = 12"),

@@ -5,10 +5,11 @@ The trainer receives it merged (spec defaults + the trial's sampled values); it 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
@@ -226,6 +227,13 @@ class AdapterConfig:
 C = TypeVar("C")
 
 
+def near(key: str, known: Iterable[str], listed: str) -> str:
+    """``did you mean X?`` for a typo close to a known key (difflib), else ``LISTED: every known key``: a list of
+    thirty keys hides the one a user meant to type."""
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+    return f"did you mean {close[0]}?" if close else f"{listed}: {', '.join(sorted(known))}"
+
+
 def from_dict(cls: type[C], values: dict[str, Any], where: str) -> C:
     """Build dataclass ``cls`` from ``values``, rejecting unknown keys and wrong types."""
     if not isinstance(values, dict):
@@ -235,7 +243,7 @@ def from_dict(cls: type[C], values: dict[str, Any], where: str) -> C:
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
         if key not in names:
-            raise ConfigError(f"{where}.{key}: unknown key; known keys: {', '.join(sorted(names))}")
+            raise ConfigError(f"{where}.{key}: unknown key; {near(key, names, 'known keys')}")
         kwargs[key] = coerce(value, hints[key], f"{where}.{key}")
     return cls(**kwargs)
 
