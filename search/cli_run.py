@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.trial import TrialState
 
-from hpsearch.search import devices, stop_signals, study as studies, summary
+from hpsearch.search import devices, retry, stop_signals, study as studies, summary
 from hpsearch.search.cli import DEFAULT_OUTPUT_DIR
 from hpsearch.search.cli_study import format_status, study_status
 from hpsearch.search.devices import Device, check_precision
@@ -28,7 +29,7 @@ from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.presets import BUILTIN_DIR, PRESETS, preset_file, resolved, resolved_data
 from hpsearch.search.search_config import MAX_TRIALS
 from hpsearch.search.spec import StudySpec, load_file
-from hpsearch.storage import rundir, trialdir, urls
+from hpsearch.storage import rundir, slots, trialdir, urls
 from hpsearch.storage.errors import StorageError, StudyNotFoundError
 from hpsearch.storage.open import Storage, check_creatable, open_storage
 from hpsearch.trainer.adapters import check_quantization, check_targets
@@ -68,7 +69,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         _check_study(storage, args.study, spec, study_dir)  # again: another host may have made it meanwhile
         study = studies.create_or_resume(storage, args.study, spec)
         rundir.claim(study_dir, args.study, studies.ensure_uid(study), storage.display)
+        used = _budget_used(storage, study, spec)
     inputs.keep()
+    if used is not None:
+        return _nothing_to_run(args, url, used)
     on = ", ".join(d.label for d in device_list)
     log.info("study %s: %d trials on %s; storage %s", args.study, spec.search.n_trials, on, urls.mask(url))
     del study
@@ -94,15 +98,42 @@ def cmd_worker(args: argparse.Namespace) -> int:
         inputs = _check_inputs(spec, args.output_dir, args.study, device_list)
         study = optuna.load_study(study_name=args.study, storage=storage.optuna)
         rundir.claim(study_dir, args.study, studies.ensure_uid(study), storage.display)
+        used = _budget_used(storage, study, spec)
     inputs.keep()
+    if used is not None:
+        return _nothing_to_run(args, url, used)
     return _run_and_report(args, url, device_list, spec)
+
+
+def _budget_used(storage: Storage, study: optuna.Study, spec: StudySpec) -> str | None:
+    """Why no worker has anything to do (the budget is used and no trial runs or waits for a retry), or None.
+    Starting workers anyway cost a model load and a few seconds before each found out for itself."""
+    if study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        return None  # its worker may be gone: a worker started here reaps and retries it
+    why = studies.budget_left(study, spec, storage.db.now())
+    if why is not None:
+        return None if retry.waiting_retries(study) else why
+    n_trials = studies.n_trials(study, spec)
+    if slots.used_slots(storage.db, study.study_name) >= n_trials:
+        return f"its budget of {n_trials} trials is used; raise it with --n-trials (more than {n_trials})"
+    return None
+
+
+def _nothing_to_run(args: argparse.Namespace, url: str, why: str) -> int:
+    print(f"hpsearch {args.command}: study {args.study}: nothing to run, {why}", file=sys.stderr)
+    return _report(args, url, ExitCode.OK)
 
 
 def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Device], spec: StudySpec) -> int:
     level = logging.DEBUG if args.verbose else logging.INFO
     supervisor = Supervisor(args.study, url, device_list, args.output_dir.resolve(), spec, level)
     code = supervisor.run()
-    lost = "the workers could not reach it while stopping" if supervisor.storage_lost else None
+    return _report(args, url, code, storage_lost=supervisor.storage_lost)
+
+
+def _report(args: argparse.Namespace, url: str, code: int, *, storage_lost: bool = False) -> int:
+    """Print the study's summary after this host's workers ended with ``code``; the command's exit code."""
+    lost = "the workers could not reach it while stopping" if storage_lost else None
     if lost is None:
         try:
             s = study_status(args.study, url, best_only=False)

@@ -310,10 +310,7 @@ def workers(db: Database, study: str) -> dict[str, Any]:
 
 def format_workers(s: dict[str, Any]) -> str:
     by = s["workers_by_state"]
-    lines = [
-        f"workers: {by['live']} live, {by['lost']} lost, {by['finished']} finished  "
-        f"GPU-hours {s['gpu_hours']:.3f}  (all devices {s['device_hours']:.3f} h)"
-    ]
+    lines = [f"workers: {by['live']} live, {by['lost']} lost, {by['finished']} finished  {_hours(s)}"]
     hosts = sorted({w["host"] for w in s["workers"] if w["state"] != "finished"})
     if hosts:
         lines[0] += f"  on {len(hosts)} host{'s' if len(hosts) != 1 else ''}"
@@ -332,6 +329,14 @@ def format_workers(s: dict[str, Any]) -> str:
             f"trials {w['trials_finished']:<4} {w['device_seconds'] / 3600:.3f} h"
         )
     return "\n".join(lines)
+
+
+def _hours(s: dict[str, Any]) -> str:
+    """GPU-hours where a GPU worked on the study (the CPU's beside them); a study run on CPUs alone is billed in
+    CPU-hours, and "GPU-hours 0.000" there reads like nothing ran."""
+    if any(w["device"].startswith("cuda") for w in s["workers"]):
+        return f"GPU-hours {s['gpu_hours']:.3f}  (all devices {s['device_hours']:.3f} h)"
+    return f"CPU-hours {s['device_hours']:.3f}"
 
 
 def _age(seconds: float) -> str:

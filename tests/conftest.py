@@ -265,4 +265,5 @@ def assert_refused(cli: Cli, spec: Path, tmp_path: Path, expected: str, devices:
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert result.stderr.startswith("hpsearch start: error: "), result.stderr
     assert not db.exists(), "bad input must not create the storage"
+    assert not (tmp_path / "hpsearch-runs").exists(), "bad input must not leave an (empty) output folder"
     return result.stderr.strip()

@@ -116,13 +116,17 @@ def test_a_host_without_nvidia_gpus_trains_on_the_cpu(monkeypatch: pytest.Monkey
 
 
 @pytest.mark.parametrize(
-    "cpus,workers,expected", [(8, 1, 8), (8, 2, 4), (8, 3, 2), (1, 2, 1), (2, 4, 1)], ids=lambda v: str(v)
+    "cpus,workers,load,expected",
+    [(8, 1, 0.0, 8), (8, 2, 0.2, 4), (8, 3, 0.0, 2), (1, 2, 0.0, 1), (2, 4, 0.0, 1), (2, 1, 1.1, 1), (8, 2, 4.0, 2)],
+    ids=lambda v: str(v),
 )
-def test_cpu_workers_split_the_cpus_they_may_run_on(
-    monkeypatch: pytest.MonkeyPatch, cpus: int, workers: int, expected: int
+def test_cpu_workers_split_the_cpus_they_may_run_on_that_other_work_leaves_free(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, workers: int, load: float, expected: int
 ) -> None:
-    """The affinity mask, not the machine's CPU count: under taskset or a cpuset the two differ."""
+    """The affinity mask, not the machine's CPU count (under taskset or a cpuset the two differ), less the CPUs
+    another busy job holds: the issue's 2-core machine with one busy process trains on one thread."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     assert devices.threads_per_worker([Device("cpu", i) for i in range(workers)]) == expected
