@@ -169,8 +169,9 @@ STOPPED = {ExitCode.signalled(sig): sig.name for sig in (signal.SIGINT, signal.S
 
 
 def resume_command(args: argparse.Namespace) -> str:
-    """The command that resumes this search: the one that ran, less nothing it needs. A password given in --storage
-    is shown masked (it belongs in ~/.pgpass or PGPASSWORD, and this line may be pasted anywhere)."""
+    """The command that resumes this search: the options given to this one, repeated (the spec is stored, so it
+    would resume without --config too). A password in --storage is shown masked: it belongs in ~/.pgpass or
+    PGPASSWORD, and this line may be pasted anywhere."""
     words = ["hpsearch", args.command, "--study", args.study]
     if getattr(args, "config", None) is not None:
         words += ["--config", str(args.config)]
