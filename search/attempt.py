@@ -65,6 +65,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
     files = RunFiles(best=folder.best, state=folder.state, curves=folder.curves)
     reporter = TrialReporter(trial)
     where = {attrs.DEVICE: _device_name(w), attrs.HOST: registry.this_host(), attrs.WORKER: w.args.name}
+    where[attrs.THREADS] = _threads()
     # Where the resumable state goes, on record before the first one is written: a stop
     # during a database outage saves one that no later call could name (see reap.py).
     reporter.set_attrs(where | {attrs.RESUME_CHECKPOINT: str(folder.state.resolve())})
@@ -197,6 +198,12 @@ def _hand_back_after_storage_failure(
         raise stop_signals.StorageLost.during(trial.number, err) from err
     if w.world.size > 1:
         raise ranks.GroupRestart(f"trial {trial.number} lost its storage on a {w.world.size}-device group")
+
+
+def _threads() -> int:
+    import torch
+
+    return int(torch.get_num_threads())
 
 
 def _device_name(w: Worker) -> str:

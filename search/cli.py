@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--storage",
             metavar="URL",
-            help="postgresql://user:pass@host:5432/db or sqlite:///file.db "
-            "(default: $HPSEARCH_STORAGE, else ./hpsearch.db)",
+            help="postgresql://user@host:5432/db (the password in ~/.pgpass or $PGPASSWORD, not in the URL: ps shows "
+            "it) or sqlite:///file.db (default: $HPSEARCH_STORAGE, else ./hpsearch.db)",
         )
 
     start = sub.add_parser("start", help="create or resume a study and run workers on this host's devices")
@@ -171,12 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DEFAULT_OUTPUT_DIR = Path("hpsearch-runs")
+
+
 def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", help="GPU indices (0,1) or cpu:N; default: every GPU, else one CPU worker")
     p.add_argument(
         "--output-dir",
         type=Path,
-        default=Path("hpsearch-runs"),
+        default=DEFAULT_OUTPUT_DIR,
         metavar="DIR",
         help="where trial checkpoints go (DIR/STUDY/trial-N); default ./hpsearch-runs",
     )

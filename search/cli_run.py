@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
+import signal
 import sys
 import tempfile
 from contextlib import closing, suppress
@@ -15,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.trial import TrialState
 
-from hpsearch.search import devices, plan as plans, stop_signals, study as studies, summary
+from hpsearch.search import budget, devices, plan as plans, retry, stop_signals, study as studies, summary
+from hpsearch.search.cli import DEFAULT_OUTPUT_DIR
 from hpsearch.search.cli_study import format_status, study_status
 from hpsearch.search.devices import Device, check_precision
 from hpsearch.search.dispatch import Supervisor
@@ -25,12 +29,12 @@ from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.presets import BUILTIN_DIR, PRESETS, preset_file, resolved, resolved_data
 from hpsearch.search.search_config import MAX_TRIALS
 from hpsearch.search.spec import StudySpec, load_file
-from hpsearch.storage import attrs, rundir, trialdir, urls
+from hpsearch.storage import attrs, rundir, slots, trialdir, urls
 from hpsearch.storage.errors import StorageError, StudyNotFoundError
 from hpsearch.storage.open import Storage, check_creatable, open_storage
 from hpsearch.trainer.adapters import check_quantization, check_targets
 from hpsearch.trainer.config import ConfigError
-from hpsearch.trainer.encoding import Prepared, keep, prepare, read_splits
+from hpsearch.trainer.encoding import Prepared, keep, left_out, prepare, read_splits
 from hpsearch.trainer.model import check_model, check_reachable, load_tokenizer
 
 log = logging.getLogger("hpsearch")
@@ -69,7 +73,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         if plan is not None:
             study.set_user_attr(attrs.MEMORY_PLAN, plan.record())  # `status` shows it
         rundir.claim(study_dir, args.study, studies.ensure_uid(study), storage.display)
+        used = _budget_used(storage, study, spec)
     inputs.keep()
+    if used is not None:
+        return _nothing_to_run(args, url, used)
     on = ", ".join(d.label for d in device_list)
     log.info("study %s: %d trials on %s; storage %s", args.study, spec.search.n_trials, on, urls.mask(url))
     del study
@@ -99,15 +106,42 @@ def cmd_worker(args: argparse.Namespace) -> int:
         if plan is not None:
             study.set_user_attr(attrs.MEMORY_PLAN, plan.record())
         rundir.claim(study_dir, args.study, studies.ensure_uid(study), storage.display)
+        used = _budget_used(storage, study, spec)
     inputs.keep()
+    if used is not None:
+        return _nothing_to_run(args, url, used)
     return _run_and_report(args, url, device_list, spec)
+
+
+def _budget_used(storage: Storage, study: optuna.Study, spec: StudySpec) -> str | None:
+    """Why no worker has anything to do (the budget is used and no trial runs or waits for a retry), or None.
+    Starting workers anyway cost a model load and a few seconds before each found out for itself."""
+    if study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        return None  # its worker may be gone: a worker started here reaps and retries it
+    why = budget.budget_left(storage, study, spec, storage.db.now())
+    if why is not None:
+        return None if retry.waiting_retries(study) else why
+    n_trials = budget.n_trials(study, spec)
+    if slots.used_slots(storage.db, study.study_name) >= n_trials:
+        return f"its budget of {n_trials} trials is used; raise it with --n-trials (more than {n_trials})"
+    return None
+
+
+def _nothing_to_run(args: argparse.Namespace, url: str, why: str) -> int:
+    print(f"hpsearch {args.command}: study {args.study}: nothing to run, {why}", file=sys.stderr)
+    return _report(args, url, ExitCode.OK)
 
 
 def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Device], spec: StudySpec) -> int:
     level = logging.DEBUG if args.verbose else logging.INFO
     supervisor = Supervisor(args.study, url, device_list, args.output_dir.resolve(), spec, level)
     code = supervisor.run()
-    lost = "the workers could not reach it while stopping" if supervisor.storage_lost else None
+    return _report(args, url, code, storage_lost=supervisor.storage_lost)
+
+
+def _report(args: argparse.Namespace, url: str, code: int, *, storage_lost: bool = False) -> int:
+    """Print the study's summary after this host's workers ended with ``code``; the command's exit code."""
+    lost = "the workers could not reach it while stopping" if storage_lost else None
     if lost is None:
         try:
             s = study_status(args.study, url, best_only=False)
@@ -122,6 +156,8 @@ def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Device
             file=sys.stderr,
         )
         return code or ExitCode.FAILED
+    if code in STOPPED:
+        summary.mark_stopped(s, STOPPED[code], resume_command(args))
     print(format_status(s, as_json=False, best_only=False))
     failure = summary.failed_only(s)
     if code == 0 and failure:
@@ -134,6 +170,28 @@ def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Device
         print(f"hpsearch {args.command}: error: {s['no_best'][0]}; the fix is above", file=sys.stderr)
         return ExitCode.FAILED
     return code
+
+
+STOPPED = {ExitCode.signalled(sig): sig.name for sig in (signal.SIGINT, signal.SIGTERM)}
+"""The supervisor's exit codes after a stop, and the signal each stands for."""
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command that resumes this search: the options given to this one, repeated (the spec is stored, so it
+    would resume without --config too). A password in --storage is shown masked: it belongs in ~/.pgpass or
+    PGPASSWORD, and this line may be pasted anywhere."""
+    words = ["hpsearch", args.command, "--study", args.study]
+    if getattr(args, "config", None) is not None:
+        words += ["--config", str(args.config)]
+    if getattr(args, "n_trials", None) is not None:
+        words += ["--n-trials", str(args.n_trials)]
+    if args.devices is not None:
+        words += ["--devices", args.devices]
+    if args.output_dir != DEFAULT_OUTPUT_DIR:
+        words += ["--output-dir", str(args.output_dir)]
+    if args.storage is not None:
+        words += ["--storage", urls.mask(args.storage)]
+    return shlex.join(words)
 
 
 def _spec_for_start(args: argparse.Namespace, url: str) -> StudySpec:
@@ -198,6 +256,8 @@ def _check_inputs(spec: StudySpec, output_dir: Path, study: str, device_list: li
     cache = output_dir / TOKEN_CACHE
     max_length, task = spec.model.max_length, spec.model.task
     prepared = prepare(spec.data, tokenizer, max_length, cache, task, splits, write=False)
+    for line in left_out(prepared, spec.data, max_length):
+        log.warning("%s", line)
     return Inputs(spec, tokenizer, prepared, cache)
 
 

@@ -161,6 +161,10 @@ def guard(app: WSGIApplication, policy: Policy) -> WSGIApplication:
                     "403 Forbidden",
                     f"hpsearch dashboard: a write from a page of another site ({foreign}) is refused",
                 )
+        # optuna-dashboard's send_static reads the header unguarded (a KeyError, answered 500 with a traceback,
+        # for curl, wget and health checks, which send none); no header means any encoding is fine, RFC 9110 12.5.3.
+        # "identity": the client gets the file as it is, never a compressed copy it did not ask for.
+        environ.setdefault("HTTP_ACCEPT_ENCODING", "identity")
         return app(environ, start_response)
 
     return guarded

@@ -160,15 +160,37 @@ def group(devices: list[Device], per_trial: int, flag: str | None) -> list[Devic
 
 
 def threads_per_worker(devices: list[Device]) -> int | None:
-    """CPU ranks split the cores, or take ``OMP_NUM_THREADS`` each when set (on a shared machine fewer
-    is often faster: an OpenMP thread waiting for a busy core stalls every operation); GPU workers: torch's."""
+    """CPU ranks split the cores this process may run on that other work leaves free, or take ``OMP_NUM_THREADS``
+    each when the user set it; GPU workers: torch's. Torch's own default is every core of the machine for each
+    process: two workers, or one beside another busy job, then run more threads than cores, and an OpenMP thread
+    waiting for a busy core stalls every operation (15 steps of the bert-lr demo took 61-67 s so, 5 s with one
+    thread on 2 cores). Too few threads costs at most their share; too many cost 12x: so a busy core is left out."""
     cpu = sum(d.count for d in devices if d.kind == "cpu")  # a device group runs one rank per device
     if not cpu:
         return None
     omp = os.environ.get("OMP_NUM_THREADS", "").strip()
     if omp.isdigit() and int(omp) > 0:
         return int(omp)
-    return max(1, (os.cpu_count() or 1) // cpu)
+    usable = usable_cpus()
+    return max(1, (usable - busy_cpus(usable)) // cpu)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (taskset, a container's cpuset), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def busy_cpus(usable: int) -> int:
+    """CPUs other work keeps busy, as the last minute's load average says (read before any worker starts, so it
+    is not ours; a search that just ended still counts for a minute), at most all but one."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # unavailable
+        return 0
+    return min(usable - 1, max(0, round(load)))
 
 
 def torch_device(kind: str) -> Any:

@@ -68,6 +68,8 @@ class Supervisor:
         self.spec, self.output_dir, self.log_level = spec, output_dir, log_level
         self.ctx = mp.get_context("spawn")
         self.threads = threads_per_worker(devices)
+        if self.threads is not None:
+            log.info("each CPU worker trains with %d torch thread(s) (OMP_NUM_THREADS sets it)", self.threads)
         self.children: dict[int, Child] = {}  # keyed by sentinel
         self.stopping, self.stop_signal = 0, 0
         self.failed_devices: list[str] = []

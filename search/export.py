@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,7 @@ def export_best(
             "params": best.get("params", {}),
         }
         (tmp / "hpsearch_best.json").write_text(json.dumps(record, indent=2, sort_keys=True))
+        _follow_umask(tmp)
         if target.exists():
             target.rmdir()
         tmp.rename(target)
@@ -128,6 +130,17 @@ def export_best(
         ) from None
     log.info("exported trial %d of %s to %s", best["number"], study, target)
     return target
+
+
+def _follow_umask(folder: Path) -> None:
+    """Give the export's files the modes of any file the user makes now: transformers writes model.safetensors
+    0600 (through a private temporary file) and copying keeps that, so the weights alone were unreadable to the
+    group and others who could read the rest."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():  # a checkpoint holding a link was refused above
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _merge(source: Path, tmp: Path) -> None:

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from hpsearch.search.errors import SpecError
-from hpsearch.trainer.config import describe, fits
+from hpsearch.trainer.config import describe, fits, near
 
 MAX_CHECKED_VALUES = 10_000
 MAX_GRID_POINTS = 100_000
@@ -44,7 +44,7 @@ class Param:
         known = {"type", "low", "high", "log", "step", "choices"}
         for key in raw:
             if key not in known:
-                raise SpecError(f"{where}.{key}: unknown key; known keys: {', '.join(sorted(known))}")
+                raise SpecError(f"{where}.{key}: unknown key; {near(key, known, 'known keys')}")
         kind = raw.get("type")
         if kind not in ("float", "int", "categorical"):
             raise SpecError(f'{where}.type: {kind!r} must be "float", "int" or "categorical"')

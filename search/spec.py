@@ -3,6 +3,7 @@ study so a worker needs only its name and the storage URL. [search] is search_co
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import json
 import sys
@@ -30,7 +31,15 @@ from hpsearch.search.space import (
     toml_text,
 )
 from hpsearch.storage import attrs
-from hpsearch.trainer.config import AdapterConfig, ConfigError, DataConfig, ModelConfig, TrainConfig, from_dict
+from hpsearch.trainer.config import (
+    AdapterConfig,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    TrainConfig,
+    from_dict,
+    near,
+)
 
 # Values that may change between runs of one study: raising the budget is not a new study.
 BUDGET_KEYS = ("n_trials", "timeout_minutes", "gpu_hours", "keep_top_k", "max_disk_gb")
@@ -62,7 +71,13 @@ class StudySpec:
             raise SpecError("spec: must be a table with [model], [data], [train] and [search]")
         for key, value in raw.items():
             if key not in allowed:
-                raise SpecError(f"{key}: unknown table; a spec has [model], [data], [train], [adapter] and [search]")
+                close = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.75)
+                said = (
+                    f"did you mean [{close[0]}]?"
+                    if close
+                    else "a spec has [model], [data], [train], [adapter] and [search]"
+                )
+                raise SpecError(f"{key}: unknown table; {said}")
             if not isinstance(value, dict):
                 raise SpecError(
                     f"{key}: must be a table, written [{key}] on a line of its own with its keys below it; "
@@ -134,9 +149,7 @@ class StudySpec:
             elif name in UNSEARCHABLE:
                 raise SpecError(f"search.space.{name}: cannot be searched: {UNSEARCHABLE[name]}")
             elif name not in train_keys:
-                raise SpecError(
-                    f"search.space.{name}: not a [train] key; searchable keys: {', '.join(sorted(train_keys))}"
-                )
+                raise SpecError(f"search.space.{name}: not a [train] key; {near(name, train_keys, 'searchable keys')}")
             else:
                 check_type_fits(param, hints[name])
             # Every checked value must make a valid trial, or trials would fail at run time.
@@ -200,8 +213,9 @@ class StudySpec:
         key = param.name[len(ADAPTER_PREFIX) :]
         keys = {f.name for f in fields(AdapterConfig)}
         if key not in keys:
-            known = ", ".join(ADAPTER_PREFIX + k for k in sorted(keys))
-            raise SpecError(f"search.space.{param.name}: not an [adapter] key; searchable adapter keys: {known}")
+            known = [ADAPTER_PREFIX + k for k in keys]
+            said = near(param.name, known, "searchable adapter keys")
+            raise SpecError(f"search.space.{param.name}: not an [adapter] key; {said}")
         check_type_fits(param, typing.get_type_hints(AdapterConfig)[key], table="adapter")
 
     def _validate_sampler(self) -> None:

@@ -22,8 +22,10 @@ SHOWN = (
     attrs.HOST,
     attrs.DEVICE,
     attrs.WORKER,
+    attrs.THREADS,
     attrs.SPEED,
     attrs.FAIL_REASON,
+    attrs.RETRY_OF,
 )
 
 
@@ -176,6 +178,25 @@ def mark_stale(s: dict[str, Any], stale: list[liveness.StaleTrial]) -> None:
     s["stale_trials"] = sorted(t["number"] for t in s["trials"] if t["stale"])
 
 
+def mark_stopped(s: dict[str, Any], signal_name: str, resume: str) -> None:
+    """Record that this host's search was stopped (Ctrl-C, SIGTERM): which trials wait to resume, and the command
+    that resumes them. A handed-back trial counts as failed in Optuna's states, but it was stopped, not broken."""
+    trials = s["trials"]
+    waiting = sorted(t[attrs.RETRY_OF] for t in trials if t["state"] == "WAITING" and t[attrs.RETRY_OF] is not None)
+    s["stopped"] = {"signal": signal_name, "waiting_to_resume": waiting, "resume": resume}
+
+
+def _format_stopped(stopped: dict[str, Any]) -> list[str]:
+    waiting = stopped["waiting_to_resume"]
+    if waiting:
+        which = f"trial{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))}"
+        held = f"{which} {'were' if len(waiting) > 1 else 'was'} handed back and wait{'' if len(waiting) > 1 else 's'}"
+        held += " to resume from its last resumable state" if len(waiting) == 1 else " to resume from their states"
+    else:
+        held = "no trial waits to resume"
+    return [f"stopped: the search was stopped ({stopped['signal']}); {held}", f"  resume with: {stopped['resume']}"]
+
+
 def format_status(s: dict[str, Any]) -> str:
     st = s["states"]
     lines = [
@@ -185,6 +206,8 @@ def format_status(s: dict[str, Any]) -> str:
     ]
     if s.get("memory_plan"):
         lines.append(s["memory_plan"])
+    if s.get("stopped"):
+        lines += _format_stopped(s["stopped"])
     if s.get("stale_trials"):
         numbers = ", ".join(map(str, s["stale_trials"]))
         lines.append(
@@ -198,6 +221,8 @@ def format_status(s: dict[str, Any]) -> str:
 def format_best(s: dict[str, Any]) -> str:
     best, metric = s["best"], s["metric"]
     if best is None:
+        if s.get("stopped"):  # the failures why_no_best counts are the trials handed back: no fix to give
+            return "best: none yet; no trial completed before the stop"
         if not s.get("no_best"):
             return "best: no complete trial yet"
         first, *rest = s["no_best"]
@@ -237,7 +262,7 @@ def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
         keep = {t["number"] for t in ranked[:BEST_ROWS]} | {t["number"] for t in trials[-LATEST_ROWS:]}
         shown = [t for t in trials if t["number"] in keep]
     names = sorted({k for t in trials for k in t["params"]})
-    header = ["#", "state", s["metric"], "step", *names, "time", "worker", "reason"]
+    header = ["#", "state", s["metric"], "step", *names, "time", "threads", "worker", "reason"]
     rows = [header]
     for t in shown:
         state = t["state"].lower() + (" (stale)" if t.get("stale") else "")
@@ -249,6 +274,7 @@ def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
                 str(t["step"]) if t["step"] is not None else "-",
                 *(fmt(t["params"][n]) if n in t["params"] else "-" for n in names),
                 duration(t["duration_s"]),
+                str(t[attrs.THREADS] or "-"),
                 t[attrs.WORKER] or "-",
                 _short(reason(t), 60),
             ]
@@ -287,10 +313,7 @@ def workers(db: Database, study: str) -> dict[str, Any]:
 
 def format_workers(s: dict[str, Any]) -> str:
     by = s["workers_by_state"]
-    lines = [
-        f"workers: {by['live']} live, {by['lost']} lost, {by['finished']} finished  "
-        f"GPU-hours {s['gpu_hours']:.3f}  (all devices {s['device_hours']:.3f} h)"
-    ]
+    lines = [f"workers: {by['live']} live, {by['lost']} lost, {by['finished']} finished  {_hours(s)}"]
     hosts = sorted({w["host"] for w in s["workers"] if w["state"] != "finished"})
     if hosts:
         lines[0] += f"  on {len(hosts)} host{'s' if len(hosts) != 1 else ''}"
@@ -309,6 +332,14 @@ def format_workers(s: dict[str, Any]) -> str:
             f"trials {w['trials_finished']:<4} {w['device_seconds'] / 3600:.3f} h"
         )
     return "\n".join(lines)
+
+
+def _hours(s: dict[str, Any]) -> str:
+    """GPU-hours where a GPU worked on the study (the CPU's beside them); a study run on CPUs alone is billed in
+    CPU-hours, and "GPU-hours 0.000" there reads like nothing ran."""
+    if any(w["device"].startswith("cuda") for w in s["workers"]):
+        return f"GPU-hours {s['gpu_hours']:.3f}  (all devices {s['device_hours']:.3f} h)"
+    return f"CPU-hours {s['device_hours']:.3f}"
 
 
 def _age(seconds: float) -> str:

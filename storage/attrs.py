@@ -17,6 +17,7 @@ ENQUEUED = "enqueued"  # True on a trial the spec fixed the parameters of (searc
 DEVICE = "device"  # the device it ran on, as "cuda:1 (NVIDIA H200)" or "cpu"
 HOST = "host"  # the host it ran on: its checkpoints are on that host's disk
 WORKER = "worker"  # the worker's name, host/device/pid
+THREADS = "torch_threads"  # the CPU threads its attempt trained with (torch.get_num_threads)
 DEVICE_SECONDS = "device_seconds"  # device time of all its attempts together (x devices): the gpu_hours budget
 FAIL_REASON = "fail_reason"  # why it failed or was pruned other than by the pruner ("oom", "worker_lost", ...)
 

@@ -131,6 +131,20 @@ def spec_file(tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -
     return path
 
 
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+"""Real data the project does not ship (../shared/data from the project root; CI has the same copy)."""
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """``SHARED_DATA``; a test on real data skips where it is absent, and fails in CI, which must provide it."""
+    if not (SHARED_DATA / "sst2" / "train.tsv").is_file():
+        if os.environ.get("CI"):
+            pytest.fail(f"the real data is not at {SHARED_DATA} (CI must put ../shared/data beside its clone)")
+        pytest.skip(f"real data not at {SHARED_DATA}")
+    return SHARED_DATA
+
+
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'study.db'}"
@@ -251,4 +265,5 @@ def assert_refused(cli: Cli, spec: Path, tmp_path: Path, expected: str, devices:
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert result.stderr.startswith("hpsearch start: error: "), result.stderr
     assert not db.exists(), "bad input must not create the storage"
+    assert not (tmp_path / "hpsearch-runs").exists(), "bad input must not leave an (empty) output folder"
     return result.stderr.strip()

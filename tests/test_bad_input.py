@@ -21,8 +21,27 @@ SPEC_CASES = [
     (
         "unknown_train_key",
         lambda s: s.replace("[train]", "[train]\nlearnin_rate = 3"),
-        "train.learnin_rate: unknown key",
+        "train.learnin_rate: unknown key; did you mean learning_rate?",
     ),
+    (
+        # The typo: a near key is named alone, not hidden in a list of thirty.
+        "near_train_key",
+        lambda s: s.replace("[train]", "[train]\nmicro_batch_sise = 8"),
+        "train.micro_batch_sise: unknown key; did you mean micro_batch_size?",
+    ),
+    (
+        "far_train_key",
+        lambda s: s.replace("[train]", "[train]\noptimizer = 'sgd'"),
+        "train.optimizer: unknown key; known keys: batch_size, ",
+    ),
+    (
+        "near_space_key",
+        lambda s: s.replace(
+            "[search.space]", '[search.space]\nwarmup_ration = { type = "float", low = 0, high = 0.1 }'
+        ),
+        "search.space.warmup_ration: not a [train] key; did you mean warmup_ratio?",
+    ),
+    ("near_table", lambda s: s + "\n[trian]\nseed = 1\n", "trian: unknown table; did you mean [train]?"),
     (
         "micro_not_divisor",
         lambda s: s.replace("micro_batch_size = 16", "micro_batch_size = 12"),
@@ -515,7 +534,7 @@ def test_causal_lm_prompts_that_fill_max_length_are_refused_up_front(  # type: i
     train, dev = _write(tmp_path / "t.jsonl", rows), _write(tmp_path / "v.jsonl", rows)
     spec = tmp_path / "s.toml"
     spec.write_text(lm_spec_text(tiny_gpt2, train, dev).replace("max_length = 48", "max_length = 8"))
-    assert_refused(cli, spec, tmp_path, "no example has a token to train on within model.max_length (8)")
+    assert_refused(cli, spec, tmp_path, "every row (8) is left out, as every token it trains on")
 
 
 def test_a_classifier_checkpoint_with_another_label_count_loads(tiny_model: Path) -> None:

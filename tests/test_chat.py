@@ -122,7 +122,8 @@ BAD_CHAT = [
     (
         "assistant_cut_off",
         json.dumps({"messages": [{"role": "user", "content": "the movie was dull " * 30}, ASSISTANT]}) + "\n",
-        "line 1: every assistant token lies beyond model.max_length (48)",
+        "every row (1) is left out, as every token it trains on (the response, the assistant's turns) lies beyond "
+        "model.max_length (48) (line 1); raise model.max_length",
     ),
 ]
 

@@ -326,3 +326,28 @@ def test_refused_arguments_leave_the_study_note_untouched(
     assert result.returncode == 2, result.stdout + result.stderr
     assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert note_body(url) == "stale"
+
+
+def _raw_get(port: int, path: str, headers: str = "") -> tuple[bytes, bytes]:
+    """A GET with only the headers given (http.client adds an Accept-Encoding of its own accord)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{headers}Connection: close\r\n\r\n".encode())
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return head, body
+
+
+def test_a_static_file_is_served_to_a_client_that_sends_no_accept_encoding(tmp_path: Path, finished: str) -> None:
+    """curl, wget and health checks send no Accept-Encoding: optuna-dashboard read it unguarded and answered 500."""
+    with served(copy_of(finished, tmp_path)) as d:
+        for path in ("/static/bundle.js", "/favicon.ico"):
+            head, body = _raw_get(d.port, path)
+            assert head.split(b" ")[1] == b"200", head.decode()[:500]
+            assert b"content-encoding: gzip" not in head.lower() and body, path
+        # A browser's request still gets the compressed copy.
+        head, _ = _raw_get(d.port, "/static/bundle.js", "Accept-Encoding: gzip, deflate\r\n")
+        assert head.split(b" ")[1] == b"200" and b"content-encoding: gzip" in head.lower(), head.decode()[:500]

@@ -9,11 +9,16 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
+import optuna
 import pytest
 
 from hpsearch.search import devices
 from hpsearch.search.devices import Device, DeviceError
+from tests.conftest import spec_text
 
 
 def _report_visible(queue: mp.Queue) -> None:  # type: ignore[type-arg]
@@ -108,3 +113,57 @@ def test_a_host_without_nvidia_gpus_trains_on_the_cpu(monkeypatch: pytest.Monkey
     monkeypatch.setattr(devices, "host_nvidia_gpus", lambda: 0)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert devices.parse(None) == [Device("cpu", 0)]
+
+
+@pytest.mark.parametrize(
+    "cpus,workers,load,expected",
+    [(8, 1, 0.0, 8), (8, 2, 0.2, 4), (8, 3, 0.0, 2), (1, 2, 0.0, 1), (2, 4, 0.0, 1), (2, 1, 1.1, 1), (8, 2, 4.0, 2)],
+    ids=lambda v: str(v),
+)
+def test_cpu_workers_split_the_cpus_they_may_run_on_that_other_work_leaves_free(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, workers: int, load: float, expected: int
+) -> None:
+    """The affinity mask, not the machine's CPU count (under taskset or a cpuset the two differ), less the CPUs
+    another busy job holds: the issue's 2-core machine with one busy process trains on one thread."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert devices.threads_per_worker([Device("cpu", i) for i in range(workers)]) == expected
+
+
+def test_a_user_set_omp_num_threads_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert devices.threads_per_worker([Device("cpu", 0), Device("cpu", 1)]) == 3
+    assert devices.threads_per_worker([Device("cuda", 0)]) is None  # a GPU worker keeps torch's own
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to narrow the mask to one")
+def test_a_trial_records_the_threads_its_worker_used(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
+    """A worker started under a one-CPU mask on a bigger machine trains with one thread, and status shows it."""
+    spec = tmp_path / "s.toml"
+    spec.write_text(spec_text(tiny_model, *demo_files, n_trials=1))
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    one = min(os.sched_getaffinity(0))
+    result = subprocess.run(
+        [sys.executable, "-m", "hpsearch.search.cli", "start", "--study", "t", "--config", str(spec)],
+        cwd=tmp_path,
+        env={**env, "HF_HUB_OFFLINE": "1", "HPSEARCH_STORAGE": url},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=lambda: os.sched_setaffinity(0, {one}),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (trial,) = optuna.load_study(study_name="t", storage=url).trials
+    assert trial.user_attrs["torch_threads"] == 1
+    header, row = next(
+        (line.split(), result.stdout.splitlines()[i + 1].split())
+        for i, line in enumerate(result.stdout.splitlines())
+        if line.startswith("#  state")
+    )
+    assert row[header.index("threads")] == "1", result.stdout

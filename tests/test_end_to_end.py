@@ -78,6 +78,8 @@ def test_second_start_adds_only_missing_trials(tmp_path: Path, spec_file: Path) 
     assert third.returncode == 0
     study = optuna.load_study(study_name="grow", storage=url)
     assert len(study.trials) == 3
-    assert "0 run here" in third.stderr
+    # Nothing left to do: said at once, and no worker is started to find out.
+    assert "nothing to run, its budget of 3 trials is used; raise it with --n-trials (more than 3)" in third.stderr
+    assert "run here" not in third.stderr
     assert "study grow already has 3 finished trials and n_trials = 3: no new trial will start" in third.stderr
     assert "already has" not in second.stderr

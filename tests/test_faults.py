@@ -204,12 +204,17 @@ def test_sigterm_of_start_hands_back_and_next_start_resumes(
             os.killpg(proc.pid, signal.SIGTERM)
         else:
             proc.send_signal(signal.SIGTERM)  # what AutoDL sends at shutdown
-        _, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=60)
         assert time.monotonic() - t0 < 30, "must exit within 30 s of SIGTERM"
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "Traceback" not in err
+    # The summary reads like a stop: the trial handed back waits, and the line to resume it is there to paste.
+    assert "stopped: the search was stopped (SIGTERM); trial 0 was handed back and waits to resume" in out, out
+    resume = f"hpsearch start --study f --config {spec} --devices cpu:1 --output-dir {tmp_path / 'runs'} --storage"
+    assert f"  resume with: {resume} {sqlite_url}\n" in out, out
+    assert "best: none yet; no trial completed before the stop" in out and "fix:" not in out, out
     again = _start(tmp_path, spec, sqlite_url)
     _, err = again.communicate(timeout=600)
     assert again.returncode == 0, err[-3000:]

@@ -75,12 +75,23 @@ def test_status_prints_a_row_per_trial_with_its_state_and_reason(all_pruned: All
     assert status.returncode == 0, status.stderr
     lines = status.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("#  state"))
-    assert lines[header].split() == ["#", "state", "loss", "step", "learning_rate", "time", "worker", "reason"]
+    assert lines[header].split() == [
+        "#",
+        "state",
+        "loss",
+        "step",
+        "learning_rate",
+        "time",
+        "threads",
+        "worker",
+        "reason",
+    ]
     rows = [line.split() for line in lines[header + 1 : header + 3]]
     assert [r[:2] for r in rows] == [["0", "pruned"], ["1", "pruned"]]
     for row in rows:
         assert row[-2:] == ["at", "chance"]
         assert "/cpu:0/" in row[-3]  # the worker: host/device/pid
+        assert row[-4] == "1"  # its torch threads: OMP_NUM_THREADS=1 (conftest.py) wins
         assert int(row[3]) < 20  # the step it reached, before the 20 of a full run
     # --watch ends by itself once the search has.
     watched = hpsearch("status", "--study", "c", "--storage", all_pruned.url, "--watch", "1", cwd=all_pruned.root)

@@ -31,6 +31,8 @@ class Encoded:
     token_labels: list[list[int]] = field(default_factory=list)
     """Chat data: each token's label, its own id or IGNORE_INDEX; empty otherwise (then prompt_lengths apply)."""
     task: str = CLASSIFICATION
+    dropped: list[int] = field(default_factory=list)
+    """Causal-lm: the line numbers of rows left out, every token they train on lying beyond model.max_length."""
 
     def __len__(self) -> int:
         return len(self.input_ids)

@@ -62,27 +62,27 @@ def _json(value: Any) -> str:
 
 
 def encode_chat(rows: ChatRows, tokenizer: Any, max_length: int) -> Encoded:
-    """Token ids and per-token labels (the id inside assistant turns, IGNORE_INDEX elsewhere), cut at ``max_length``."""
+    """Token ids and per-token labels (the id inside assistant turns, IGNORE_INDEX elsewhere), cut at ``max_length``;
+    a conversation whose assistant tokens all lie beyond it is left out (its line in ``Encoded.dropped``)."""
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(
             f"data file {rows.path}: line {rows.lines[0]} is chat data, but the tokenizer of "
             f"{getattr(tokenizer, 'name_or_path', 'the model')} has no chat template; use a model folder whose "
             'tokenizer_config.json has "chat_template" (or that holds chat_template.jinja), e.g. an -Instruct model'
         )
-    ids, labels = [], []
+    ids, labels, dropped = [], [], []
     for conversation, line_no in zip(rows.conversations, rows.lines, strict=True):
-        where = f"data file {rows.path}: line {line_no}"
-        tokens, token_labels = render(tokenizer, conversation, where)
+        tokens, token_labels = render(tokenizer, conversation, f"data file {rows.path}: line {line_no}")
         first = next(i for i, label in enumerate(token_labels) if label != IGNORE_INDEX)
-        # Position 0 is never predicted (nothing precedes it), hence first >= 1 to count.
+        # Position 0 is never predicted (nothing precedes it), hence first >= 1 to count. Such a row is left out,
+        # not refused: real chat sets always hold a few conversations longer than the length chosen
+        # (dataset.check_dropped refuses a file that loses more than data.max_dropped_share).
         if max(first, 1) >= max_length:
-            raise DataError(
-                f"{where}: every assistant token lies beyond model.max_length ({max_length}): the first is token "
-                f"{first + 1} of {len(tokens)}; raise model.max_length or shorten the conversation"
-            )
+            dropped.append(line_no)
+            continue
         ids.append(tokens[:max_length])
         labels.append(token_labels[:max_length])
-    return Encoded(input_ids=ids, token_labels=labels, task=CAUSAL_LM)
+    return Encoded(input_ids=ids, token_labels=labels, task=CAUSAL_LM, dropped=dropped)
 
 
 def render(tokenizer: Any, conversation: list[Message], where: str) -> tuple[list[int], list[int]]:

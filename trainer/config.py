@@ -5,10 +5,11 @@ The trainer receives it merged (spec defaults + the trial's sampled values); it 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
@@ -82,6 +83,10 @@ class DataConfig:
     messages_column: str = "messages"
     """causal-lm: a file whose rows hold this key is chat data: a list of {"role", "content"}
     messages rendered with the tokenizer's chat template; only assistant turns count in the loss."""
+    max_dropped_share: float = 0.05
+    """causal-lm: the share of a file's rows that may be left out because every token they train on lies beyond
+    model.max_length (as axolotl and LLaMA-Factory drop long sequences); more, or every row, is refused.
+    Classification texts are truncated to model.max_length instead, never left out."""
 
     def validate(self, where: str = "data") -> None:
         for name in ("train", "validation"):
@@ -94,6 +99,10 @@ class DataConfig:
                 raise ConfigError(f"{where}.{name}: must not be empty")
             if isinstance(value, int) and value < 0:
                 raise ConfigError(f"{where}.{name}: {value} must be a column position >= 0 (0 = the first column)")
+        if not 0 <= self.max_dropped_share < 1:
+            raise ConfigError(
+                f"{where}.max_dropped_share: {self.max_dropped_share:g} must be >= 0 and < 1 (a share of the rows)"
+            )
 
 
 @dataclass
@@ -226,6 +235,13 @@ class AdapterConfig:
 C = TypeVar("C")
 
 
+def near(key: str, known: Iterable[str], listed: str) -> str:
+    """``did you mean X?`` for a typo close to a known key (difflib), else ``LISTED: every known key``: a list of
+    thirty keys hides the one a user meant to type."""
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+    return f"did you mean {close[0]}?" if close else f"{listed}: {', '.join(sorted(known))}"
+
+
 def from_dict(cls: type[C], values: dict[str, Any], where: str) -> C:
     """Build dataclass ``cls`` from ``values``, rejecting unknown keys and wrong types."""
     if not isinstance(values, dict):
@@ -235,7 +251,7 @@ def from_dict(cls: type[C], values: dict[str, Any], where: str) -> C:
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
         if key not in names:
-            raise ConfigError(f"{where}.{key}: unknown key; known keys: {', '.join(sorted(names))}")
+            raise ConfigError(f"{where}.{key}: unknown key; {near(key, names, 'known keys')}")
         kwargs[key] = coerce(value, hints[key], f"{where}.{key}")
     return cls(**kwargs)
 

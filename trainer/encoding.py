@@ -22,8 +22,9 @@ from hpsearch.trainer.reading import DataError, Rows, TextRows, read_records, re
 
 log = logging.getLogger(__name__)
 # Raised whenever reading or encoding yields other examples from the same file, so no host reuses tokens the
-# current code would not produce (4: CSV quoted fields keep their line breaks; 5: JSON, not pickle; 6: chat data).
-CACHE_VERSION = 6
+# current code would not produce (4: CSV quoted fields keep their line breaks; 5: JSON, not pickle; 6: chat data;
+# 7: causal-lm rows with nothing to train on within max_length are left out and their lines kept).
+CACHE_VERSION = 7
 
 
 @dataclass
@@ -75,7 +76,22 @@ def prepare(
     """Tokenised splits, shared through ``cache_dir`` by every trial and worker pointing at it (keyed by the
     files' contents, the task, the tokenizer and ``max_length``); ``splits``: as ``read_splits`` read them.
     ``write=False`` reads a cached copy but writes none (a `start` whose other checks may still fail: :func:`keep`
-    writes it once the study exists)."""
+    writes it once the study exists). A file that loses too many rows to ``max_length`` is refused (check_dropped),
+    read from the cache or not: the share allowed is no part of the cache's key."""
+    prepared = _prepare(cfg, tokenizer, max_length, cache_dir, task, splits, write)
+    check_dropped(prepared, cfg, max_length)
+    return prepared
+
+
+def _prepare(
+    cfg: DataConfig,
+    tokenizer: Any,
+    max_length: int,
+    cache_dir: Path | None,
+    task: str,
+    splits: Splits | None,
+    write: bool,
+) -> Prepared:
     if cache_dir is not None and cache_dir.is_symlink():
         # A shared runs folder is input: a link there would have the cache written (and read) elsewhere.
         log.warning("not using the token cache %s: it is a link, and hpsearch writes through none", cache_dir)
@@ -126,7 +142,9 @@ def _tokenise(cfg: DataConfig, tokenizer: Any, max_length: int, task: str, split
         return _encode(rows, labels, tokenizer, max_length)
 
     train, validation = encode(splits.train), encode(splits.validation)
-    return Prepared(train=train, validation=validation, labels=splits.labels, pad_id=int(pad_id or 0), task=task)
+    prepared = Prepared(train=train, validation=validation, labels=splits.labels, pad_id=int(pad_id or 0), task=task)
+    check_dropped(prepared, cfg, max_length)  # before a cache is written for a file that is refused
+    return prepared
 
 
 def _load(path: Path) -> Prepared | None:
@@ -179,6 +197,7 @@ def _from_json(d: dict[str, Any]) -> Prepared:
             prompt_lengths=ints(e["prompt_lengths"]),
             token_labels=[ints(x) for x in e["token_labels"]],
             task=str(e["task"]),
+            dropped=ints(e["dropped"]),
         )
 
     raw = d["labels"]
@@ -226,21 +245,58 @@ def _encode_text(rows: TextRows, tokenizer: Any, max_length: int) -> Encoded:
     prompts = tokenizer(rows.prompts, return_attention_mask=False)["input_ids"]
     texts = tokenizer(rows.texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    ids, prompt_lengths = [], []
-    for prompt, text in zip(prompts, texts, strict=True):
+    ids, prompt_lengths, dropped = [], [], []
+    for prompt, text, line_no in zip(prompts, texts, rows.lines, strict=True):
         sequence = (list(prompt) + list(text) + eos)[:max_length]
-        # Keep only sequences with something to predict after the prompt.
+        # Keep only sequences with something to predict after the prompt; the rest is left out, as for chat rows.
         if len(sequence) > max(len(prompt), 1):
             ids.append(sequence)
             prompt_lengths.append(len(prompt))
-    if not ids:
-        raise DataError(
-            f"data file {rows.path}: no example has a token to train on within model.max_length ({max_length}); "
-            "raise model.max_length or shorten the prompts"
-        )
-    if len(ids) < len(rows.texts):
-        log.warning("%s: %d examples dropped: prompt fills model.max_length", rows.path, len(rows.texts) - len(ids))
-    return Encoded(input_ids=ids, prompt_lengths=prompt_lengths, task=CAUSAL_LM)
+        else:
+            dropped.append(line_no)
+    return Encoded(input_ids=ids, prompt_lengths=prompt_lengths, task=CAUSAL_LM, dropped=dropped)
+
+
+LEFT_OUT = "every token it trains on (the response, the assistant's turns) lies beyond model.max_length ({})"
+SHOWN_LINES = 5
+
+
+def left_out(prepared: Prepared, cfg: DataConfig, max_length: int) -> list[str]:
+    """One line per file that had rows left out: how many, why, and the first few line numbers."""
+    said = []
+    for path, split in ((cfg.train, prepared.train), (cfg.validation, prepared.validation)):
+        if split.dropped:
+            total = len(split) + len(split.dropped)
+            said.append(
+                f"data file {path}: {len(split.dropped)} of {total} rows left out, as "
+                f"{LEFT_OUT.format(max_length)} ({_lines(split.dropped)})"
+            )
+    return said
+
+
+def check_dropped(prepared: Prepared, cfg: DataConfig, max_length: int) -> None:
+    """Refuse a file that lost every row, or more than ``data.max_dropped_share`` of them, to ``max_length``:
+    a few long rows are normal, many mean the length is wrong for this data."""
+    for path, split in ((cfg.train, prepared.train), (cfg.validation, prepared.validation)):
+        total = len(split) + len(split.dropped)
+        why = f"{LEFT_OUT.format(max_length)} ({_lines(split.dropped)})"
+        if not len(split):
+            raise DataError(
+                f"data file {path}: every row ({total}) is left out, as {why}; raise model.max_length or shorten "
+                "the prompts and conversations"
+            )
+        if len(split.dropped) > cfg.max_dropped_share * total:
+            raise DataError(
+                f"data file {path}: {len(split.dropped)} of {total} rows ({len(split.dropped) / total:.0%}) would be "
+                f"left out, more than data.max_dropped_share ({cfg.max_dropped_share:g}), as {why}; raise "
+                "model.max_length, shorten those rows, or raise data.max_dropped_share"
+            )
+
+
+def _lines(numbers: list[int]) -> str:
+    shown = ", ".join(map(str, numbers[:SHOWN_LINES]))
+    more = f" and {len(numbers) - SHOWN_LINES} more" if len(numbers) > SHOWN_LINES else ""
+    return f"line{'s' if len(numbers) > 1 else ''} {shown}{more}"
 
 
 def _cache_key(cfg: DataConfig, tokenizer: Any, max_length: int, task: str) -> str:

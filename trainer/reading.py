@@ -145,6 +145,8 @@ class TextRows:
     prompts: list[str]
     texts: list[str]
     path: Path
+    lines: list[int]
+    """Each row's line in the file, to name the rows left out after tokenising."""
 
 
 def read_text_rows(
@@ -153,6 +155,7 @@ def read_text_rows(
     """Causal-LM rows: each has ``text_column``, or ``prompt_column`` and ``response_column``."""
     prompts: list[str] = []
     texts: list[str] = []
+    lines: list[int] = []
     _check_columns(path, header, {"text_column": text_column}, records)
     for line_no, record in records:
         columns = (text_column,) if text_column in record else (prompt_column, response_column)
@@ -172,7 +175,8 @@ def read_text_rows(
             raise DataError(f"data file {path}: line {line_no}: {columns[-1]!r} is empty; fill it or remove the row")
         prompts.append(record[prompt_column] if len(columns) == 2 else "")
         texts.append(text)
-    return TextRows(prompts, texts, path)
+        lines.append(line_no)
+    return TextRows(prompts, texts, path, lines)
 
 
 def read_records(path: Path, header: bool = True) -> Records:
