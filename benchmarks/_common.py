@@ -344,7 +344,12 @@ class HpsearchSide:
         self.storage = open_storage(url, create=True)
         self.study = studies.create_or_resume(self.storage, name, StudySpec.from_dict(spec))
         args = WorkerArgs(
-            study=name, storage_url=url, device=str(device()), name=f"{name}-worker", output_dir=str(s.work / name)
+            study=name,
+            storage_url=url,
+            device=str(device()),
+            name=f"{name}-worker",
+            output_dir=str(s.work / name),
+            spec=StudySpec.from_dict(spec).to_dict(),
         )
         self.worker = Worker(args, self.storage, StopFlag(), None)
 
