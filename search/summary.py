@@ -274,7 +274,7 @@ def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
                 str(t["step"]) if t["step"] is not None else "-",
                 *(fmt(t["params"][n]) if n in t["params"] else "-" for n in names),
                 duration(t["duration_s"]),
-                str(t[attrs.THREADS] or "-"),
+                str(t.get(attrs.THREADS) or "-"),
                 t[attrs.WORKER] or "-",
                 _short(reason(t), 60),
             ]

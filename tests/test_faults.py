@@ -98,7 +98,7 @@ def _trials_so_far(url: str) -> list[optuna.trial.FrozenTrial]:
         storage.close()
 
 
-def _wait_for_report(url: str, min_step: int, timeout: float = 900) -> None:
+def _wait_for_report(url: str, min_step: int, timeout: float = 900, proc: subprocess.Popen[str] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         trials = _trials_so_far(url)
@@ -107,8 +107,13 @@ def _wait_for_report(url: str, min_step: int, timeout: float = 900) -> None:
             for t in trials
         ):
             return
+        if proc is not None and proc.poll() is not None:
+            # Not a wait of 15 minutes for a search that is over: say how it ended.
+            _, err = proc.communicate()
+            raise AssertionError(f"start exited ({proc.returncode}) before a report at step {min_step}: {err[-3000:]}")
         time.sleep(0.2)
-    raise AssertionError("no trial reached a validation point in time")
+    states = [(t.number, t.state.name, max(t.intermediate_values, default=None)) for t in _trials_so_far(url)]
+    raise AssertionError(f"no trial reached a validation point in time: {states}")
 
 
 def _sa_url(url: str) -> str:
@@ -196,7 +201,7 @@ def test_sigterm_of_start_hands_back_and_next_start_resumes(
     spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=1)
     proc = _start(tmp_path, spec, sqlite_url)
     try:
-        _wait_for_report(sqlite_url, min_step=10)
+        _wait_for_report(sqlite_url, min_step=10, proc=proc)
         t0 = time.monotonic()
         if whole_group:
             # A shutdown (or `kill -TERM -PGID`) signals the workers as well as the supervisor:

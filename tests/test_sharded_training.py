@@ -74,7 +74,9 @@ def _rank(
     world = distributed.join(rank, 2, port, CPU)
     try:
         params, result = _fit(model_dir, files, cfg, Path(out), world, LORA if lora else None, task)
-        ended = {"status": result.status, "steps": result.steps, "reason": result.fail_reason}
+        # Plain strings: torch.load (weights_only) takes no enum of ours.
+        reason = str(result.fail_reason) if result.fail_reason else None
+        ended = {"status": str(result.status), "steps": result.steps, "reason": reason}
         torch.save({"params": params, "held": result.figures.rank_held_mb, **ended}, Path(out) / f"rank{rank}.pt")
     finally:
         world.close()
