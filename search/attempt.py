@@ -77,12 +77,13 @@ def run(w: Worker, trial: optuna.Trial) -> None:
     started = time.monotonic()  # first_step_seconds and device time count from here
     model: Any = None
     try:
+        early_points = sampling.early_points(w.spec, cfg, w.data)
         if w.peers is not None:
             # First, so the peers prepare their copy while this rank prepares its own.
             spec = w.spec
             resume_from = str(resume) if resume else None
             job = ranks.TrialJob(
-                trial.number, spec.model, spec.data, cfg, spec.search.metric, files, resume_from, adapter
+                trial.number, spec.model, spec.data, cfg, spec.search.metric, files, resume_from, adapter, early_points
             )
             w.peers.run(job)
         data = w.data
@@ -102,8 +103,10 @@ def run(w: Worker, trial: optuna.Trial) -> None:
             meta={"study": w.args.study, "trial": trial.number, "params": params},
             started=started,
             world=w.world,
+            early=early_points,
         )
-        early = EarlyStop(reporter, PruningGate.of_search(data, cfg, w.spec.search))
+        gate = replace(PruningGate.of_search(data, cfg, w.spec.search), early=early_points.steps)
+        early = EarlyStop(reporter, gate)
         result = fit(run, early)
         result.fail_reason = result.fail_reason or early.reason
     except CheckpointError as exc:

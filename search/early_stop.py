@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+FLAT = 0.01
+"""An early point's curve is flat when its loss fell by less than this share of the label prior's entropy since the
+previous early point (0.007 nats for two balanced labels)."""
+
+
 @dataclass(frozen=True)
 class ChanceLevel:
     loss: float  # entropy of the validation labels: the cross-entropy of the best constant prediction
@@ -68,6 +73,8 @@ class PruningGate:
     prune_at_chance: int = 0  # stop after this many judged points in a row at chance (0 = never)
     patient: bool = False  # ask the pruner only about points that say something of the hyperparameters
     at_chance: int = 0
+    early: frozenset[int] = frozenset()  # the trial's early pruning points (sampling.early_points)
+    early_loss: float | None = None  # the loss at the last early point
 
     @classmethod
     def of_search(cls, data: Any, cfg: Any, search: SearchConfig) -> PruningGate:
@@ -95,6 +102,19 @@ class PruningGate:
         chance = self.chance
         matches = chance is not None and step >= self.judged_from and chance.matches(metrics)
         self.at_chance = self.at_chance + 1 if matches else 0
+
+    def cut_early(self, step: int, metrics: Metrics) -> bool | None:
+        """At an early point of a classification trial: whether it has learnt nothing (cut it) or may have (go on);
+        None elsewhere (the pruner decides). Among trials that learn, a curve this short favours the fastest learner
+        (a high learning rate), not the best, so an early point cuts only a flat curve at chance: at the label
+        prior's loss or above, and less than FLAT of it lower than at the previous early point (in the first steps a
+        good learning rate is at the prior too, but its loss is falling; docs/search.md, "Early pruning points")."""
+        if step not in self.early or self.chance is None:
+            return None
+        previous, self.early_loss = self.early_loss, metrics.loss
+        if previous is None or step < self.warmup:
+            return False
+        return previous - metrics.loss < FLAT * self.chance.loss and self.chance.matches(metrics)
 
     @property
     def stuck(self) -> bool:
@@ -133,6 +153,12 @@ class EarlyStop:
             log.info("step %d: no better than the label prior %d points in a row: stopping", step, self.gate.at_chance)
             self.reason = FailReason.AT_CHANCE
             return True
+        early = self.gate.cut_early(step, metrics)
+        if early is not None:
+            if early:
+                log.info("step %d: an early point at chance level (the label prior's loss): stopping", step)
+                self.reason = FailReason.AT_CHANCE
+            return early
         return self.gate.may_prune(step, metrics) and self.inner.should_prune()
 
     def best_saved(self, path: Path, step: int, values: dict[str, float]) -> None:

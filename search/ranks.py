@@ -30,6 +30,7 @@ from hpsearch.trainer.config import AdapterConfig, DataConfig, ModelConfig, Trai
 
 if TYPE_CHECKING:
     from hpsearch.trainer.checkpoint import RunFiles
+    from hpsearch.trainer.evaluate import EarlyPoints
 
 log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 30.0
@@ -49,6 +50,7 @@ class TrialJob:
     files: RunFiles
     resume_from: str | None
     adapter: AdapterConfig | None = None  # a LoRA trial (sharded: every rank holds part of the frozen base)
+    early: EarlyPoints | None = None  # the pruner's early points: every rank validates there
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,7 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
 
     from hpsearch.trainer import distributed, sharding
     from hpsearch.trainer.encoding import prepare
+    from hpsearch.trainer.evaluate import EarlyPoints
     from hpsearch.trainer.loop import Run, fit
     from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 
@@ -192,6 +195,7 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
             files=job.files,
             resume_from=Path(job.resume_from) if job.resume_from else None,
             world=world,
+            early=job.early or EarlyPoints(),
         )
         try:
             result = fit(run, NullReporter())

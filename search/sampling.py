@@ -4,12 +4,17 @@ and the parameters a trial draws from them."""
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optuna
 
 from hpsearch.search.space import Param
 from hpsearch.search.spec import StudySpec
+
+if TYPE_CHECKING:
+    from hpsearch.trainer.config import TrainConfig
+    from hpsearch.trainer.encoding import Prepared
+    from hpsearch.trainer.evaluate import EarlyPoints
 
 
 def worker_seed(spec: StudySpec, place: str, n_existing: int) -> int:
@@ -53,7 +58,8 @@ def grid_space(spec: StudySpec) -> dict[str, list[Any]]:
 
 def make_pruner(spec: StudySpec) -> optuna.pruners.BasePruner:
     """The spec's pruner, in optimizer steps. Its defaults suit a few validation points a trial (docs/decisions.md,
-    "Patient pruning"): asha/hyperband's first rung is ``train.eval_every``, not optuna's guess from the first trial."""
+    "Patient pruning"): asha/hyperband's first rung is ``train.eval_every``, not optuna's guess from the first trial
+    (below it, the trial's early points: :func:`early_points`)."""
     s = spec.search
     kind = s.pruner
     if kind == "none":
@@ -93,3 +99,31 @@ def suggest(trial: optuna.trial.BaseTrial, spec: StudySpec) -> dict[str, Any]:
             assert isinstance(dist, optuna.distributions.FloatDistribution)
             params[name] = trial.suggest_float(name, dist.low, dist.high, log=dist.log, step=dist.step)
     return params
+
+
+def early_points(spec: StudySpec, cfg: TrainConfig, data: Prepared) -> EarlyPoints:
+    """The steps below a trial's first full validation point where it can be cut (asha/hyperband's rungs continued
+    down, ``eval_every / reduction_factor^k``; a quarter and a half of the way for median/percentile), each kept only
+    where validating costs less than the training it could save: scoring a row forward costs about a third of
+    training on it (forward 1, backward 2), and a cut here instead of at the next point saves that many steps of
+    ``batch_size`` rows."""
+    from hpsearch.trainer.evaluate import EarlyPoints
+    from hpsearch.trainer.optim import plan_steps
+
+    s = spec.search
+    if s.pruner == "none" or not s.early_points:
+        return EarlyPoints()
+    total_steps, _ = plan_steps(len(data.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
+    first, n_validation = min(cfg.eval_every, total_steps), len(data.validation)
+    if s.pruner in ("asha", "hyperband"):
+        factor = s.pruner_reduction_factor
+        candidates = sorted({first // factor, first // factor**2} - {0})
+    else:
+        candidates = sorted({first // 4, first // 2} - {0})
+    rows = min(s.early_point_rows or n_validation, n_validation)
+    kept = [
+        step
+        for step, following in zip(candidates, [*candidates[1:], first], strict=True)
+        if rows / 3 < (following - step) * cfg.batch_size
+    ]
+    return EarlyPoints(frozenset(kept), rows, s.seed)

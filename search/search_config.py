@@ -22,6 +22,7 @@ LIMITS = {
     "pruner_warmup_steps": (MAX_STEPS, ""),
     "pruner_min_resource": (MAX_STEPS, ""),
     "pruner_reduction_factor": (1000, ""),
+    "early_point_rows": (10_000_000, ""),
     "prune_at_chance": (MAX_STEPS, ""),
 }
 """Upper bounds of the other budget-like keys, each with how it reads."""
@@ -57,6 +58,14 @@ class SearchConfig:
     """asha/hyperband: optimizer steps of the first rung (0 = train.eval_every, the first validation point)."""
     pruner_reduction_factor: int = 3
     """asha/hyperband: 1 in this many trials is promoted to the next rung."""
+    early_points: bool = True
+    """Any pruner: validate also at early points below the first train.eval_every point (asha/hyperband: its rungs
+    continued down, eval_every / pruner_reduction_factor^k, k = 1, 2; median/percentile: a quarter and half of the
+    way there), where a classification trial that has learnt nothing is cut at a small part of its cost
+    (docs/search.md, "Early pruning points")."""
+    early_point_rows: int = 512
+    """Validation rows an early point scores: a fixed, seeded subset, the same in every trial (0 = all). A trial's
+    value and its kept checkpoint come from full validation points only."""
     patient_pruning: bool = True
     """Any pruner: it is not asked about points that say little of a trial's hyperparameters, though they are
     reported (search/early_stop.py; the rule: docs/search.md, "Pruners: stop hopeless trials early")."""
@@ -86,6 +95,7 @@ class SearchConfig:
             rule(getattr(self, name) >= 0, name, "must be >= 0")
         rule(0 < self.pruner_percentile < 100, "pruner_percentile", "must be between 0 and 100 (exclusive)")
         rule(self.pruner_min_resource >= 0, "pruner_min_resource", "must be >= 0 (0 = train.eval_every)")
+        rule(self.early_point_rows >= 0, "early_point_rows", "must be >= 0 (0 = every validation row)")
         rule(self.pruner_reduction_factor >= 2, "pruner_reduction_factor", "must be >= 2")
         rule(self.prune_at_chance >= 0, "prune_at_chance", "must be >= 0 (0 = never)")
         rule(self.keep_top_k >= 1, "keep_top_k", "must be >= 1 (the best trial's checkpoint is always kept)")

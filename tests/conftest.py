@@ -93,9 +93,12 @@ def spec_text(
     space: str = 'learning_rate = { type = "float", low = 1e-4, high = 3e-3, log = true }',
     search: str = "",
     prune_at_chance: int = 0,
+    early_points: bool = False,
 ) -> str:
     # The tiny random-initialised BERT learns nothing in these few steps: with the default
-    # prune_at_chance every trial would stop at chance; tests that want that turn it on.
+    # prune_at_chance every trial would stop at chance; tests that want that turn it on. Early
+    # pruning points (on by default) would add validations at steps 1-2 of every trial and move
+    # the steps the pruner judges: off, but in the tests of early points (test_early_points.py).
     return f"""
 [model]
 name = "{model}"
@@ -118,6 +121,7 @@ pruner = "median"
 metric = "loss"
 seed = 0
 prune_at_chance = {prune_at_chance}
+early_points = {"true" if early_points else "false"}
 {search}
 [search.space]
 {space}

@@ -37,6 +37,16 @@ class Encoded:
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    def subset(self, indices: Sequence[int]) -> Encoded:
+        """These rows only, in this order (the lists a task does not use stay empty)."""
+
+        def pick(rows: list[Any]) -> list[Any]:
+            return [rows[i] for i in indices] if rows else []
+
+        return Encoded(
+            pick(self.input_ids), pick(self.labels), pick(self.prompt_lengths), pick(self.token_labels), self.task
+        )
+
     @functools.cached_property
     def lengths(self) -> list[int]:
         # Cached: the loop asks for it every epoch and it is O(dataset) to rebuild.

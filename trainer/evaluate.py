@@ -4,6 +4,7 @@ gradients and with little padding, sharded over data-parallel ranks."""
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -48,6 +49,24 @@ class Point(NamedTuple):
         if self.value != other.value:
             return self.value < other.value if metric == "loss" else self.value > other.value
         return self.loss < other.loss
+
+
+@dataclass(frozen=True)
+class EarlyPoints:
+    """Validation points the search asks for before a trial's first ``eval_every`` point, where its pruner can cut a
+    hopeless trial at a small part of its cost. Each is scored on the same seeded subset of ``rows`` validation rows
+    in every trial (all of them when ``rows`` is 0 or not fewer), reported and judged, never saved from: a trial's
+    value and its kept checkpoint come from full points only (docs/search.md, "Early pruning points")."""
+
+    steps: frozenset[int] = frozenset()
+    rows: int = 0
+    seed: int = 0
+
+    def data(self, validation: Encoded) -> Encoded:
+        """The rows an early point scores: a fixed draw, so every trial (and every rank) is judged on the same."""
+        if not 0 < self.rows < len(validation):
+            return validation
+        return validation.subset(sorted(random.Random(self.seed).sample(range(len(validation)), self.rows)))
 
 
 def macro_f1(confusion: torch.Tensor) -> float:

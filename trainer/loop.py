@@ -3,6 +3,7 @@ When a run ends early is the search's business: the reporter says whether to pru
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -19,7 +20,7 @@ from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.curves import Curves
 from hpsearch.trainer.distributed import World, parameter_digest
 from hpsearch.trainer.encoding import Prepared
-from hpsearch.trainer.evaluate import Metrics, Point
+from hpsearch.trainer.evaluate import EarlyPoints, Metrics, Point
 from hpsearch.trainer.model import enable_gradient_checkpointing
 from hpsearch.trainer.optim import build_optimizer, build_scheduler, plan_steps
 from hpsearch.trainer.report import FailReason, Reporter, StateSavingReporter, Status, TrainResult
@@ -48,6 +49,7 @@ class Run:
     meta: dict[str, Any] = field(default_factory=dict)
     started: float | None = None  # time.monotonic() at the trial's start (before the model copy); default: fit's entry
     world: World = field(default_factory=World)  # the data-parallel ranks; only rank 0 reports and saves
+    early: EarlyPoints = field(default_factory=EarlyPoints)  # the pruner's points before the first eval_every
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Loop:
     saved: tuple[int, Path] | None = None
     last_resume: float = field(default_factory=time.monotonic)
     running_steps: int = 0
+    early_data: Prepared = field(init=False)  # what an early point scores: run.early's subset of the validation rows
 
     def __post_init__(self) -> None:
         run = self.run
@@ -97,6 +100,8 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
         stopping = run.world.from_main(run.should_stop())  # rank 0's stop request ends every rank here
         if state.step % run.cfg.eval_every == 0 or state.step == loop.total_steps or stopping:
             result = validation_point(loop, state, stopping)
+        elif state.step in run.early.steps:
+            result = early_point(loop, state)
     return _finish(loop, state, result or TrainResult(Status.COMPLETE), first_step)
 
 
@@ -143,6 +148,24 @@ def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResu
     return None
 
 
+def early_point(loop: Loop, state: TrainState) -> TrainResult | None:
+    """A point the pruner asked for: the early subset scored, reported and judged, nothing saved (a trial's value
+    and its checkpoint come from full points); the train loss keeps running to the next full point."""
+    run, world = loop.run, loop.run.world
+    loop.speed.pause()
+    metrics = validate(loop.compiled, loop.early_data, state.micro * 2, run.device, loop.precision, world)
+    if metrics is None:
+        return TrainResult(Status.FAILED, fail_reason=FailReason.OOM)
+    value = metrics.objective(run.metric)
+    rows = len(loop.early_data.validation)
+    log.info("step %d/%d early point (%d rows) val_%s %.4f", state.step, loop.total_steps, rows, run.metric, value)
+    if world.is_main:
+        loop.reporter.report(value, state.step, metrics)
+    if world.from_main(world.is_main and loop.reporter.should_prune()):
+        return TrainResult(Status.PRUNED)
+    return None
+
+
 def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
     cfg, device, world = run.cfg, run.device, run.world
     # The spec checks each searched value, and pairs of them, but not every combination of a
@@ -180,6 +203,7 @@ def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
             reporter.best_saved(run.files.best.resolve(), state.best.step, state.best_values)
     batches = Batches(run.data, cfg, state.micro, world, steps_per_epoch)
     loop = Loop(run, world.wrap(compiled, device), compiled, parts, precision, total_steps, batches)
+    loop.early_data = dataclasses.replace(run.data, validation=run.early.data(run.data.validation))
     loop.reporter = StateSavingReporter(
         reporter, lambda: _state_for_reporter(loop, state), run.should_stop, run.stop_waiting
     )

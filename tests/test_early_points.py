@@ -1,0 +1,199 @@
+"""Early pruning points: a trial validates at its pruner's early rungs, on a fixed subset of the validation rows,
+the pruner is asked there, and a trial's value and its kept checkpoint come from full points only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import tomllib
+
+from hpsearch.search import sampling
+from hpsearch.search.early_stop import EarlyStop, PruningGate
+from hpsearch.search.spec import StudySpec
+from hpsearch.search.trial_attrs import NullReporter
+from hpsearch.trainer.config import DataConfig, TrainConfig
+from hpsearch.trainer.encoding import Prepared, prepare
+from hpsearch.trainer.evaluate import EarlyPoints, Metrics, evaluate
+from hpsearch.trainer.loop import fit
+from hpsearch.trainer.model import load_tokenizer
+from tests.conftest import spec_text, start_study
+from tests.support.tiny import tiny_run
+
+
+def _spec(
+    tiny_model: Path, demo_files: tuple[Path, Path], pruner: str = "median", early: bool = True, **search: Any
+) -> StudySpec:
+    raw = tomllib.loads(spec_text(tiny_model, *demo_files, early_points=early))
+    raw["train"]["eval_every"] = 16
+    raw["search"].update(pruner=pruner, **search)
+    return StudySpec.from_dict(raw, base_dir=tiny_model.parent)
+
+
+@pytest.fixture
+def prepared(tiny_model: Path, demo_files: tuple[Path, Path]) -> tuple[Any, Prepared]:
+    tok = load_tokenizer(str(tiny_model))
+    return tok, prepare(DataConfig(train=str(demo_files[0]), validation=str(demo_files[1])), tok, 32, None)
+
+
+def test_early_points_continue_the_rungs_below_the_first_validation_point(
+    tiny_model: Path, demo_files: tuple[Path, Path], prepared: tuple[Any, Prepared]
+) -> None:
+    _, data = prepared  # 320 training rows, 96 validation rows
+    cfg = TrainConfig(batch_size=16, epochs=1, eval_every=16)  # 20 steps
+    # asha, eval_every 16, reduction factor 3: 16 // 3 and 16 // 9; the pruner's own rungs start at 16 as before.
+    asha = _spec(tiny_model, demo_files, "asha")
+    assert sampling.early_points(asha, cfg, data) == EarlyPoints(frozenset({1, 5}), 96, 0)
+    pruner = sampling.make_pruner(asha)
+    assert isinstance(pruner, optuna.pruners.SuccessiveHalvingPruner) and pruner._min_resource == 16
+    assert sampling.early_points(_spec(tiny_model, demo_files, "asha", pruner_reduction_factor=4), cfg, data).steps == {
+        1,
+        4,
+    }
+    # median/percentile: a quarter and a half of the way to the first full point.
+    assert sampling.early_points(_spec(tiny_model, demo_files), cfg, data).steps == {4, 8}
+    # No pruner, or early points off: none.
+    assert sampling.early_points(_spec(tiny_model, demo_files, "none"), cfg, data) == EarlyPoints()
+    assert sampling.early_points(_spec(tiny_model, demo_files, "asha", early=False), cfg, data) == EarlyPoints()
+    # A subset smaller than the validation split where early_point_rows says so.
+    assert sampling.early_points(_spec(tiny_model, demo_files, early_point_rows=40), cfg, data).rows == 40
+
+
+def test_an_early_point_that_costs_more_than_it_could_save_is_skipped(
+    tiny_model: Path, demo_files: tuple[Path, Path], prepared: tuple[Any, Prepared]
+) -> None:
+    _, data = prepared
+    one = TrainConfig(batch_size=1, micro_batch_size=1, epochs=1, eval_every=16)
+    # Batch 1: a point at step 4 saves at most 4 rows of training before step 8; scoring 96 rows costs ~32.
+    assert sampling.early_points(_spec(tiny_model, demo_files), one, data).steps == set()
+    # Scoring 12 rows (a third: 4) costs what the 4 steps from 4 to 8 could save: skipped; the point at 8 could
+    # save 8 steps: kept. 9 rows (3) cost less than either.
+    assert sampling.early_points(_spec(tiny_model, demo_files, early_point_rows=12), one, data).steps == {8}
+    assert sampling.early_points(_spec(tiny_model, demo_files, early_point_rows=9), one, data).steps == {4, 8}
+
+
+def test_the_early_subset_is_fixed_and_the_same_in_every_trial(prepared: tuple[Any, Prepared]) -> None:
+    _, data = prepared
+    a, b = (EarlyPoints(frozenset({2}), 40, seed=7).data(data.validation) for _ in range(2))
+    assert len(a) == 40 and a.input_ids == b.input_ids and a.labels == b.labels
+    other = EarlyPoints(frozenset({2}), 40, seed=8).data(data.validation)
+    assert other.input_ids != a.input_ids
+    assert EarlyPoints(frozenset({2}), 0).data(data.validation) is data.validation
+
+
+class _Recorder(NullReporter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.points: dict[int, Metrics | None] = {}
+        self.saved: list[int] = []
+
+    def report(self, value: float, step: int, metrics: Metrics | None = None) -> None:
+        super().report(value, step, metrics)
+        self.points[step] = metrics
+
+    def best_saved(self, path: Path, step: int, values: dict[str, float]) -> None:
+        super().best_saved(path, step, values)
+        self.saved.append(step)
+
+
+def test_a_trial_reports_early_points_on_the_subset_and_saves_only_from_full_points(
+    tiny_model: Path, prepared: tuple[Any, Prepared], tmp_path: Path
+) -> None:
+    tok, data = prepared
+    cfg = TrainConfig(batch_size=32, micro_batch_size=32, epochs=2, eval_every=6, learning_rate=1e-3)  # 20 steps
+    early = EarlyPoints(frozenset({2, 4}), 24, seed=3)
+    reporter = _Recorder()
+    run = tiny_run(tiny_model, (tok, data), cfg, tmp_path, early=early)
+    result = fit(run, reporter)
+    assert sorted(reporter.values) == [2, 4, 6, 12, 18, 20]
+    # Early points scored the 24 fixed rows: the metrics a fresh evaluation of that subset gives for this model
+    # differ from the full set's at the last point, and an early point's accuracy is a multiple of 1/24.
+    for step in (2, 4):
+        metrics = reporter.points[step]
+        assert metrics is not None and metrics.accuracy is not None
+        assert round(metrics.accuracy * 24, 6) == round(metrics.accuracy * 24)
+    final = evaluate(
+        run.model,
+        early.data(data.validation),
+        pad_id=data.pad_id,
+        batch_size=8,
+        device=run.device,
+        precision="fp32",
+        num_labels=2,
+    )
+    assert final.loss != pytest.approx(reporter.values[20], abs=0)  # the last (full) point is not the subset's
+    # Nothing saved at an early point; the trial's best is a full point's.
+    assert reporter.saved and not {2, 4} & set(reporter.saved)
+    assert result.best_step in {6, 12, 18, 20}
+    assert result.best_value == reporter.values[result.best_step]
+
+
+class _AlwaysPrune(_Recorder):
+    def should_prune(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("learning_rate,stopped_at", [(1e-6, 4), (0.9, 6)])
+def test_an_early_point_cuts_a_flat_trial_at_chance_and_leaves_a_moving_one_to_the_pruner(
+    tiny_model: Path, prepared: tuple[Any, Prepared], tmp_path: Path, learning_rate: float, stopped_at: int
+) -> None:
+    # lr 1e-6 learns nothing: at the label prior's loss at steps 2 and 4 and no lower at 4, it is cut there (at 2
+    # there is no earlier point to say the curve is flat), though the pruner would prune anywhere. lr 0.9 blows
+    # the loss up, then it falls fast (9.9, 6.6, 4.0): not flat, so the early points leave it alone and the first
+    # full point asks the pruner, which says prune.
+    tok, data = prepared
+    cfg = TrainConfig(
+        batch_size=32, micro_batch_size=32, epochs=2, eval_every=6, warmup_ratio=0.0, learning_rate=learning_rate
+    )
+    reporter = _AlwaysPrune()
+    gate = PruningGate.of_run(data, cfg, "loss", prune_at_chance=0, patient=True)
+    gate.early = frozenset({2, 4})
+    early = EarlyStop(reporter, gate)
+    run = tiny_run(tiny_model, (tok, data), cfg, tmp_path, early=EarlyPoints(gate.early, 24))
+    result = fit(run, early)
+    assert (result.status, result.steps) == ("pruned", stopped_at), reporter.points
+    if stopped_at == 4:
+        assert early.reason == "at_chance"
+        assert result.best_value is None and reporter.saved == []  # no full point: no value, no checkpoint
+    else:
+        assert early.reason is None and reporter.saved == [6]
+
+
+def test_asha_cuts_a_flat_trial_at_an_early_point_through_the_cli(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
+    # 320 rows, batch 32, 2 epochs: 20 steps, full points every 9 (9, 18, 20); asha's early points at 9 // 3 = 3
+    # and 9 // 9 = 1. Trial 1 is in its warm-up there (10 steps), so it is not judged and trains on; trial 2
+    # (lr 1e-6, no warm-up) learns nothing and is cut at step 3, not at 9 as without early points.
+    spec = tmp_path / "early.toml"
+    enqueue = (
+        "[[search.enqueue]]\nlearning_rate = 1e-3\nwarmup_ratio = 0.5\n"
+        "[[search.enqueue]]\nlearning_rate = 1e-6\nwarmup_ratio = 0.0\n[search.space]"
+    )
+    spec.write_text(
+        spec_text(
+            tiny_model,
+            *demo_files,
+            n_trials=2,
+            space='learning_rate = { type = "float", low = 1e-6, high = 1.0, log = true }\n'
+            'warmup_ratio = { type = "float", low = 0.0, high = 0.6 }',
+            early_points=True,
+        )
+        .replace('pruner = "median"', 'pruner = "asha"')
+        .replace("eval_every = 5", "eval_every = 9")
+        .replace("[search.space]", enqueue)
+    )
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    start_study("e", spec, url, tmp_path)
+    first, second = optuna.load_study(study_name="e", storage=url).trials
+    assert first.state == optuna.trial.TrialState.COMPLETE, first.intermediate_values
+    assert sorted(first.intermediate_values) == [1, 3, 9, 18, 20]
+    # Its value is a full point's, never an early one's.
+    assert first.user_attrs["best_step"] in (9, 18, 20)
+    assert first.value == first.intermediate_values[first.user_attrs["best_step"]]
+    assert second.state == optuna.trial.TrialState.PRUNED, second.intermediate_values
+    assert sorted(second.intermediate_values) == [1, 3]
+    assert second.user_attrs["fail_reason"] == "at_chance"
+    assert "best_checkpoint" not in second.user_attrs
