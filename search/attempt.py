@@ -105,7 +105,10 @@ def run(w: Worker, trial: optuna.Trial) -> None:
             world=w.world,
             early=early_points,
         )
-        gate = replace(PruningGate.of_search(data, cfg, w.spec.search), early=early_points.steps)
+        rank_searched = w.spec.searches_rank
+        gate = replace(
+            PruningGate.of_search(data, cfg, w.spec.search, rank_searched=rank_searched), early=early_points.steps
+        )
         early = EarlyStop(reporter, gate)
         result = fit(run, early)
         result.fail_reason = result.fail_reason or early.reason

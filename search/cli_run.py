@@ -19,7 +19,16 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import budget, devices, plan as plans, retry, stop_signals, study as studies, summary
+from hpsearch.search import (
+    budget,
+    devices,
+    plan as plans,
+    retry,
+    stop_signals,
+    study as studies,
+    summary,
+    warm_start,
+)
 from hpsearch.search.cli import DEFAULT_OUTPUT_DIR
 from hpsearch.search.cli_study import format_status, study_status
 from hpsearch.search.devices import Device, check_precision
@@ -60,16 +69,21 @@ def cmd_start(args: argparse.Namespace) -> int:
     except StudyNotFoundError:  # no storage yet: the study is new, and so must its folder be
         check_creatable(url)  # else the inputs would be read (and checked) for a storage that cannot be made
         rundir.check(study_dir, args.study, None, exists=False, storage=urls.mask(urls.normalize(url)))
+        exists = False
     else:
         with closing(storage):
-            _check_study(storage, args.study, spec, study_dir)
+            exists = _check_study(storage, args.study, spec, study_dir)
+    # Read now, before anything is written: a warm start is applied only as the study is created.
+    warm = None if exists else warm_start.plan(spec, args.study, url)
     inputs = _check_inputs(spec, args.output_dir, args.study, device_list)
     # Before anything is paid for: a trial far bigger than a device is refused here (exit 2), nothing written.
     plan = plans.check(inputs.spec, device_list)
     # Every check passed: only now is anything written (the storage, the study, its folder, the token cache).
     with closing(open_storage(url, create=True)) as storage:
         _check_study(storage, args.study, spec, study_dir)  # again: another host may have made it meanwhile
-        study = studies.create_or_resume(storage, args.study, spec)
+        for line in spec.defaults_added:
+            log.info("%s", line)
+        study = studies.create_or_resume(storage, args.study, spec, warm)
         if plan is not None:
             study.set_user_attr(attrs.MEMORY_PLAN, plan.record())  # `status` shows it
         rundir.claim(study_dir, args.study, studies.ensure_uid(study), storage.display)
@@ -83,10 +97,12 @@ def cmd_start(args: argparse.Namespace) -> int:
     return _run_and_report(args, url, device_list, spec)
 
 
-def _check_study(storage: Storage, name: str, spec: StudySpec, study_dir: Path) -> None:
-    """The spec matches the stored one, and the checkpoint folder is this study's (writes nothing)."""
+def _check_study(storage: Storage, name: str, spec: StudySpec, study_dir: Path) -> bool:
+    """The spec matches the stored one, and the checkpoint folder is this study's (writes nothing); whether the
+    study exists."""
     exists, uid = studies.check_spec_before_create(storage, name, spec)
     rundir.check(study_dir, name, uid, exists=exists, storage=storage.display)
+    return exists
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

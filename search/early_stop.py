@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from hpsearch.trainer.stats import Figures
 
 log = logging.getLogger(__name__)
+RANK_JUDGED_FROM = 3
+"""A study that searches the LoRA rank is not judged by its pruner in the first 1/this of a trial's steps."""
 
 
 FLAT = 0.01
@@ -72,15 +74,18 @@ class PruningGate:
     metric: str
     prune_at_chance: int = 0  # stop after this many judged points in a row at chance (0 = never)
     patient: bool = False  # ask the pruner only about points that say something of the hyperparameters
+    rank_searched: bool = False  # the study searches the LoRA rank: see rank_judged_from
     at_chance: int = 0
     early: frozenset[int] = frozenset()  # the trial's early pruning points (sampling.early_points)
     early_loss: float | None = None  # the loss at the last early point
 
     @classmethod
-    def of_search(cls, data: Any, cfg: Any, search: SearchConfig) -> PruningGate:
+    def of_search(cls, data: Any, cfg: Any, search: SearchConfig, *, rank_searched: bool = False) -> PruningGate:
         """The gate the spec's search section asks for: the chance stop with every pruner but none."""
         prune_at_chance = search.prune_at_chance if search.pruner != "none" else 0
-        return cls.of_run(data, cfg, search.metric, prune_at_chance=prune_at_chance, patient=search.patient_pruning)
+        gate = cls.of_run(data, cfg, search.metric, prune_at_chance=prune_at_chance, patient=search.patient_pruning)
+        gate.rank_searched = rank_searched
+        return gate
 
     @classmethod
     def of_run(cls, data: Any, cfg: Any, metric: str, *, prune_at_chance: int, patient: bool) -> PruningGate:
@@ -90,6 +95,13 @@ class PruningGate:
         total, _ = plan_steps(len(data.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
         chance = ChanceLevel.of(data.validation.labels)
         return cls(chance, warmup_steps(cfg, total), total, metric, prune_at_chance=prune_at_chance, patient=patient)
+
+    @property
+    def rank_judged_from(self) -> int:
+        """First step the pruner may judge a trial of a study that searches the LoRA rank (0 otherwise): a third of
+        its steps. Early on, LoRA runs of different ranks follow one curve; a low rank falls behind only once its
+        capacity runs out (docs/decisions.md, "Rank is judged late"), so an early cut would judge noise."""
+        return -(-self.total_steps // RANK_JUDGED_FROM) if self.rank_searched else 0
 
     @property
     def judged_from(self) -> int:
@@ -123,7 +135,7 @@ class PruningGate:
     def may_prune(self, step: int, metrics: Metrics) -> bool:
         if not self.patient:
             return True
-        if step < self.warmup:
+        if step < max(self.warmup, self.rank_judged_from):
             return False
         unseen = self.metric != "loss" and self.chance is not None and self.chance.not_yet_seen(metrics)
         return not (unseen and step < self.judged_from)

@@ -20,7 +20,7 @@ import optuna
 from optuna.trial import TrialState
 from sqlalchemy.pool import NullPool
 
-from hpsearch.search import budget, note, stop_signals, summary
+from hpsearch.search import budget, note, stop_signals, summary, warm_start
 from hpsearch.search.devices import Device
 from hpsearch.search.spec import StudySpec
 from hpsearch.storage import attrs, ledger, urls
@@ -71,7 +71,7 @@ class Snapshot:
 def read(study: optuna.Study, spec: StudySpec, used_s: float, now: dt.datetime | None = None) -> Snapshot:
     """``used_s``: the study's device time, from the ledger (storage/ledger.py)."""
     now = now or dt.datetime.now()
-    trials = study.get_trials(deepcopy=False)
+    trials = warm_start.ran_here(study.get_trials(deepcopy=False))
     retried = {t.user_attrs.get(attrs.RETRY_OF) for t in trials}
     best = summary.best_trial(study)
     done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hpsearch.search.errors import SpecError
+from hpsearch.storage import urls
+from hpsearch.storage.errors import StorageUrlError
 from hpsearch.trainer.config import MAX_STEPS
 
 MAX_TRIALS = 100_000
@@ -81,6 +83,10 @@ class SearchConfig:
     """Keep the best checkpoints of this many top trials, study-wide; others are deleted."""
     max_disk_gb: float = 0.0
     """Cap on the kept best checkpoints (GB); the worst are deleted first (0 = no cap)."""
+    warm_start: str = ""
+    """An earlier study to start from: "NAME" (same storage) or "URL#NAME" (another storage, read only). Its best
+    finished configurations run first and TPE/GP learn from its results; used once, when this study is created
+    (search/warm_start.py; docs/search.md, "Warm start")."""
 
     def validate(self, where: str = "search") -> None:
         def rule(ok: bool, name: str, msg: str) -> None:
@@ -103,5 +109,30 @@ class SearchConfig:
             # inf passes ">= 0" and breaks arithmetic later (int(inf) in retention): 0 means no limit.
             value = getattr(self, name)
             rule(math.isfinite(value) and value >= 0, name, "must be a finite number >= 0 (0 = no limit)")
+        if self.warm_start:
+            check_warm_start(self.warm_start, f"{where}.warm_start")
         for name, (most, words) in LIMITS.items():
             rule(getattr(self, name) <= most, name, f"must be at most {int(most):,}{words}")
+
+
+def check_warm_start(value: str, where: str) -> tuple[str | None, str]:
+    """``[search] warm_start`` as (storage URL or None for this study's own, study name), its form checked; the
+    study itself is looked up only by `start` (search/warm_start.py)."""
+    url, name = value.rsplit("#", 1) if "://" in value else (None, value)
+    fix = 'write "NAME" (a study in the same storage) or "URL#NAME"'
+    if "://" in value and "#" not in value:
+        raise SpecError(f"{where}: {value!r} names a storage but no study; {fix}")
+    if not name.strip():
+        raise SpecError(f"{where}: {value!r} names no study; {fix}")
+    if url is not None:
+        try:
+            parsed = urls.parse(url)
+        except StorageUrlError as exc:
+            raise SpecError(f"{where}: {exc}") from None
+        if parsed.password is not None:
+            # The spec is stored with the study and shown on the dashboard: no secret belongs in it.
+            raise SpecError(
+                f"{where}: {urls.mask(url)}#{name} holds a password, which would be stored with the study; "
+                "put it in ~/.pgpass or PGPASSWORD and leave it out of the URL"
+            )
+    return url, name

@@ -50,6 +50,10 @@ UNSEARCHABLE = {
 LORA_LEARNING_RATE = 5e-4
 """train.learning_rate of a LoRA spec that gives none, 10x the full fine-tune's default (5e-5): docs/decisions.md,
 "LoRA trains at 10x the full fine-tune's learning rate by default"."""
+LORA_LEARNING_RATES = Param("learning_rate", "float", low=1e-4, high=1e-3, log=True)
+"""What a LoRA study searches when neither [train] nor [search.space] gives a learning rate: the published optimum
+for 0.5B-8B models, about 10x the full fine-tune's and nearly independent of the rank (docs/decisions.md, "A LoRA
+study searches 1e-4..1e-3 by default")."""
 
 
 @dataclass
@@ -63,6 +67,9 @@ class StudySpec:
     """``[[search.enqueue]]``: known-good parameter sets tried first, in order."""
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     """``[adapter]``: train a LoRA adapter on the frozen base instead of every weight."""
+    defaults_added: list[str] = field(default_factory=list, compare=False)
+    """What the spec file left out and hpsearch chose, one line each, said at `start` (not stored: the stored spec
+    holds the choice itself)."""
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, base_dir: Path | None = None) -> StudySpec:
@@ -100,6 +107,7 @@ class StudySpec:
                 'learning_rate = { type = "float", low = 1e-5, high = 1e-3 }'
             )
         space = {name: Param.parse(name, value) for name, value in space_raw.items()}
+        defaults_added = _add_lora_learning_rates(space, adapter, search, raw.get("train", {}))
         enqueue = parse_enqueue(enqueue_raw, space)
         if base_dir is not None:
             # Empty values stay empty (not the spec's folder), so validate() says they are missing.
@@ -109,7 +117,7 @@ class StudySpec:
             model = replace(model, name=relative_to(model.name, base_dir, "model.name", hub=True))
         if adapter.enabled and "learning_rate" not in raw.get("train", {}):
             train = replace(train, learning_rate=LORA_LEARNING_RATE)
-        spec = cls(model, data, train, search, space, enqueue, adapter)
+        spec = cls(model, data, train, search, space, enqueue, adapter, defaults_added)
         spec.validate()
         return spec
 
@@ -155,13 +163,13 @@ class StudySpec:
             # Every checked value must make a valid trial, or trials would fail at run time.
             checked[name] = param.checked_values()
             for value in checked[name]:
-                self._check_trial({name: value}, f"search.space.{name}: value {value!r}")
+                self.check_trial({name: value}, f"search.space.{name}: value {value!r}")
         # ... and so must every pair: batch_size 16 and micro_batch_size 32 are each fine alone.
         for a, b in itertools.combinations(checked, 2):
             if len(checked[a]) * len(checked[b]) > MAX_CHECKED_VALUES:
                 continue  # the trainer still checks each trial's values when it starts
             for va, vb in itertools.product(checked[a], checked[b]):
-                self._check_trial({a: va, b: vb}, f"search.space: {a} = {va!r} with {b} = {vb!r}")
+                self.check_trial({a: va, b: vb}, f"search.space: {a} = {va!r} with {b} = {vb!r}")
         # An enqueued trial runs with exactly these values over [train]: it must be a valid trial.
         for i, entry in enumerate(self.enqueue):
             try:
@@ -172,7 +180,9 @@ class StudySpec:
                 values = ", ".join(f"{k} = {v!r}" for k, v in entry.items())
                 raise SpecError(f"search.enqueue[{i}]: {values} gives an invalid trial: {exc}") from None
 
-    def _check_trial(self, values: dict[str, Any], where: str) -> None:
+    def check_trial(self, values: dict[str, Any], where: str) -> None:
+        """Raise SpecError, naming ``where``, unless these parameter values over [train] and [adapter] make a valid
+        trial."""
         try:
             train_values, adapter_values = split_params(values)
             from_dict(TrainConfig, {**asdict(self.train), **train_values}, "train").validate()
@@ -279,8 +289,29 @@ class StudySpec:
         return d
 
     @property
+    def searches_rank(self) -> bool:
+        """Whether the LoRA rank is searched: its trials are judged late (search/early_stop.py rank_judged_from)."""
+        return f"{ADAPTER_PREFIX}r" in self.space
+
+    @property
     def direction(self) -> str:
         return "minimize" if self.search.metric == "loss" else "maximize"
+
+
+def _add_lora_learning_rates(
+    space: dict[str, Param], adapter: AdapterConfig, search: SearchConfig, train_raw: dict[str, Any]
+) -> list[str]:
+    """A LoRA study that gives no learning rate anywhere searches ``LORA_LEARNING_RATES`` (added to ``space``); the
+    line that says so. Not for grid, whose points are exactly what the spec lists (it trains at the fixed default)."""
+    if not adapter.enabled or "learning_rate" in space or "learning_rate" in train_raw or search.sampler == "grid":
+        return []
+    space["learning_rate"] = replace(LORA_LEARNING_RATES)
+    p = LORA_LEARNING_RATES
+    return [
+        f"search.space.learning_rate: none given for a LoRA study; searching {p.low:g}..{p.high:g} (log), the "
+        "published optimum for 0.5B-8B models (docs/decisions.md); give learning_rate in [train] or [search.space] "
+        "to choose"
+    ]
 
 
 def difference(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str | None:

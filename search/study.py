@@ -12,6 +12,7 @@ import sqlalchemy
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from hpsearch.search import warm_start
 from hpsearch.search.errors import SpecError
 from hpsearch.search.spec import StudySpec, difference
 from hpsearch.storage import attrs, registry, slots
@@ -25,10 +26,10 @@ class SpecMismatchError(SpecError):
     """A study exists with another spec."""
 
 
-def create_or_resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
+def create_or_resume(storage: Storage, name: str, spec: StudySpec, warm: warm_start.Plan | None = None) -> optuna.Study:
     """Create the study with ``spec``, or resume the one made with the same spec, under the study's creation lock:
     of several `start`s at once exactly one creates it, the others find it whole (its spec stored) and resume it or
-    are refused with the difference."""
+    are refused with the difference. ``warm`` (search/warm_start.py) is applied only by the one that creates it."""
     storage.prepare()  # our tables and WAL: only now that the study is going ahead
     with storage.creation_lock(name):
         try:
@@ -42,10 +43,10 @@ def create_or_resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Stu
             log.info("study %s: a start was cut short while creating it; creating it again", name)
             optuna.delete_study(study_name=name, storage=storage.optuna)
             study_id = None
-        return _create(storage, name, spec) if study_id is None else _resume(storage, name, spec)
+        return _create(storage, name, spec, warm) if study_id is None else _resume(storage, name, spec)
 
 
-def _create(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
+def _create(storage: Storage, name: str, spec: StudySpec, warm: warm_start.Plan | None) -> optuna.Study:
     def mark(s: Session) -> None:
         s.merge(StudyCreation(study_name=name, started_at=s.execute(select(storage.db.clock())).scalar_one()))
 
@@ -64,9 +65,12 @@ def _create(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
     # Known-good configurations run first: queued now, the first ask() of any worker gets one.
     for params in spec.enqueue:
         study.enqueue_trial(params, user_attrs={attrs.ENQUEUED: True})
+    if warm is not None:  # here only: a resumed study or a second worker never applies it again
+        warm_start.apply(study, spec, warm)
     _store_spec(storage, study, spec)  # last: a study with a spec is whole
     _unmark(storage, name)
-    log.info("created study %s in %s (%d queued trials)", name, storage.display, len(spec.enqueue))
+    queued = len(spec.enqueue) + (len(warm.queue) if warm else 0)
+    log.info("created study %s in %s (%d queued trials)", name, storage.display, queued)
     return study
 
 
@@ -78,7 +82,7 @@ def _unmark(storage: Storage, name: str) -> None:
 def _resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
     study = optuna.load_study(study_name=name, storage=storage.optuna)
     check_same(name, StudySpec.from_dict(study.user_attrs[attrs.SPEC]), spec)
-    trials = study.get_trials(deepcopy=False)
+    trials = warm_start.ran_here(study.get_trials(deepcopy=False))
     log.info("resuming study %s (%d trials so far)", name, len(trials))
     # Said up front; the workers still start, since a crashed host's claimed trials are theirs.
     states = optuna.trial.TrialState
@@ -188,9 +192,11 @@ def _being_created(storage: Storage, name: str) -> bool:
 
 def _cut_short(storage: Storage, study_id: int, spec: StudySpec) -> bool:
     """What a `start` killed while creating the study leaves: this direction, and no trial ever
-    ran (workers refuse a study without a spec), only the spec's enqueued ones, waiting."""
+    ran (workers refuse a study without a spec), only the queued ones, waiting, and a warm start's copied results."""
     [direction] = storage.optuna.get_study_directions(study_id)
+    states = optuna.trial.TrialState
     return direction.name.lower() == spec.direction and all(
-        t.state == optuna.trial.TrialState.WAITING and t.user_attrs.get(attrs.ENQUEUED)
+        (t.state == states.WAITING and t.user_attrs.get(attrs.ENQUEUED))
+        or (t.state == states.COMPLETE and t.user_attrs.get(attrs.EARLIER_RESULT))
         for t in storage.optuna.get_all_trials(study_id, deepcopy=False)
     )

@@ -10,6 +10,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from hpsearch.search import warm_start
 from hpsearch.search.spec import StudySpec
 from hpsearch.storage import attrs, liveness, registry, retention
 from hpsearch.storage.db import Database
@@ -32,7 +33,8 @@ SHOWN = (
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
     """The complete trial ranked first as retention ranks them: by value, then by its best point's validation
     loss (docs/decisions.md, "A tie goes to the lower validation loss"); Optuna's breaks ties by number."""
-    complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
+    finished = warm_start.ran_here(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+    complete = [t for t in finished if t.value is not None]
     if not complete:
         return None
     minimize = study.direction == optuna.study.StudyDirection.MINIMIZE
@@ -57,7 +59,7 @@ def trial_dict(trial: FrozenTrial, now: dt.datetime | None = None) -> dict[str, 
 
 
 def status(study: optuna.Study, spec: StudySpec, n_trials: int, storage_display: str) -> dict[str, Any]:
-    trials = study.get_trials(deepcopy=False)
+    trials = warm_start.ran_here(study.get_trials(deepcopy=False))
     states = Counter(t.state.name.lower() for t in trials)
     best = best_trial(study)
     now = dt.datetime.now()

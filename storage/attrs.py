@@ -10,10 +10,14 @@ N_TRIALS = "hpsearch_n_trials"  # the trial budget, as `start --n-trials` last s
 DEADLINE = "hpsearch_deadline"  # database-clock time (s) after which no new trial starts, or None
 UID = "hpsearch_uid"  # a random id per study, also in its folder's marker (rundir.py): whose folder is whose
 MEMORY_PLAN = "hpsearch_memory_plan"  # the memory plan of the last start/worker (search/plan.py): its line and terms
+WARM_START = "hpsearch_warm_start"  # what [search] warm_start did as the study was created: its source and counts
 SPEC_TABLE = "spec: "  # + a spec table's name ("search.space"): that table in one line, for the dashboard
 
 # -- a trial's, written by the worker that runs it (search/worker.py)
 ENQUEUED = "enqueued"  # True on a trial the spec fixed the parameters of (search/study.py)
+WARM_START_OF = "warm_start_of"  # on a trial a warm start queued: the earlier trial it repeats, "STUDY#N"
+EARLIER_RESULT = "earlier_result"  # on a COMPLETE trial copied from a warm start for the sampler ("STUDY#N"): it
+# never ran here, and no count, best or retention of this study includes it (search/warm_start.py ran_here)
 DEVICE = "device"  # the device it ran on, as "cuda:1 (NVIDIA H200)" or "cpu"
 HOST = "host"  # the host it ran on: its checkpoints are on that host's disk
 WORKER = "worker"  # the worker's name, host/device/pid
