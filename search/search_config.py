@@ -118,10 +118,10 @@ class SearchConfig:
 def check_warm_start(value: str, where: str) -> tuple[str | None, str]:
     """``[search] warm_start`` as (storage URL or None for this study's own, study name), its form checked; the
     study itself is looked up only by `start` (search/warm_start.py)."""
-    url, name = value.rsplit("#", 1) if "://" in value else (None, value)
     fix = 'write "NAME" (a study in the same storage) or "URL#NAME"'
     if "://" in value and "#" not in value:
-        raise SpecError(f"{where}: {value!r} names a storage but no study; {fix}")
+        raise SpecError(f"{where}: {urls.mask(value)!r} names a storage but no study; {fix}")
+    url, name = value.rsplit("#", 1) if "://" in value else (None, value)
     if not name.strip():
         raise SpecError(f"{where}: {value!r} names no study; {fix}")
     if url is not None:

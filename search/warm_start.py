@@ -26,7 +26,7 @@ from hpsearch.search.space import ADAPTER_PREFIX
 from hpsearch.search.spec import StudySpec
 from hpsearch.storage import attrs, urls
 from hpsearch.storage.errors import StorageUrlError, StudyNotFoundError
-from hpsearch.storage.open import open_storage, require_study
+from hpsearch.storage.open import open_storage
 
 log = logging.getLogger(__name__)
 WHERE = "search.warm_start"
@@ -66,9 +66,13 @@ def plan(spec: StudySpec, name: str, url: str) -> Plan | None:
         raise SpecError(f"{WHERE}: {exc}") from None
     with closing(storage):
         try:
-            study_id = require_study(storage, source_name)
-        except StudyNotFoundError as exc:
-            raise StudyNotFoundError(f"{WHERE}: {exc}") from None
+            study_id = storage.optuna.get_study_id_from_name(source_name)
+        except KeyError:
+            names = ", ".join(s.study_name for s in storage.optuna.get_all_studies()) or "none"
+            raise StudyNotFoundError(
+                f"{WHERE}: study {source_name!r} does not exist in {storage.display} (studies there: {names}); "
+                "name one of them"
+            ) from None
         earlier = optuna.load_study(study_name=source_name, storage=storage.optuna)
         _check_objective(spec, label, earlier)
         trials = storage.optuna.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,))
