@@ -306,9 +306,9 @@ def _add_lora_learning_rates(
     if not adapter.enabled or "learning_rate" in space or "learning_rate" in train_raw or search.sampler == "grid":
         return []
     space["learning_rate"] = replace(LORA_LEARNING_RATES)
-    p = LORA_LEARNING_RATES
+    span = f"{LORA_LEARNING_RATES.low:.0e}..{LORA_LEARNING_RATES.high:.0e}".replace("e-0", "e-")
     return [
-        f"search.space.learning_rate: none given for a LoRA study; searching {p.low:g}..{p.high:g} (log), the "
+        f"search.space.learning_rate: none given for a LoRA study; searching {span} (log), the "
         "published optimum for 0.5B-8B models (docs/decisions.md); give learning_rate in [train] or [search.space] "
         "to choose"
     ]
