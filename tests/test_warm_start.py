@@ -5,13 +5,17 @@ The earlier studies are real: trained through the CLI with the tiny model, in SQ
 
 from __future__ import annotations
 
+import multiprocessing
+from contextlib import closing
 from pathlib import Path
+from typing import Any
 
 import optuna
 from optuna.trial import TrialState
 
 from hpsearch.search import warm_start
 from hpsearch.storage import attrs, urls
+from hpsearch.storage.open import open_storage
 from tests.conftest import Cli, hpsearch, spec_text, start_study
 
 # The earlier study runs these three, fixed, so the test knows which fit the new space: 3e-3 is above its range.
@@ -188,3 +192,43 @@ def test_values_that_do_not_fit_are_left_out_and_a_study_is_given_only_whole_poi
     assert any("not on the search grid" in line for line in plan.lines), plan.lines
     assert any("batch_size" in line and "not one of the choices" in line for line in plan.lines), plan.lines
     assert len(plan.lines) == 2, plan.lines  # one line a parameter
+
+
+def _racing_start(url: str, spec_path: str, barrier: Any) -> str:
+    """One `start`'s read of the warm start and its creation of "big", released with the other's."""
+    from hpsearch.search import study as studies
+    from hpsearch.search.spec import load_file
+
+    spec = load_file(Path(spec_path))
+    plan = warm_start.plan(spec, "big", url)
+    storage = open_storage(url, create=True)
+    try:
+        barrier.wait(timeout=60)
+        studies.create_or_resume(storage, "big", spec, plan)
+        return "ok"
+    finally:
+        storage.close()
+
+
+def test_two_racing_starts_apply_the_warm_start_once(
+    storage_url: str, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
+    url = urls.normalize(storage_url)
+    earlier = optuna.create_study(study_name="small", storage=url)
+    lr = optuna.distributions.FloatDistribution(1e-5, 1e-2, log=True)
+    for v, rate in ((0.3, 1e-4), (0.2, 3e-4), (0.4, 1e-3)):
+        trial = optuna.trial.create_trial(params={"learning_rate": rate}, distributions={"learning_rate": lr}, value=v)
+        earlier.add_trial(trial)
+    space = 'learning_rate = { type = "float", low = 5e-5, high = 2e-3, log = true }'
+    spec = _spec(tmp_path / "big.toml", demo_files, tiny_model, n_trials=6, space=space, search='warm_start = "small"')
+    with closing(open_storage(storage_url, create=True)) as storage:
+        storage.prepare()  # our tables first: their own race is test_schema_race's
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager, ctx.Pool(2) as pool:
+        barrier = manager.Barrier(2)
+        results = [pool.apply_async(_racing_start, (storage_url, str(spec), barrier)) for _ in range(2)]
+        assert [r.get(timeout=120) for r in results] == ["ok", "ok"]
+    trials = optuna.load_study(study_name="big", storage=url).get_trials(deepcopy=False)
+    queued = sorted((t for t in trials if t.user_attrs.get(attrs.WARM_START_OF)), key=lambda t: t.number)
+    assert [t.system_attrs["fixed_params"]["learning_rate"] for t in queued] == [3e-4, 1e-4]  # best (lowest) first
+    assert sorted(t.value for t in trials if t.user_attrs.get(attrs.EARLIER_RESULT)) == [0.2, 0.3, 0.4]
