@@ -75,7 +75,8 @@ def plan(spec: StudySpec, name: str, url: str) -> Plan | None:
             ) from None
         earlier = optuna.load_study(study_name=source_name, storage=storage.optuna)
         _check_objective(spec, label, earlier)
-        trials = storage.optuna.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,))
+        # What it ran itself: results it was given by a warm start of its own are not its configurations.
+        trials = ran_here(storage.optuna.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,)))
         fixed = _fixed_values(storage.optuna.get_study_user_attrs(study_id).get(attrs.SPEC))
     return fit(spec, label, trials, fixed)
 
@@ -85,7 +86,7 @@ def _check_objective(spec: StudySpec, label: str, earlier: optuna.Study) -> None
     directions = [d.name.lower() for d in earlier.directions]
     if directions != [spec.direction]:
         raise SpecError(
-            f"{WHERE}: study {label} was {' and '.join(directions)}d, this one is {spec.direction}d "
+            f"{WHERE}: study {label} has direction {', '.join(directions)}, this one {spec.direction} "
             f"(metric {spec.search.metric!r}); start from a study with the same metric"
         )
     names = earlier.metric_names

@@ -134,7 +134,7 @@ def test_bad_warm_starts_exit_2_with_one_line_and_write_nothing(
     _refused(cli, tmp_path, spec("smal"), url, "(studies there: small, accurate)")
     _refused(cli, tmp_path, spec("big"), url, "search.warm_start: 'big' is this study itself")
     _refused(cli, tmp_path, spec(f"{url}#big"), url, "is this study itself")
-    _refused(cli, tmp_path, spec("accurate"), url, "was maximized, this one is minimized")
+    _refused(cli, tmp_path, spec("accurate"), url, "has direction maximize, this one minimize")
     _refused(cli, tmp_path, spec("mysql://h/db#small"), url, "search.warm_start: storage URL 'mysql://h/db' uses")
     _refused(cli, tmp_path, spec(f"{url}"), url, "names a storage but no study")
     _refused(cli, tmp_path, spec("postgresql://u:secret@h/db#small"), url, "holds a password")
@@ -232,3 +232,9 @@ def test_two_racing_starts_apply_the_warm_start_once(
     queued = sorted((t for t in trials if t.user_attrs.get(attrs.WARM_START_OF)), key=lambda t: t.number)
     assert [t.system_attrs["fixed_params"]["learning_rate"] for t in queued] == [3e-4, 1e-4]  # best (lowest) first
     assert sorted(t.value for t in trials if t.user_attrs.get(attrs.EARLIER_RESULT)) == [0.2, 0.3, 0.4]
+    # "big" ran nothing yet: a study warm-started from it gets none of the results "big" was only given.
+    from hpsearch.search.spec import load_file
+
+    third = _spec(tmp_path / "third.toml", demo_files, tiny_model, n_trials=6, space=space, search='warm_start = "big"')
+    chained = warm_start.plan(load_file(third), "third", storage_url)
+    assert chained is not None and chained.finished == 0 and not chained.queue and not chained.results
