@@ -83,7 +83,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
             spec = w.spec
             resume_from = str(resume) if resume else None
             job = ranks.TrialJob(
-                trial.number, spec.model, spec.data, cfg, spec.search.metric, files, resume_from, adapter, early_points
+                trial.number, spec.model, spec.data, cfg, spec.search.quality, files, resume_from, adapter, early_points
             )
             w.peers.run(job)
         data = w.data
@@ -94,7 +94,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
             tokenizer=w.tokenizer,
             data=data,
             cfg=cfg,
-            metric=w.spec.search.metric,
+            metric=w.spec.search.quality,
             device=w.device,
             files=files,
             resume_from=resume,
@@ -144,7 +144,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
         return
     if ended is Outcome.COMPLETE:
         msg = "trial %d complete: %s = %.4f at step %s"
-        log.info(msg, trial.number, w.spec.search.metric, result.best_value, result.best_step)
+        log.info(msg, trial.number, w.spec.search.quality, result.best_value, result.best_step)
     elif ended is Outcome.PRUNED:
         log.info("trial %d pruned at step %d%s", trial.number, result.steps, f" ({why.text})" if why else "")
     if ended is not Outcome.INTERRUPTED:

@@ -1,10 +1,11 @@
 """A study's budget: how many trials it may finish and why no new trial may start (its timeout, its device hours
-from the ledger). The worker asks before each new trial; retries of started trials are not new."""
+from the ledger, what they cost). The worker asks before each new trial; retries of started trials are not new."""
 
 from __future__ import annotations
 
 import optuna
 
+from hpsearch.search.money import Price
 from hpsearch.search.spec import StudySpec
 from hpsearch.storage import attrs, ledger
 from hpsearch.storage.open import Storage
@@ -19,8 +20,12 @@ def budget_left(storage: Storage, study: optuna.Study, spec: StudySpec, now: flo
     deadline = study.user_attrs.get(attrs.DEADLINE)
     if deadline is not None and now >= float(deadline):
         return f"timeout of {spec.search.timeout_minutes:g} minutes reached"
-    if spec.search.gpu_hours > 0:
-        used = ledger.total(storage.db, study.study_name)
-        if used >= spec.search.gpu_hours * 3600:
-            return f"device time budget used ({used / 3600:.3f} of {spec.search.gpu_hours:g} GPU hours)"
+    search, price = spec.search, Price.of_search(spec.search)
+    if search.gpu_hours <= 0 and (search.budget <= 0 or price is None):
+        return None
+    used = ledger.total(storage.db, study.study_name)
+    if search.gpu_hours > 0 and used >= search.gpu_hours * 3600:
+        return f"device time budget used ({used / 3600:.3f} of {search.gpu_hours:g} GPU hours)"
+    if search.budget > 0 and price is not None and price.of(used) >= search.budget:
+        return f"money budget used ({price.text(price.of(used))} of {price.text(search.budget)})"
     return None

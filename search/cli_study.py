@@ -95,6 +95,7 @@ def study_status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
         s["uid"] = study.user_attrs.get(attrs.UID)  # whose checkpoint folder is whose
         plan = study.user_attrs.get(attrs.MEMORY_PLAN)
         s["memory_plan"] = plan.get("line") if isinstance(plan, dict) else None
+        summary.add_money(storage.db, name, spec, s)
         if not best_only:
             s.update(summary.workers(storage.db, name))
             summary.mark_stale(s, liveness.stale_trials(storage.db, name))
@@ -104,7 +105,11 @@ def study_status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
 def format_status(s: dict[str, Any], *, as_json: bool, best_only: bool, every: bool = False) -> str:
     """``study_status`` as text or JSON: the best trial only, or the status, trials and workers."""
     if best_only:
-        return json.dumps(s["best"], indent=2) if as_json else summary.format_best(s)
+        if as_json:
+            # The best trial as before; a two-objective study's front and a priced study's cost beside it.
+            extra = {key: s[k] for key, k in (("pareto_front", "front"), ("study_money", "money")) if s.get(k)}
+            return json.dumps(s["best"] | extra if s["best"] and extra else s["best"], indent=2)
+        return summary.format_best(s)
     if as_json:
         return json.dumps(s, indent=2)
     return "\n".join([summary.format_status(s), summary.format_trials(s, every=every), summary.format_workers(s)])

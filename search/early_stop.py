@@ -83,7 +83,7 @@ class PruningGate:
     def of_search(cls, data: Any, cfg: Any, search: SearchConfig, *, rank_searched: bool = False) -> PruningGate:
         """The gate the spec's search section asks for: the chance stop with every pruner but none."""
         prune_at_chance = search.prune_at_chance if search.pruner != "none" else 0
-        gate = cls.of_run(data, cfg, search.metric, prune_at_chance=prune_at_chance, patient=search.patient_pruning)
+        gate = cls.of_run(data, cfg, search.quality, prune_at_chance=prune_at_chance, patient=search.patient_pruning)
         gate.rank_searched = rank_searched
         return gate
 

@@ -43,7 +43,7 @@ def _best(best: dict[str, Any] | None, spec: StudySpec) -> list[str]:
     params = ", ".join(f"`{k}` = {fmt(v)}" for k, v in sorted(best["params"].items()))
     step, host = best[attrs.BEST_STEP], best.get(attrs.HOST)
     lines = [
-        f"**Best:** trial {best['number']}: {spec.search.metric} **{best['value']:.4f}** at step {step}",
+        f"**Best:** trial {best['number']}: {spec.search.quality} **{best['value']:.4f}** at step {step}",
         "",
         f"- checkpoint: `{best[attrs.BEST_CHECKPOINT]}`" + (f" on host `{host}`" if host else ""),
     ]
@@ -56,13 +56,14 @@ def _best(best: dict[str, Any] | None, spec: StudySpec) -> list[str]:
 
 def _spec_table(spec: StudySpec) -> list[str]:
     t, s = spec.train, spec.search
+    judged = " and ".join(f"{m} ({d})" for m, d in zip(s.objectives, spec.directions, strict=True))
     steps = f", max {t.max_steps} steps" if t.max_steps else ""
     train = f"batch {t.batch_size} (micro {t.micro_batch_size}), {t.epochs} epoch{'' if t.epochs == 1 else 's'}{steps}"
     rows = [
         ("model", f"`{spec.model.name}` (max_length {spec.model.max_length})"),
         ("data", f"train `{spec.data.train}`, validation `{spec.data.validation}`"),
         ("train", f"{train}, eval every {t.eval_every} steps, precision {t.precision}"),
-        ("search", f"{s.sampler} sampler, {s.pruner} pruner, {s.metric} ({spec.direction}), seed {s.seed}"),
+        ("search", f"{s.sampler} sampler, {s.pruner} pruner, {judged}, seed {s.seed}"),
     ]
     return ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from hpsearch.search import retry
+from hpsearch.search import objectives, retry
 from hpsearch.storage import attrs, ledger, retention
 from hpsearch.storage.db import Database
 from hpsearch.storage.open import Storage
@@ -84,14 +84,17 @@ def finish(
     reason: FailReason | None = None,
     detail: str | None = None,
     value: float | None = None,
+    cost: str | None = None,
     ago: float = 0.0,
 ) -> bool | None:
     """End a running trial's attempt as ``ENDINGS`` says; whether a retry was queued, None if it was not running
     (finished meanwhile by a reaper, or by the worker telling its result late: left alone).
 
     ``folder``: the trial's folder on this host (None: none to touch); ``reason`` and ``detail``: why it was
-    pruned or failed (the table names the reason of every other ending); ``ago``: the attempt stopped that many
-    seconds ago (a worker whose storage went away stopped counting when it last answered)."""
+    pruned or failed (the table names the reason of every other ending); ``value`` and ``cost``: a complete trial's
+    quality objective, and the name of a two-objective study's cost objective (search/objectives.py, read off the
+    trial here); ``ago``: the attempt stopped that many seconds ago (a worker whose storage went away stopped
+    counting when it last answered)."""
     ending = ENDINGS[outcome]
     frozen = storage.optuna.get_trial(trial_id)
     if frozen.state != TrialState.RUNNING:
@@ -117,9 +120,14 @@ def finish(
         return retry.hand_back(
             storage, study, trial_id, reason=recorded, resume_from=resume, max_retries=max_retries, local=local
         )
+    state, values = ending.state, None
+    if state == TrialState.COMPLETE and value is not None:
+        values = objectives.told(value, cost, seconds, storage.optuna.get_trial(trial_id).user_attrs)
+        if values is None:  # the trainer's figures never arrived: a result without its cost is no point on the front
+            state, recorded = TrialState.FAIL, FailReason.ERROR.record(f"no {cost} on record for the cost objective")
     if recorded is not None:
         storage.optuna.set_trial_user_attr(trial_id, attrs.FAIL_REASON, recorded)
-    _tell(storage, study, trial_id, frozen.number, value if ending.state == TrialState.COMPLETE else None, ending.state)
+    _tell(storage, study, trial_id, frozen.number, values, state)
     return False
 
 
@@ -147,13 +155,13 @@ def clear(
 
 
 def _tell(
-    storage: Storage, study: optuna.Study, trial_id: int, number: int, value: float | None, state: TrialState
+    storage: Storage, study: optuna.Study, trial_id: int, number: int, values: list[float] | None, state: TrialState
 ) -> None:
     """``study.tell``, taking the grid's end for what it is: once every point has run, GridSampler calls
     ``study.stop()`` (RuntimeError outside ``optimize``); with one left, it reads the grid index a retry or an
     enqueued trial lacks (KeyError). tell stores the trial all the same: neither is a failure, nor "reaped"."""
     try:
-        study.tell(number, value, state=state)
+        study.tell(number, values, state=state)
     except (RuntimeError, KeyError):
         if not isinstance(study.sampler, optuna.samplers.GridSampler):
             raise

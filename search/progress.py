@@ -20,7 +20,7 @@ import optuna
 from optuna.trial import TrialState
 from sqlalchemy.pool import NullPool
 
-from hpsearch.search import budget, note, stop_signals, summary, warm_start
+from hpsearch.search import budget, note, objectives, stop_signals, summary, warm_start
 from hpsearch.search.devices import Device
 from hpsearch.search.spec import StudySpec
 from hpsearch.storage import attrs, ledger, urls
@@ -78,12 +78,12 @@ def read(study: optuna.Study, spec: StudySpec, used_s: float, now: dt.datetime |
     running = [t for t in trials if t.state == TrialState.RUNNING]
     return Snapshot(
         n_trials=budget.n_trials(study, spec),
-        metric=spec.search.metric,
+        metric=spec.search.quality,
         complete=sum(t.state == TrialState.COMPLETE for t in trials),
         pruned=sum(t.state == TrialState.PRUNED for t in trials),
         failed=sum(t.state == TrialState.FAIL and t.number not in retried for t in trials),
         running=len(running),
-        best_value=best.value if best else None,
+        best_value=objectives.quality(best) if best else None,
         best_number=best.number if best else None,
         device_seconds=used_s,
         mean_trial_s=sum(_wall(t, now) for t in done) / len(done) if done else None,

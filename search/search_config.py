@@ -30,6 +30,12 @@ LIMITS = {
 """Upper bounds of the other budget-like keys, each with how it reads."""
 
 SAMPLERS = ("tpe", "random", "gp", "cmaes", "grid", "qmc")
+QUALITY = ("loss", "accuracy", "f1")
+"""What a study is judged by on the validation split: its first (or only) objective, the one the pruner sees."""
+COSTS = ("gpu_hours", "trainable_parameters", "peak_memory_gb")
+"""What a trial's model cost, each minimised: a second objective (search/objectives.py reads each off the trial)."""
+SINGLE_OBJECTIVE_ONLY = {"cmaes": "CMA-ES optimises one objective"}
+"""Samplers that refuse a study with two objectives, with why."""
 PRUNERS = ("none", "median", "percentile", "asha", "hyperband")
 
 
@@ -44,8 +50,10 @@ class SearchConfig:
     sampler"."""
     pruner: Literal["none", "median", "percentile", "asha", "hyperband"] = "asha"
     """How hopeless trials are stopped early (resource unit: optimizer steps)."""
-    metric: Literal["loss", "accuracy", "f1"] = "loss"
-    """Objective on the validation split: loss (minimised), accuracy or macro F1 (maximised)."""
+    metric: str | list[str] = "loss"
+    """Objective on the validation split: loss (minimised), accuracy or macro F1 (maximised); or a list of two, that
+    and what the model cost (gpu_hours, trainable_parameters, peak_memory_gb; minimised): a two-objective study
+    whose answer is the Pareto front (docs/search.md, "Cost as a second objective")."""
     seed: int = 0
     """Seed of the sampler; each worker derives its own from it."""
     max_retries: int = 2
@@ -79,6 +87,14 @@ class SearchConfig:
     """Stop starting new trials after this many minutes of the study (0 = no limit)."""
     gpu_hours: float = 0.0
     """Stop starting new trials once the study's trials used this much device time, over every worker (0 = no limit)."""
+    budget: float = 0.0
+    """Stop starting new trials once the study's device time cost this much money (device hours x
+    price_per_gpu_hour, in currency; 0 = no limit). Needs a price."""
+    price_per_gpu_hour: float = 0.0
+    """What an hour of one device costs, in currency: status, best and the summary show what the study and each
+    trial cost (0 = no money shown)."""
+    currency: str = ""
+    """The currency of price_per_gpu_hour and budget, as it is shown ("CNY", "USD", "EUR")."""
     keep_top_k: int = 3
     """Keep the best checkpoints of this many top trials, study-wide; others are deleted."""
     max_disk_gb: float = 0.0
@@ -93,6 +109,7 @@ class SearchConfig:
             if not ok:
                 raise SpecError(f"{where}.{name}: {getattr(self, name)!r} {msg}")
 
+        self._validate_objectives(where)
         rule(self.n_trials >= 1, "n_trials", "must be >= 1")
         # The samplers seed numpy generators, which take 0 ..2**32 - 1: any other seed failed every worker.
         rule(0 <= self.seed < 2**32, "seed", "must be between 0 and 4294967295 (2**32 - 1)")
@@ -105,14 +122,65 @@ class SearchConfig:
         rule(self.pruner_reduction_factor >= 2, "pruner_reduction_factor", "must be >= 2")
         rule(self.prune_at_chance >= 0, "prune_at_chance", "must be >= 0 (0 = never)")
         rule(self.keep_top_k >= 1, "keep_top_k", "must be >= 1 (the best trial's checkpoint is always kept)")
-        for name in ("timeout_minutes", "gpu_hours", "max_disk_gb"):
+        for name in ("timeout_minutes", "gpu_hours", "max_disk_gb", "budget", "price_per_gpu_hour"):
             # inf passes ">= 0" and breaks arithmetic later (int(inf) in retention): 0 means no limit.
             value = getattr(self, name)
-            rule(math.isfinite(value) and value >= 0, name, "must be a finite number >= 0 (0 = no limit)")
+            rule(math.isfinite(value) and value >= 0, name, "must be a finite number >= 0 (0 = none)")
         if self.warm_start:
             check_warm_start(self.warm_start, f"{where}.warm_start")
         for name, (most, words) in LIMITS.items():
             rule(getattr(self, name) <= most, name, f"must be at most {int(most):,}{words}")
+        self._validate_money(where)
+
+    def _validate_objectives(self, where: str) -> None:
+        metric = [self.metric] if isinstance(self.metric, str) else self.metric
+        said = f"{where}.metric: {self.metric!r}"
+        if not isinstance(metric, list) or not all(isinstance(m, str) for m in metric) or not 1 <= len(metric) <= 2:
+            raise SpecError(
+                f'{said} must be one objective ("loss") or a list of two, quality then cost: ["accuracy", "gpu_hours"]'
+            )
+        if metric[0] not in QUALITY:
+            raise SpecError(f"{said}: the first objective must be one of {', '.join(QUALITY)}")
+        if len(metric) == 2 and metric[1] not in COSTS:
+            raise SpecError(f"{said}: the second objective must be one of {', '.join(COSTS)} (what a model cost)")
+        if len(metric) == 2 and self.warm_start:
+            # Its results are single values, and the front's trials have two: one would mislead the other.
+            raise SpecError(
+                f"{where}.warm_start: {self.warm_start!r} cannot seed a two-objective study yet; "
+                "leave warm_start out, or search a single metric"
+            )
+        if len(metric) == 2 and self.sampler in SINGLE_OBJECTIVE_ONLY:
+            why = SINGLE_OBJECTIVE_ONLY[self.sampler]
+            raise SpecError(
+                f"{where}.sampler: {self.sampler!r} cannot search two objectives ({why}); "
+                'use sampler = "tpe" (or "qmc", "random", "gp", "grid"), or a single metric'
+            )
+
+    def _validate_money(self, where: str) -> None:
+        if self.budget > 0 and self.price_per_gpu_hour <= 0:
+            raise SpecError(
+                f"{where}.budget: {self.budget!r} is money and needs a price: set price_per_gpu_hour "
+                "(and currency), or give the budget in device hours with gpu_hours"
+            )
+        # Shown beside every figure, and in a one-line log: a short code, not a sentence.
+        if len(self.currency) > 8 or not self.currency.isprintable() or " " in self.currency:
+            raise SpecError(f'{where}.currency: {self.currency!r} must be a short code like "CNY", "USD" or "€"')
+
+    @property
+    def objectives(self) -> tuple[str, ...]:
+        """The quality objective, then the cost objective of a two-objective study."""
+        return (self.metric,) if isinstance(self.metric, str) else tuple(self.metric)
+
+    @property
+    def quality(self) -> str:
+        """The objective on the validation split (loss, accuracy, f1): what the trainer and the pruner judge by."""
+        return self.objectives[0]
+
+    @property
+    def cost(self) -> str | None:
+        """The second objective (gpu_hours, trainable_parameters, peak_memory_gb), or None in a single-objective
+        study."""
+        return self.objectives[1] if len(self.objectives) > 1 else None
 
 
 def check_warm_start(value: str, where: str) -> tuple[str | None, str]:

@@ -160,6 +160,8 @@ def toml_text(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_text(v) for v in value) + "]"
     return repr(value)
 
 

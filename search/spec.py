@@ -42,7 +42,9 @@ from hpsearch.trainer.config import (
 )
 
 # Values that may change between runs of one study: raising the budget is not a new study.
-BUDGET_KEYS = ("n_trials", "timeout_minutes", "gpu_hours", "keep_top_k", "max_disk_gb")
+BUDGET_KEYS = ("n_trials", "timeout_minutes", "gpu_hours", "keep_top_k", "max_disk_gb", "budget")
+MONEY_KEYS = ("price_per_gpu_hour", "currency")
+"""What a device hour costs may change between runs too: the price is not what is searched."""
 UNSEARCHABLE = {
     "devices_per_trial": "the workers' device groups are fixed when they start; set it in [train]",
     "sharding": "it decides how a worker's device group holds the model, fixed when it starts; set it in [train]",
@@ -132,9 +134,9 @@ class StudySpec:
         self._validate_adapter()
         self.search.validate()
         self._validate_sampler()
-        if self.model.task == "causal-lm" and self.search.metric != "loss":
+        if self.model.task == "causal-lm" and self.search.quality != "loss":
             raise SpecError(
-                f'search.metric: {self.search.metric!r} is not defined for model.task = "causal-lm"; use '
+                f'search.metric: {self.search.quality!r} is not defined for model.task = "causal-lm"; use '
                 'metric = "loss" (the validation perplexity is recorded too, as best_val_perplexity)'
             )
         if self.model.name.startswith(BUILTIN_SCHEME) and self.model.name[len(BUILTIN_SCHEME) :] not in BUILTIN_MODELS:
@@ -277,14 +279,14 @@ class StudySpec:
         return out
 
     @property
-    def metric_name(self) -> str:
-        """The objective as Optuna's metric name, which the dashboard shows on its axes."""
-        return f"val_{self.search.metric}"
+    def metric_names(self) -> list[str]:
+        """The objectives as Optuna's metric names, which the dashboard shows on its axes."""
+        return [f"val_{self.search.quality}", *([self.search.cost] if self.search.cost else [])]
 
     def identity(self) -> dict[str, Any]:
         """The spec without its budget: two runs of one study must agree on this."""
         d = json.loads(json.dumps(self.to_dict()))
-        for key in BUDGET_KEYS:
+        for key in BUDGET_KEYS + MONEY_KEYS:
             d["search"].pop(key, None)
         return d
 
@@ -295,7 +297,13 @@ class StudySpec:
 
     @property
     def direction(self) -> str:
-        return "minimize" if self.search.metric == "loss" else "maximize"
+        """The quality objective's direction (the only one in a single-objective study)."""
+        return "minimize" if self.search.quality == "loss" else "maximize"
+
+    @property
+    def directions(self) -> list[str]:
+        """Every objective's direction, as Optuna's study takes them: a cost is minimised."""
+        return [self.direction, *(["minimize"] if self.search.cost else [])]
 
 
 def _add_lora_learning_rates(

@@ -52,7 +52,7 @@ def _create(storage: Storage, name: str, spec: StudySpec, warm: warm_start.Plan 
 
     storage.db.run(mark, what=f"mark study {name!r} as being created")
     try:
-        study = optuna.create_study(study_name=name, storage=storage.optuna, direction=spec.direction)
+        study = optuna.create_study(study_name=name, storage=storage.optuna, directions=spec.directions)
     except optuna.exceptions.DuplicatedStudyError:
         # Plain Optuna (which knows nothing of our lock) made one of that name just now.
         _unmark(storage, name)
@@ -103,7 +103,7 @@ def _resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
 def _store_spec(storage: Storage, study: optuna.Study, spec: StudySpec) -> None:
     with warnings.catch_warnings():  # experimental in Optuna 4, and the dashboard's axes read it
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        study.set_metric_names([spec.metric_name])  # else every chart says "Objective 0"
+        study.set_metric_names(spec.metric_names)  # else every chart says "Objective 0"
     # Before the spec's JSON: the dashboard lists a new study's attributes in this order.
     for key, text in spec.readable().items():
         study.set_user_attr(key, text)
@@ -176,10 +176,10 @@ def _refuse_foreign(storage: Storage, name: str, study_id: int, spec: StudySpec,
     elif outside_lock and attrs.SPEC in storage.optuna.get_study_user_attrs(study_id):
         return False
     n_trials = len(storage.optuna.get_all_trials(study_id, deepcopy=False))
-    [direction] = storage.optuna.get_study_directions(study_id)
+    directions = ", ".join(d.name.lower() for d in storage.optuna.get_study_directions(study_id))
     raise SpecError(
         f"study {name!r} exists but was not created by hpsearch ({n_trials} trials, "
-        f"{direction.name.lower()}); choose another --study name"
+        f"{directions}); choose another --study name"
     )
 
 
@@ -191,11 +191,11 @@ def _being_created(storage: Storage, name: str) -> bool:
 
 
 def _cut_short(storage: Storage, study_id: int, spec: StudySpec) -> bool:
-    """What a `start` killed while creating the study leaves: this direction, and no trial ever
+    """What a `start` killed while creating the study leaves: these directions, and no trial ever
     ran (workers refuse a study without a spec), only the queued ones, waiting, and a warm start's copied results."""
-    [direction] = storage.optuna.get_study_directions(study_id)
+    directions = [d.name.lower() for d in storage.optuna.get_study_directions(study_id)]
     states = optuna.trial.TrialState
-    return direction.name.lower() == spec.direction and all(
+    return directions == spec.directions and all(
         (t.state == states.WAITING and t.user_attrs.get(attrs.ENQUEUED))
         or (t.state == states.COMPLETE and t.user_attrs.get(attrs.EARLIER_RESULT))
         for t in storage.optuna.get_all_trials(study_id, deepcopy=False)

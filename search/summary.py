@@ -10,9 +10,10 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from hpsearch.search import warm_start
+from hpsearch.search import objectives, warm_start
+from hpsearch.search.money import Price
 from hpsearch.search.spec import StudySpec
-from hpsearch.storage import attrs, liveness, registry, retention
+from hpsearch.storage import attrs, ledger, liveness, registry, retention
 from hpsearch.storage.db import Database
 from hpsearch.trainer.report import FailReason
 
@@ -32,16 +33,21 @@ SHOWN = (
 
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
     """The complete trial ranked first as retention ranks them: by value, then by its best point's validation
-    loss (docs/decisions.md, "A tie goes to the lower validation loss"); Optuna's breaks ties by number."""
-    finished = warm_start.ran_here(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-    complete = [t for t in finished if t.value is not None]
+    loss (docs/decisions.md, "A tie goes to the lower validation loss"); Optuna's breaks ties by number. In a
+    two-objective study, the Pareto front's trial of the best quality objective."""
+    if objectives.is_multi(study):
+        complete = objectives.front(study)
+    else:
+        finished = warm_start.ran_here(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        complete = [t for t in finished if t.value is not None]
     if not complete:
         return None
-    minimize = study.direction == optuna.study.StudyDirection.MINIMIZE
-    return min(
-        complete,
-        key=lambda t: retention.rank(t.value, retention.recorded_loss(t.user_attrs), t.number, minimize=minimize),
-    )
+    minimize = study.directions[0] == optuna.study.StudyDirection.MINIMIZE
+
+    def key(t: FrozenTrial) -> tuple[float, float, int]:
+        return retention.rank(t.values[0], retention.recorded_loss(t.user_attrs), t.number, minimize=minimize)
+
+    return min(complete, key=key)
 
 
 def trial_dict(trial: FrozenTrial, now: dt.datetime | None = None) -> dict[str, Any]:
@@ -49,9 +55,10 @@ def trial_dict(trial: FrozenTrial, now: dt.datetime | None = None) -> dict[str, 
     return {
         "number": trial.number,
         "state": trial.state.name,
-        "value": trial.value,
+        "value": objectives.quality(trial),
+        "cost": objectives.cost(trial),  # a two-objective study's second objective
         "params": trial.params,
-        "step": max(trial.intermediate_values, default=None),
+        "step": max(objectives.points(trial), default=None),
         "duration_s": max(0.0, (end - start).total_seconds()) if start else None,
         # The trial's attributes that status and best show, under their own keys.
         **{key: trial.user_attrs.get(key) for key in SHOWN},
@@ -66,15 +73,31 @@ def status(study: optuna.Study, spec: StudySpec, n_trials: int, storage_display:
     return {
         "study": study.study_name,
         "storage": storage_display,
-        "metric": spec.search.metric,
+        "metric": spec.search.quality,
+        "cost_objective": spec.search.cost,
         "direction": spec.direction,
         "n_trials": n_trials,
         "finished": states["complete"] + states["pruned"],
         "states": {s.name.lower(): states[s.name.lower()] for s in TrialState},
         "best": trial_dict(best) if best else None,
+        "front": [trial_dict(t) for t in objectives.front(study)],
         "trials": [trial_dict(t, now) for t in trials],
         "no_best": None if best else why_no_best(study, spec),
     }
+
+
+def add_money(db: Database, study: str, spec: StudySpec, s: dict[str, Any]) -> None:
+    """Put into ``s`` (``status``'s) what the study and each of its trials cost so far: the ledger's device time
+    (storage/ledger.py) at the spec's price (search/money.py); None without a price."""
+    price = Price.of_search(spec.search)
+    if price is None:
+        s["money"] = None
+        return
+    used, each = ledger.total(db, study), ledger.by_trial(db, study)
+    s["money"] = {"spent": price.of(used), "currency": price.currency, "price_per_gpu_hour": price.per_hour}
+    s["money"]["device_hours"] = used / 3600
+    for trial in [*s["trials"], *s["front"], *([s["best"]] if s["best"] else [])]:
+        trial["money"] = price.of(each.get(trial["number"], 0.0))
 
 
 BY_PRUNER = "by the pruner"  # a pruned trial that records no reason
@@ -105,7 +128,7 @@ def why_no_best(study: optuna.Study, spec: StudySpec) -> list[str]:
     if failed:
         lines[0] += f", {len(failed)} failed"
     points = [
-        (t, step, v) for t in trials for step, v in t.intermediate_values.items() if v is not None and math.isfinite(v)
+        (t, step, v) for t in trials for step, v in objectives.points(t).items() if v is not None and math.isfinite(v)
     ]
     point = (min if spec.direction == "minimize" else max)(points, key=lambda p: p[2], default=None)
     if point is not None:
@@ -113,7 +136,7 @@ def why_no_best(study: optuna.Study, spec: StudySpec) -> list[str]:
         kept = trial.user_attrs.get(attrs.BEST_CHECKPOINT)
         where = f"checkpoint {kept}" if kept and not retention.is_deleted(kept) else "no checkpoint kept"
         lines.append(
-            f"best point reached: trial {trial.number}, {spec.search.metric} {value:.4f} at step {step} ({where})"
+            f"best point reached: trial {trial.number}, {spec.search.quality} {value:.4f} at step {step} ({where})"
         )
     lines += [f"fix: {fix}" for fix in _fixes(causes, spec)]
     return lines
@@ -221,6 +244,17 @@ def format_status(s: dict[str, Any]) -> str:
 
 
 def format_best(s: dict[str, Any]) -> str:
+    """The best trial (in a two-objective study: the Pareto front's best quality, then the front), and what the
+    study cost where the spec gives a price."""
+    lines = _format_best(s).splitlines()
+    if s.get("front"):
+        lines += _format_front(s)
+    if s.get("money"):
+        lines.append(_format_money(s))
+    return "\n".join(lines)
+
+
+def _format_best(s: dict[str, Any]) -> str:
     best, metric = s["best"], s["metric"]
     if best is None:
         if s.get("stopped"):  # the failures why_no_best counts are the trials handed back: no fix to give
@@ -230,6 +264,8 @@ def format_best(s: dict[str, Any]) -> str:
         first, *rest = s["no_best"]
         return "\n".join([f"best: none; {first}", *(f"  {line}" for line in rest)])
     lines = [f"best: trial {best['number']}  {metric} {best['value']:.4f} at step {best[attrs.BEST_STEP]}"]
+    if best.get("cost") is not None:
+        lines[0] += f"  {s['cost_objective']} {fmt(best['cost'])}"
     lines += [f"  {k} = {fmt(v)}" for k, v in sorted(best["params"].items())]
     where, size = best[attrs.BEST_CHECKPOINT], best.get(attrs.BEST_CHECKPOINT_MB)
     shown_size = size is not None and not retention.is_deleted(where)
@@ -238,6 +274,31 @@ def format_best(s: dict[str, Any]) -> str:
     if host and host != registry.this_host():
         lines.append(f"  warning: the checkpoint lives on host {host}, not on this host")
     return "\n".join(lines)
+
+
+def _format_front(s: dict[str, Any]) -> list[str]:
+    """The Pareto front, one line a trial: no trial is better on both objectives than any of these."""
+    front, metric, cost = s["front"], s["metric"], s["cost_objective"]
+    lines = [f"pareto front ({metric} and {cost}): {len(front)} trial{'s' if len(front) != 1 else ''}"]
+    for t in front:
+        where = t[attrs.BEST_CHECKPOINT] or "no checkpoint"
+        money = f"  {_price(s).text(t['money'])}" if t.get("money") is not None else ""
+        lines.append(f"  trial {t['number']}  {metric} {t['value']:.4f}  {cost} {fmt(t['cost'])}{money}  {where}")
+    return lines
+
+
+def _price(s: dict[str, Any]) -> Price:
+    return Price(s["money"]["price_per_gpu_hour"], s["money"]["currency"])
+
+
+def _format_money(s: dict[str, Any]) -> str:
+    """What the study cost so far, and its best trial."""
+    m, price = s["money"], _price(s)
+    hours = f"{m['device_hours']:.4f} device-hours at {price.text(m['price_per_gpu_hour'])} an hour"
+    line = f"cost: {price.text(m['spent'])} so far ({hours})"
+    if s["best"] is not None and s["best"].get("money") is not None:
+        line += f"; the best trial {price.text(s['best']['money'])}"
+    return line
 
 
 def fmt(v: Any) -> str:
@@ -264,7 +325,9 @@ def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
         keep = {t["number"] for t in ranked[:BEST_ROWS]} | {t["number"] for t in trials[-LATEST_ROWS:]}
         shown = [t for t in trials if t["number"] in keep]
     names = sorted({k for t in trials for k in t["params"]})
-    header = ["#", "state", s["metric"], "step", *names, "time", "threads", "worker", "reason"]
+    cost, money = s.get("cost_objective"), s.get("money")
+    header = ["#", "state", s["metric"], *([cost] if cost else []), "step", *names, "time"]
+    header += [*([money["currency"] or "money"] if money else []), "threads", "worker", "reason"]
     rows = [header]
     for t in shown:
         state = t["state"].lower() + (" (stale)" if t.get("stale") else "")
@@ -273,9 +336,11 @@ def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
                 str(t["number"]),
                 state,
                 f"{t['value']:.4f}" if t["value"] is not None else "-",
+                *([fmt(t["cost"]) if t["cost"] is not None else "-"] if cost else []),
                 str(t["step"]) if t["step"] is not None else "-",
                 *(fmt(t["params"][n]) if n in t["params"] else "-" for n in names),
                 duration(t["duration_s"]),
+                *([Price.number(t["money"]) if t.get("money") is not None else "-"] if money else []),
                 str(t.get(attrs.THREADS) or "-"),
                 t[attrs.WORKER] or "-",
                 _short(reason(t), 60),

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpsearch.search import objectives
 from hpsearch.storage import attrs
 from hpsearch.storage.retention import disk_bytes
 from hpsearch.trainer.report import measured
@@ -61,19 +62,31 @@ class NullReporter(AttrReporter):
 
 
 class TrialReporter(AttrReporter):
-    """The trainer's Reporter, backed by an Optuna trial."""
+    """The trainer's Reporter, backed by an Optuna trial. In a two-objective study, where Optuna neither records
+    nor prunes, the points go to ``attrs.POINTS`` and the pruner judges them in a single-objective view
+    (search/objectives.py)."""
 
     def __init__(self, trial: optuna.Trial) -> None:
         self.trial = trial
+        self.judge = objectives.pruning_view(trial.study) if objectives.is_multi(trial.study) else None
+        self.points: dict[str, float] = {}
         # When a call last reached the storage: a storage-failed attempt's device time counts up to here.
         self.last_ok = time.monotonic()
 
     def report(self, value: float, step: int, metrics: object = None) -> None:
-        self.trial.report(value, step)
+        if self.judge is None:
+            self.trial.report(value, step)
+        elif str(step) not in self.points:  # Optuna's rule: a step's first report stands
+            self.points[str(step)] = float(value)
+            self.trial.set_user_attr(attrs.POINTS, self.points)
         self.last_ok = time.monotonic()
 
     def should_prune(self) -> bool:
-        prune = self.trial.should_prune()
+        if self.judge is None:
+            prune = self.trial.should_prune()
+        else:
+            # Read back, as Optuna's should_prune does: the pruner sees what the storage holds.
+            prune = self.judge.pruner.prune(self.judge, self.judge._storage.get_trial(self.trial._trial_id))
         self.last_ok = time.monotonic()
         return prune
 

@@ -87,12 +87,13 @@ def _check_objective(spec: StudySpec, label: str, earlier: optuna.Study) -> None
     if directions != [spec.direction]:
         raise SpecError(
             f"{WHERE}: study {label} has direction {', '.join(directions)}, this one {spec.direction} "
-            f"(metric {spec.search.metric!r}); start from a study with the same metric"
+            f"(metric {spec.search.quality!r}); start from a study with the same metric"
         )
     names = earlier.metric_names
-    if names is not None and names != [spec.metric_name]:
+    if names is not None and names != spec.metric_names:
+        scores = ", ".join(spec.metric_names)
         raise SpecError(
-            f"{WHERE}: study {label} scored {', '.join(names)}, this one scores {spec.metric_name}; its values "
+            f"{WHERE}: study {label} scored {', '.join(names)}, this one scores {scores}; its values "
             "would mislead the sampler: start from a study with the same metric"
         )
 

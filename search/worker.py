@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import attempt, budget, cli, outcome, ranks, reap, retry, sampling, stop_signals, sweep
+from hpsearch.search import attempt, budget, cli, objectives, outcome, ranks, reap, retry, sampling, stop_signals, sweep
 from hpsearch.search.devices import torch_device
 from hpsearch.search.errors import SpecError
 from hpsearch.search.exit_codes import ExitCode
@@ -264,7 +264,8 @@ class Worker:
     def end_attempt(self, trial: optuna.Trial, ended: Outcome, **how: Any) -> bool | None:
         """End this worker's attempt (see outcome.py); None if someone else ended it meanwhile."""
         retries = self.spec.search.max_retries
-        done = outcome.finish(self.storage, self.study, trial._trial_id, ended, max_retries=retries, **how)
+        cost = self.spec.search.cost
+        done = outcome.finish(self.storage, self.study, trial._trial_id, ended, max_retries=retries, cost=cost, **how)
         if done is None:
             # Our heartbeat went stale (a long network cut): a reaper failed the trial, and its retry owns it now.
             log.warning("trial %d was reaped while it ran here; dropping this attempt", trial.number)
@@ -281,17 +282,12 @@ class Worker:
             log.warning("could not sweep %s: %s", self.root, err)
 
     def retain(self) -> None:
-        """Keep only the best checkpoints of the study's top trials (see storage/retention.py)."""
-        search, attr = self.spec.search, attrs.BEST_CHECKPOINT
-        candidates = [
-            retention.candidate(t._trial_id, t.number, float(t.value), self.root, t.user_attrs)
-            for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            # Deleted ones keep their place in the ranking, so a worse one is not kept instead of one deleted for disk.
-            if t.value is not None and t.user_attrs.get(attr)
-        ]
+        """Keep only the best checkpoints of the study's top trials (see storage/retention.py); in a two-objective
+        study, the Pareto front's first."""
+        search = self.spec.search
         retention.retain(
             self.storage.db,
-            candidates,
+            candidates(self.study, self.root),
             keep_top_k=search.keep_top_k,
             minimize=self.spec.direction == "minimize",
             max_disk_gb=search.max_disk_gb,
@@ -306,3 +302,17 @@ class Worker:
             if not self.stop():
                 # Off Linux there is no parent-death signal; this is the same graceful stop.
                 self.stop.request(signal.SIGTERM, "the supervisor is gone")
+
+
+def candidates(study: optuna.Study, root: Path) -> list[retention.Candidate]:
+    """The study's complete trials as retention ranks them, their checkpoints looked for under ``root``; in a
+    two-objective study, the Pareto front's before the rest."""
+    front = {t.number for t in objectives.front(study)}
+    return [
+        retention.candidate(
+            t._trial_id, t.number, value, root, t.user_attrs, off_front=bool(front) and t.number not in front
+        )
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        # Deleted ones keep their place in the ranking, so a worse one is not kept instead of one deleted for disk.
+        if (value := objectives.quality(t)) is not None and t.user_attrs.get(attrs.BEST_CHECKPOINT)
+    ]

@@ -34,6 +34,9 @@ BEST_LOSS = BEST_VAL + "loss"  # breaks ties of the objective (storage/retention
 RESUME_CHECKPOINT = "resume_checkpoint"  # path of its latest resumable state, trial-N/resume/state.pt
 RESUMED_FROM_STEP = "resumed_from_step"  # the step a retry's training resumed at
 SPEED = "train_samples_per_second"  # the one figure (``Speed`` field) that status shows
+TRAINABLE = "trainable_parameters"  # the ``Figures`` field a trainable_parameters objective reads (objectives.py)
+PEAK_MEMORY = "peak_memory_mb"  # the ``Speed`` field a peak_memory_gb objective reads (search/objectives.py)
+POINTS = "validation_points"  # a two-objective study's {step: quality objective}: Optuna keeps none there
 
 # -- a retry's, written by search/retry.py hand_back as it queues one
 RETRY_OF = "retry_of"  # the number of the trial it retries

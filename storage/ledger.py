@@ -80,6 +80,16 @@ def total(db: Database, study: str) -> float:
     return sum(x.seconds for x in db.run(lambda s: spent(s, db, study), what="read the device-time ledger"))
 
 
+def by_trial(db: Database, study: str) -> dict[int, float]:
+    """Each trial's device time so far, every attempt of it together (``spent`` summed per trial number)."""
+    if not sqlalchemy.inspect(db.engine).has_table(Attempt.__tablename__):
+        return {}
+    found: dict[int, float] = {}
+    for x in db.run(lambda s: spent(s, db, study), what="read the device-time ledger"):
+        found[x.trial_number] = found.get(x.trial_number, 0.0) + x.seconds
+    return found
+
+
 def end_trial(db: Database, study: str, number: int, *, ago: float = 0.0) -> float:
     """Close trial ``number``'s open attempt ``ago`` seconds before now (a worker that lost its storage stopped
     counting when the storage last answered); the device time of all the trial's attempts."""

@@ -51,6 +51,7 @@ class Candidate:
     value: float
     path: Path
     loss: float | None = None  # the validation loss at its best point: breaks ties of an accuracy or F1 objective
+    off_front: bool = False  # a two-objective study's trial not on its Pareto front: ranked after all that are
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,10 @@ def plan(
     max_disk_bytes: int = 0,
     sizes: dict[Path, int] | None = None,
 ) -> list[Deletion]:
-    """Which checkpoints to delete: all but the top ``keep_top_k``, then the worst kept ones
-    while the kept set is over ``max_disk_bytes`` (0 = no cap). The best is never deleted."""
-    ranked = sorted(candidates, key=lambda c: rank(c.value, c.loss, c.number, minimize=minimize))
+    """Which checkpoints to delete: all but the top ``keep_top_k`` (a Pareto front's trials first, by their
+    quality objective), then the worst kept ones while the kept set is over ``max_disk_bytes`` (0 = no cap). The
+    best is never deleted."""
+    ranked = sorted(candidates, key=lambda c: (c.off_front, rank(c.value, c.loss, c.number, minimize=minimize)))
     kept = ranked[:keep_top_k]
     deletions = [Deletion(c, f"not in the study's top {keep_top_k}") for c in ranked[keep_top_k:]]
     if max_disk_bytes > 0:
@@ -103,10 +105,12 @@ def plan(
     return deletions
 
 
-def candidate(trial_id: int, number: int, value: float, root: Path, user_attrs: dict[str, Any]) -> Candidate:
+def candidate(
+    trial_id: int, number: int, value: float, root: Path, user_attrs: dict[str, Any], *, off_front: bool = False
+) -> Candidate:
     """A complete trial as retention ranks it: its checkpoint, wherever the trial ran, is looked
     for at ``trial-N/best`` of this host's study folder ``root``, not at the path it recorded."""
-    return Candidate(trial_id, number, value, TrialDir(root, number).best, recorded_loss(user_attrs))
+    return Candidate(trial_id, number, value, TrialDir(root, number).best, recorded_loss(user_attrs), off_front)
 
 
 def retain(

@@ -1,0 +1,139 @@
+"""A study's objectives: the quality objective alone (a single-objective Optuna study), or it and what the model
+cost (a two-objective study, whose answer is the Pareto front).
+
+Optuna neither records intermediate values nor prunes in a study of several objectives (``Trial.report`` and
+``should_prune`` raise NotImplementedError, optuna#3450), and a pruned trial's intermediate values there break TPE
+(it ranks pruned trials by ``study.direction``). So in a two-objective study hpsearch keeps the quality objective's
+validation points in a trial attribute (``attrs.POINTS``, which the dashboard shows) and asks the study's own pruner
+with a single-objective view of the study (``pruning_view``): the same rules, on the first objective
+(docs/search.md, "Cost as a second objective")."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+import optuna
+from optuna.storages import BaseStorage
+from optuna.trial import FrozenTrial, TrialState
+
+from hpsearch.storage import attrs
+
+if TYPE_CHECKING:
+    from hpsearch.search.search_config import SearchConfig
+
+log = logging.getLogger(__name__)
+
+
+def is_multi(study: optuna.Study) -> bool:
+    return len(study.directions) > 1
+
+
+def quality(trial: FrozenTrial) -> float | None:
+    """A finished trial's quality objective (its only value in a single-objective study); None without values."""
+    return trial.values[0] if trial.values else None
+
+
+def cost(trial: FrozenTrial) -> float | None:
+    """A complete trial's cost objective in a two-objective study; None in a single-objective one."""
+    return trial.values[1] if trial.values and len(trial.values) > 1 else None
+
+
+def points(trial: FrozenTrial) -> dict[int, float]:
+    """The quality objective at each validation point: Optuna's intermediate values, or the trial's
+    ``attrs.POINTS`` in a two-objective study (a row: anything unreadable is left out)."""
+    if trial.intermediate_values:
+        return dict(trial.intermediate_values)
+    raw = trial.user_attrs.get(attrs.POINTS)
+    found: dict[int, float] = {}
+    if isinstance(raw, dict):
+        for step, value in raw.items():
+            try:
+                found[int(step)] = float(value)
+            except (TypeError, ValueError):
+                continue
+    return found
+
+
+def cost_of(name: str, device_seconds: float, user_attrs: dict[str, Any]) -> float | None:
+    """A trial's cost objective ``name``: device hours from the ledger's figure (``device_seconds``, what
+    storage/ledger.py summed), the rest from what the trainer measured (trainer/stats.py ``Figures``); None where
+    the trial recorded none."""
+    if name == "gpu_hours":
+        return device_seconds / 3600
+    recorded = user_attrs.get({"trainable_parameters": attrs.TRAINABLE, "peak_memory_gb": attrs.PEAK_MEMORY}[name])
+    if not isinstance(recorded, int | float) or isinstance(recorded, bool) or not math.isfinite(recorded):
+        return None
+    return float(recorded) / 1024 if name == "peak_memory_gb" else float(recorded)
+
+
+def told(value: float, cost_name: str | None, device_seconds: float, user_attrs: dict[str, Any]) -> list[float] | None:
+    """What a complete trial tells the study: its quality, then its cost in a two-objective study; None where the
+    cost is not on record."""
+    if cost_name is None:
+        return [value]
+    spent = cost_of(cost_name, device_seconds, user_attrs)
+    return None if spent is None else [value, spent]
+
+
+def front(study: optuna.Study) -> list[FrozenTrial]:
+    """A two-objective study's Pareto front, best quality first (ties: the lower cost, the earlier trial); in a
+    single-objective study, empty."""
+    if not is_multi(study):
+        return []
+    sign = 1.0 if study.directions[0] == optuna.study.StudyDirection.MINIMIZE else -1.0
+    return sorted(study.best_trials, key=lambda t: (sign * t.values[0], t.values[1], t.number))
+
+
+class QualityStorage:
+    """A two-objective study's storage as a single-objective study of its quality objective sees it: one direction,
+    each trial's first value, and its ``attrs.POINTS`` as intermediate values. What the pruner is given; everything
+    else (the rung attributes successive halving writes among it) goes to the study's storage."""
+
+    def __init__(self, inner: BaseStorage) -> None:
+        self._inner = inner
+
+    def get_study_directions(self, study_id: int) -> list[optuna.study.StudyDirection]:
+        return self._inner.get_study_directions(study_id)[:1]
+
+    def get_all_trials(
+        self, study_id: int, deepcopy: bool = True, states: Sequence[TrialState] | None = None
+    ) -> list[FrozenTrial]:
+        return [_single(t) for t in self._inner.get_all_trials(study_id, deepcopy=False, states=states)]
+
+    def get_trial(self, trial_id: int) -> FrozenTrial:
+        return _single(self._inner.get_trial(trial_id))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _single(trial: FrozenTrial) -> FrozenTrial:
+    """``trial`` as a single-objective study of its quality objective has it (a copy)."""
+    return FrozenTrial(
+        number=trial.number,
+        state=trial.state,
+        value=None,
+        values=trial.values[:1] if trial.values else None,
+        datetime_start=trial.datetime_start,
+        datetime_complete=trial.datetime_complete,
+        params=trial.params,
+        distributions=trial.distributions,
+        user_attrs=trial.user_attrs,
+        system_attrs=trial.system_attrs,
+        intermediate_values=points(trial),
+        trial_id=trial._trial_id,
+    )
+
+
+def pruning_view(study: optuna.Study) -> optuna.Study:
+    """The study the pruner judges a two-objective study's trials in: its quality objective alone."""
+    storage = cast(BaseStorage, QualityStorage(study._storage))
+    return optuna.Study(study.study_name, storage, study.sampler, study.pruner)
+
+
+def objectives_text(search: SearchConfig) -> str:
+    """The objectives as `status` names them: "accuracy" or "accuracy and gpu_hours"."""
+    return " and ".join(search.objectives)
