@@ -139,6 +139,8 @@ class SearchConfig:
             raise SpecError(
                 f'{said} must be one objective ("loss") or a list of two, quality then cost: ["accuracy", "gpu_hours"]'
             )
+        if isinstance(self.metric, str) and self.metric not in QUALITY:
+            raise SpecError(f"{said} must be one of {', '.join(map(repr, QUALITY))}")
         if metric[0] not in QUALITY:
             raise SpecError(f"{said}: the first objective must be one of {', '.join(QUALITY)}")
         if len(metric) == 2 and metric[1] not in COSTS:

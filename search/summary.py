@@ -295,7 +295,7 @@ def _format_money(s: dict[str, Any]) -> str:
     """What the study cost so far, and its best trial."""
     m, price = s["money"], _price(s)
     hours = f"{m['device_hours']:.4f} device-hours at {price.text(m['price_per_gpu_hour'])} an hour"
-    line = f"cost: {price.text(m['spent'])} so far ({hours})"
+    line = f"spent: {price.text(m['spent'])} so far ({hours})"
     if s["best"] is not None and s["best"].get("money") is not None:
         line += f"; the best trial {price.text(s['best']['money'])}"
     return line

@@ -1,0 +1,185 @@
+"""Cost as a second objective and money (issue 41, parts 2 and 3): a two-objective study pruned on its quality
+objective, its Pareto front shown and kept, and money that is the ledger's device time x the price."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from hpsearch.search import objectives
+from hpsearch.search.trial_attrs import TrialReporter
+from hpsearch.search.worker import candidates
+from hpsearch.storage import attrs, ledger, retention
+from hpsearch.storage.open import open_storage
+from hpsearch.storage.trialdir import TrialDir
+from tests.conftest import Cli, assert_refused, hpsearch, spec_text, start_study
+
+MONEY = 'price_per_gpu_hour = 1.98\ncurrency = "CNY"\n'
+
+
+def test_a_two_objective_search_prunes_on_quality_shows_its_front_and_its_cost(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
+    spec = tmp_path / "cost.toml"
+    # Half the space is hopeless (lr 1.0 wrecks the model): the median pruner stops it on the validation loss.
+    spec.write_text(
+        spec_text(
+            tiny_model,
+            *demo_files,
+            n_trials=6,
+            space='learning_rate = { type = "categorical", choices = [1e-3, 1.0] }',
+            search=MONEY + "keep_top_k = 2",
+        )
+        .replace('sampler = "tpe"', 'sampler = "random"')
+        .replace('metric = "loss"', 'metric = ["loss", "gpu_hours"]')
+        .replace("epochs = 2", "epochs = 3")
+    )
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    result = start_study("c", spec, url, tmp_path)
+    study = optuna.load_study(study_name="c", storage=url)
+    assert [d.name for d in study.directions] == ["MINIMIZE", "MINIMIZE"]
+    assert study.metric_names == ["val_loss", "gpu_hours"]  # the dashboard's axes
+    trials = study.get_trials()
+    assert len(trials) == 6
+    pruned = [t for t in trials if t.state == TrialState.PRUNED]
+    assert pruned, [(t.params, t.state, t.user_attrs.get(attrs.POINTS)) for t in trials]
+    # Pruned on the quality objective before the last point (30 steps), its points kept where the dashboard shows them.
+    assert all(t.params["learning_rate"] == 1.0 for t in pruned)
+    assert all(max(objectives.points(t)) < 30 for t in pruned)
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert complete
+    storage = open_storage(url, create=False)
+    try:
+        each = ledger.by_trial(storage.db, "c")
+        used = ledger.total(storage.db, "c")
+        spent = storage.db.run(lambda s: ledger.spent(s, storage.db, "c"), what="read the ledger")
+    finally:
+        storage.close()
+    for t in complete:
+        assert len(t.values) == 2 and t.values[0] == min(objectives.points(t).values())
+        assert t.values[1] == pytest.approx(t.user_attrs[attrs.DEVICE_SECONDS] / 3600, abs=1e-6)  # the ledger's
+    # Retention keeps the front first, up to keep_top_k.
+    front = {t.number for t in study.best_trials}
+    ranked = sorted(complete, key=lambda t: (t.number not in front, t.values[0], t.number))
+    kept = {t.number for t in complete if TrialDir(tmp_path / "runs" / "c", t.number).best.exists()}
+    assert kept == {t.number for t in ranked[:2]}
+    # The end-of-search summary, status and best say what the study cost; best prints the front.
+    assert "spent: " in result.stdout and " CNY so far" in result.stdout
+    best = hpsearch("best", "--study", "c", "--storage", url, cwd=tmp_path)
+    assert best.returncode == 0, best.stderr
+    assert "pareto front (loss and gpu_hours)" in best.stdout
+    for number in front:
+        assert f"  trial {number}  loss " in best.stdout
+    shown = json.loads(hpsearch("best", "--study", "c", "--storage", url, "--json", cwd=tmp_path).stdout)
+    assert sorted(t["number"] for t in shown["pareto_front"]) == sorted(front)
+    # Money = the ledger's device time x the price, exactly: the study's and each trial's.
+    assert shown["study_money"]["spent"] == used / 3600 * 1.98
+    for t in shown["pareto_front"]:
+        assert t["money"] == sum(x.seconds for x in spent if x.trial_number == t["number"]) / 3600 * 1.98
+        assert t["money"] == each[t["number"]] / 3600 * 1.98
+    status = hpsearch("status", "--study", "c", "--storage", url, "--json", cwd=tmp_path)
+    s = json.loads(status.stdout)
+    assert s["money"]["spent"] == used / 3600 * 1.98 and s["money"]["currency"] == "CNY"
+    assert all(t["money"] == each.get(t["number"], 0.0) / 3600 * 1.98 for t in s["trials"])
+    assert "CNY" in hpsearch("status", "--study", "c", "--storage", url, cwd=tmp_path).stdout
+
+
+def test_the_pruner_judges_a_two_objective_trial_on_its_quality_objective(storage_url: str) -> None:
+    """Optuna's own report and should_prune refuse a two-objective study; the reporter's view asks the pruner."""
+    storage = open_storage(storage_url, create=True)
+    try:
+        pruner = optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0)
+        study = optuna.create_study(
+            study_name="v", storage=storage.optuna, directions=["maximize", "minimize"], pruner=pruner
+        )
+        good = study.ask()
+        TrialReporter(good).report(0.9, 5)
+        study.tell(good, [0.9, 0.1])
+        bad = study.ask()
+        with pytest.raises(NotImplementedError):
+            bad.report(0.1, 5)
+        reporter = TrialReporter(bad)
+        reporter.report(0.2, 5)
+        reporter.report(0.95, 5)  # a step's first report stands, as in Optuna
+        assert reporter.should_prune()  # 0.2 < the median 0.9: maximised accuracy
+        assert objectives.points(study.trials[1]) == {5: 0.2}
+        better = study.ask()
+        reporter = TrialReporter(better)
+        reporter.report(0.95, 5)
+        assert not reporter.should_prune()
+        # Successive halving and hyperband judge through the same view (hyperband builds its own bracket studies).
+        for kind in (optuna.pruners.SuccessiveHalvingPruner(min_resource=5), optuna.pruners.HyperbandPruner(5, 30)):
+            study.pruner = kind
+            assert isinstance(TrialReporter(study.ask()).should_prune(), bool)
+    finally:
+        storage.close()
+
+
+def test_retention_keeps_the_front_before_a_better_trial_off_it(tmp_path: Path) -> None:
+    """Off the front, a trial of better quality than a front trial (dominated by another) ranks after the front."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    study = optuna.create_study(study_name="r", storage=url, directions=["maximize", "minimize"])
+    root = tmp_path / "runs" / "r"
+    # 0 dominates 1 (better accuracy, cheaper); 2 is the cheapest: the front is {0, 2}.
+    for number, values in enumerate([[0.9, 1.0], [0.8, 2.0], [0.7, 0.5]]):
+        folder = TrialDir(root, number)
+        folder.make()
+        folder.best.mkdir()
+        (folder.best / "model.safetensors").write_bytes(b"x")
+        user_attrs = {attrs.BEST_CHECKPOINT: str(folder.best)}
+        study.add_trial(optuna.trial.create_trial(values=values, user_attrs=user_attrs))
+    storage = open_storage(url, create=False)
+    try:
+        retention.retain(storage.db, candidates(study, root), keep_top_k=2, minimize=False)
+    finally:
+        storage.close()
+    assert [TrialDir(root, n).best.exists() for n in range(3)] == [True, False, True]
+    deleted = optuna.load_study(study_name="r", storage=url).trials[1].user_attrs[attrs.BEST_CHECKPOINT]
+    assert retention.is_deleted(deleted)
+
+
+@pytest.mark.parametrize(
+    "search, expected",
+    [
+        ('metric = ["accuracy", "gpu_minutes"]', "the second objective must be one of gpu_hours"),
+        ('metric = ["accuracy", "gpu_hours", "peak_memory_gb"]', "must be one objective"),
+        ('metric = ["gpu_hours", "accuracy"]', "the first objective must be one of loss, accuracy, f1"),
+        ("price_per_gpu_hour = -1.98", "search.price_per_gpu_hour: -1.98 must be a finite number >= 0"),
+        ("budget = 10.0", "search.budget: 10.0 is money and needs a price"),
+        ('currency = "Chinese yuan"', "search.currency"),
+    ],
+)
+def test_bad_objectives_and_money_are_refused_in_one_line(
+    cli: Cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], search: str, expected: str
+) -> None:
+    text = spec_text(tiny_model, *demo_files)
+    if search.startswith("metric"):
+        text = text.replace('metric = "loss"', search)
+    else:
+        text = text.replace("seed = 0", f"seed = 0\n{search}")
+    spec = tmp_path / "bad.toml"
+    spec.write_text(text)
+    assert_refused(cli, spec, tmp_path, expected)
+
+
+def test_a_sampler_of_one_objective_is_refused_for_two(
+    cli: Cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
+    text = spec_text(tiny_model, *demo_files).replace('metric = "loss"', 'metric = ["loss", "gpu_hours"]')
+    spec = tmp_path / "cmaes.toml"
+    spec.write_text(text.replace('sampler = "tpe"', 'sampler = "cmaes"'))
+    assert_refused(cli, spec, tmp_path, "search.sampler: 'cmaes' cannot search two objectives")
+
+
+def test_a_money_budget_stops_new_trials(tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> None:
+    # 1e-6 yuan at 1.98 an hour: 1.8 ms of device time, used up by the first trial.
+    spec = tmp_path / "budget.toml"
+    spec.write_text(spec_text(tiny_model, *demo_files, n_trials=3, search=MONEY + "budget = 0.000001"))
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    result = start_study("m", spec, url, tmp_path)
+    assert len(optuna.load_study(study_name="m", storage=url).trials) == 1
+    assert "money budget used" in result.stderr and "of 1e-06 CNY" in result.stderr
