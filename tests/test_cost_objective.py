@@ -107,6 +107,11 @@ def test_the_pruner_judges_a_two_objective_trial_on_its_quality_objective(storag
         reporter.report(0.95, 5)  # a step's first report stands, as in Optuna
         assert reporter.should_prune()  # 0.2 < the median 0.9: maximised accuracy
         assert objectives.points(study.trials[1]) == {5: 0.2}
+        study.tell(bad, state=TrialState.PRUNED)
+        assert study.trials[1].values is None and study.trials[1].intermediate_values == {}
+        # TPE ranks a pruned trial's intermediate values by study.direction, which a two-objective study refuses.
+        study.sampler = optuna.samplers.TPESampler(n_startup_trials=1, seed=0)
+        study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
         better = study.ask()
         reporter = TrialReporter(better)
         reporter.report(0.95, 5)
@@ -175,11 +180,19 @@ def test_a_sampler_of_one_objective_is_refused_for_two(
     assert_refused(cli, spec, tmp_path, "search.sampler: 'cmaes' cannot search two objectives")
 
 
-def test_a_money_budget_stops_new_trials(tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> None:
+def test_a_money_budget_stops_new_trials(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], storage_url: str
+) -> None:
     # 1e-6 yuan at 1.98 an hour: 1.8 ms of device time, used up by the first trial.
     spec = tmp_path / "budget.toml"
     spec.write_text(spec_text(tiny_model, *demo_files, n_trials=3, search=MONEY + "budget = 0.000001"))
-    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    result = start_study("m", spec, url, tmp_path)
-    assert len(optuna.load_study(study_name="m", storage=url).trials) == 1
+    result = start_study("m", spec, storage_url, tmp_path)
     assert "money budget used" in result.stderr and "of 1e-06 CNY" in result.stderr
+    shown = json.loads(hpsearch("status", "--study", "m", "--storage", storage_url, "--json", cwd=tmp_path).stdout)
+    storage = open_storage(storage_url, create=False)
+    try:  # the study's money is the ledger's device time x the price, exactly, by either database's clock
+        (trial,) = optuna.load_study(study_name="m", storage=storage.optuna).trials
+        assert shown["money"]["spent"] == ledger.total(storage.db, "m") / 3600 * 1.98 >= 0.000001
+        assert shown["trials"][0]["money"] == ledger.by_trial(storage.db, "m")[trial.number] / 3600 * 1.98
+    finally:
+        storage.close()
