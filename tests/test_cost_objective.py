@@ -10,7 +10,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpsearch.search import objectives
+from hpsearch.search import note, objectives, progress, study as studies
 from hpsearch.search.trial_attrs import TrialReporter
 from hpsearch.search.worker import candidates
 from hpsearch.storage import attrs, ledger, retention
@@ -57,6 +57,11 @@ def test_a_two_objective_search_prunes_on_quality_shows_its_front_and_its_cost(
         each = ledger.by_trial(storage.db, "c")
         used = ledger.total(storage.db, "c")
         spent = storage.db.run(lambda s: ledger.spent(s, storage.db, "c"), what="read the ledger")
+        stored = studies.stored_spec(storage, "c")
+        # The dashboard's note and the live display read a two-objective study too.
+        assert "loss (minimize) and gpu_hours (minimize)" in note.render(study, stored, 6, used)
+        best_quality = min(t.values[0] for t in study.best_trials)
+        assert progress.read(study, stored, used).best_value == best_quality
     finally:
         storage.close()
     for t in complete:
