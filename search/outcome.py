@@ -122,7 +122,9 @@ def finish(
         )
     state, values = ending.state, None
     if state == TrialState.COMPLETE and value is not None:
-        values = objectives.told(value, cost, seconds, storage.optuna.get_trial(trial_id).user_attrs)
+        # The trainer's figures are read only where a cost needs them: a single-objective study tells its value.
+        figures = storage.optuna.get_trial(trial_id).user_attrs if cost else {}
+        values = objectives.told(value, cost, seconds, figures)
         if values is None:  # the trainer's figures never arrived: a result without its cost is no point on the front
             state, recorded = TrialState.FAIL, FailReason.ERROR.record(f"no {cost} on record for the cost objective")
     if recorded is not None:

@@ -16,7 +16,7 @@ from hpsearch.search.worker import candidates
 from hpsearch.storage import attrs, ledger, retention
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.trialdir import TrialDir
-from tests.conftest import Cli, assert_refused, hpsearch, spec_text, start_study
+from tests.conftest import Cli, assert_refused, hpsearch, one_trial, spec_text, start_study
 
 MONEY = 'price_per_gpu_hour = 1.98\ncurrency = "CNY"\n'
 
@@ -201,3 +201,17 @@ def test_a_money_budget_stops_new_trials(
         assert shown["trials"][0]["money"] == ledger.by_trial(storage.db, "m")[trial.number] / 3600 * 1.98
     finally:
         storage.close()
+
+
+@pytest.mark.parametrize(
+    "cost, recorded, scale", [("trainable_parameters", attrs.TRAINABLE, 1), ("peak_memory_gb", attrs.PEAK_MEMORY, 1024)]
+)
+def test_the_cost_objective_is_what_the_trainer_measured(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], cost: str, recorded: str, scale: int
+) -> None:
+    spec = tmp_path / "cost.toml"
+    text = spec_text(tiny_model, *demo_files, n_trials=1).replace("epochs = 2", "epochs = 1")
+    spec.write_text(text.replace('metric = "loss"', f'metric = ["accuracy", "{cost}"]'))
+    trial = one_trial("t", spec, f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path)
+    assert trial.values[1] == trial.user_attrs[recorded] / scale > 0
+    assert trial.values[0] == max(objectives.points(trial).values())
