@@ -115,14 +115,15 @@ def test_a_sharded_lora_search_through_the_cli_saves_an_adapter_folder(
     assert load_saved(best) is not None  # AutoPeftModelForCausalLM
 
 
-@pytest.mark.parametrize("sharding", ["fsdp", "none"])
+@pytest.mark.parametrize(("sharding", "rank"), [("fsdp", 1), ("none", 1), ("fsdp", 0)])
 def test_one_rank_out_of_memory_restarts_the_group_at_half_the_micro_batch(
-    tmp_path: Path, lm_files: tuple[Path, Path], sharding: str
+    tmp_path: Path, lm_files: tuple[Path, Path], sharding: str, rank: int
 ) -> None:
-    """Rank 1 alone runs out of memory at step 6 (rank 0 is already waiting in a collective). The retry starts every
-    rank at micro-batch 4 from the state of step 4: the same 12 optimizer steps of 16 examples, and the same losses
-    as a run that never ran out (the normalisation is over the whole step). max_retries = 0: the restart is not
-    counted, as one device's halving costs no retry."""
+    """One rank alone runs out of memory at step 6 (the other is already waiting in a collective): a peer's exit
+    code reaches the supervisor through rank 0's watchdog, rank 0's own OOM through its attempt. The retry starts
+    every rank at micro-batch 4 from the state of step 4: the same 12 optimizer steps of 16 examples, and the same
+    losses as a run that never ran out (the normalisation is over the whole step). max_retries = 0: the restart is
+    not counted, as one device's halving costs no retry."""
     model = build_tiny_gpt2(tmp_path / "m", dropout=0.0)  # a micro-batch of 4 would draw other dropout masks
     train = f'devices_per_trial = 2\nsharding = "{sharding}"'
     spec = tmp_path / "oom.toml"
@@ -139,8 +140,8 @@ def test_one_rank_out_of_memory_restarts_the_group_at_half_the_micro_batch(
         assert result.returncode == 0, result.stderr[-3000:]
         return optuna.load_study(study_name=study, storage=url).trials
 
-    # Micro-batches of 8: one each per rank and step. Rank 1 cannot hold 8 from step 6 on.
-    failed, retry = start("oom", HPSEARCH_TEST_OOM="1:6:4")
+    # Micro-batches of 8: one each per rank and step. The rank cannot hold 8 from step 6 on.
+    failed, retry = start("oom", HPSEARCH_TEST_OOM=f"{rank}:6:4")
     assert failed.state == TrialState.FAIL and failed.user_attrs["fail_reason"].startswith("oom_restart")
     assert retry.state == TrialState.COMPLETE and retry.params == failed.params
     assert retry.user_attrs["retry_of"] == 0 and retry.user_attrs["retry_count"] == 0
