@@ -32,7 +32,7 @@ import torch
 
 from hpsearch.search.spec import load_file
 from hpsearch.search.trial_attrs import NullReporter
-from hpsearch.storage.trialdir import BEST, CURVES, RESUME, RESUME_FILE
+from hpsearch.storage.trialdir import BEST, CURVES, OUT_OF_MEMORY_FILE, RESUME, RESUME_FILE
 from hpsearch.trainer.checkpoint import RunFiles
 from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.loop import Run, fit
@@ -119,7 +119,7 @@ def main() -> None:
                 cfg=cfg,
                 metric="accuracy",
                 device=CPU,
-                files=RunFiles(out / BEST, out / RESUME / RESUME_FILE, out / CURVES),
+                files=RunFiles(out / BEST, out / RESUME / RESUME_FILE, out / CURVES, out / RESUME / OUT_OF_MEMORY_FILE),
             )
             result = fit(run_, scorer)
             assert result.best_step is not None

@@ -51,7 +51,7 @@ def main() -> int:
     data = prepare(DataConfig(str(work / "train.jsonl"), str(work / "dev.jsonl")), tokenizer, 64, None, "causal-lm")
     cfg = TrainConfig(learning_rate=5e-4, batch_size=32, micro_batch_size=8, max_steps=steps[0], eval_every=steps[2])
     cfg = replace(cfg, precision="bf16", sharding="fsdp", devices_per_trial=2, resume_every_minutes=0)
-    files = RunFiles(best=work / "out/best", state=work / "out/resume/state.pt", curves=work / "out/tb")
+    files = RunFiles(work / "out/best", work / "out/resume/state.pt", work / "out/tb", work / "out/resume/oom.json")
     failures = []
 
     def run(resume: Path | None, steps: int) -> object:

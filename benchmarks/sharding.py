@@ -101,7 +101,7 @@ def _train(model_dir: str, files: tuple[str, str], cfg: Any, out: Path, world: A
             model = sharding.empty_model(model_dir, None, None)
         else:
             model = load_model(model_dir, 0)
-        files_out = RunFiles(best=out / "best", state=out / "resume" / "state.pt", curves=out / "tensorboard")
+        files_out = RunFiles(out / "best", out / "resume/state.pt", out / "tensorboard", out / "resume/oom.json")
         run = Run(model, tokenizer, data, cfg, "loss", torch.device("cpu"), files_out, world=world)
         started = time.perf_counter()
         result = fit(run, NullReporter())

@@ -16,6 +16,7 @@ import optuna
 
 from hpsearch.search import ranks, retry, sampling, stop_signals
 from hpsearch.search.early_stop import EarlyStop, PruningGate
+from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.outcome import Outcome
 from hpsearch.search.space import split_params
 from hpsearch.search.spec import StudySpec
@@ -23,13 +24,14 @@ from hpsearch.search.trial_attrs import TrialReporter
 from hpsearch.storage import attrs, registry
 from hpsearch.storage.trialdir import TrialDir
 from hpsearch.trainer.config import AdapterConfig, ConfigError, TrainConfig
-from hpsearch.trainer.errors import is_disk_full
+from hpsearch.trainer.errors import RankOutOfMemory, is_disk_full
 from hpsearch.trainer.report import FailReason, Status
 
 if TYPE_CHECKING:
     from hpsearch.search.worker import Worker
 
 log = logging.getLogger(__name__)
+PEER_NEWS_S = 2.0  # how long a rank 0 whose collective failed waits to see whether a peer died
 
 
 ENDED = {
@@ -62,7 +64,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
         w.end_attempt(trial, Outcome.FAILED, reason=FailReason.TRIAL_DIR_REFUSED, detail=str(exc))
         return
     folder.unlink_link(folder.curves)
-    files = RunFiles(best=folder.best, state=folder.state, curves=folder.curves)
+    files = RunFiles(best=folder.best, state=folder.state, curves=folder.curves, out_of_memory=folder.out_of_memory)
     reporter = TrialReporter(trial)
     where = {attrs.DEVICE: _device_name(w), attrs.HOST: registry.this_host(), attrs.WORKER: w.args.name}
     where[attrs.THREADS] = _threads()
@@ -76,6 +78,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
     log.info("trial %d starts: %s", trial.number, params)
     started = time.monotonic()  # first_step_seconds and device time count from here
     model: Any = None
+    out_of_memory: RankOutOfMemory | None = None
     try:
         early_points = sampling.early_points(w.spec, cfg, w.data)
         if w.peers is not None:
@@ -115,7 +118,14 @@ def run(w: Worker, trial: optuna.Trial) -> None:
     except CheckpointError as exc:
         log.error("trial %d failed: %s", trial.number, exc)
         failure: tuple[FailReason, str | None] | None = (exc.reason, None)
+    except RankOutOfMemory as exc:
+        log.warning("trial %d: %s; the device group restarts with a smaller micro-batch", trial.number, exc)
+        out_of_memory = exc
+        failure = None
     except Exception as exc:
+        if w.peers is not None and w.peers.one_died(PEER_NEWS_S):
+            # A collective fails at once when a peer dies: its death (perhaps out of memory) is what ends the group.
+            time.sleep(ranks.CLOSE_TIMEOUT_S)
         if stop_signals.is_storage_failure(exc):
             # The database, not the trial: keep its checkpoints and hand it back.
             log.error("trial %d: the storage failed: %s", trial.number, stop_signals.describe(exc))
@@ -132,6 +142,9 @@ def run(w: Worker, trial: optuna.Trial) -> None:
         logging.getLogger().removeHandler(handler)
         handler.close()
         log_file.close()
+    if out_of_memory is not None:
+        w.end_attempt(trial, Outcome.OUT_OF_MEMORY, folder=folder, detail=str(out_of_memory))
+        raise ranks.GroupRestart(f"trial {trial.number}: {out_of_memory}", ExitCode.OUT_OF_MEMORY)
     if failure is not None:
         w.end_attempt(trial, Outcome.FAILED, folder=folder, reason=failure[0], detail=failure[1])
         if w.world.size > 1:

@@ -4,6 +4,7 @@ would need per device. Reads config.json only: a model too big for this host can
 from __future__ import annotations
 
 import argparse
+import sys
 from contextlib import closing
 from pathlib import Path
 
@@ -28,6 +29,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for change, e in [("as specified", plan.estimate), *plan.alternatives]:
         cells = (e.weights, e.gradients, e.optimizer, e.gathered, e.activations, e.total)
         print(f"  {change:<44}" + "".join(f"{plans.gib(b):>12}" for b in cells))
+    # The table first (what would fit is the answer the user came for), then the verdict `start` would give.
+    sys.stdout.flush()
+    plans.refuse(plan)
     return 0
 
 

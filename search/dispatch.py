@@ -151,8 +151,15 @@ class Supervisor:
             if not self.stopping:
                 self._spawn(child.device, child.crashes)
             return
-        how = _DIED.get(code) or (f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
         during = f" during trial {child.trial[1]}" if child.trial else ""
+        if code == ExitCode.OUT_OF_MEMORY:
+            # Not a crash: a rank recorded the micro-batch it ran out of memory at; the restarted group starts smaller.
+            log.warning("worker %s: a rank ran out of memory%s; restarting its device group", child.name, during)
+            self._record_crash(child, "a rank ran out of memory", Outcome.OUT_OF_MEMORY)
+            if not self.stopping:
+                self._spawn(child.device, child.crashes)
+            return
+        how = _DIED.get(code) or (f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
         if self.stopping and code == ExitCode.STORAGE_LOST:
             # It stopped after the storage went quiet: another try from here would only add
             # a connect timeout to the shutdown. The trial is reaped once the storage is back.
@@ -174,18 +181,18 @@ class Supervisor:
             return
         self._spawn(child.device, child.crashes)
 
-    def _record_crash(self, child: Child, how: str) -> None:
+    def _record_crash(self, child: Child, how: str, ended: Outcome = Outcome.CRASHED) -> None:
         """End the dead child's registry row and hand its trial back for a retry."""
         try:
             # The parent holds no connection while its children train.
             with contextlib.closing(open_storage(self.storage_url, create=False)) as storage:
-                self._hand_back_dead(storage, child, how)
+                self._hand_back_dead(storage, child, how, ended)
         except StorageError as err:
             # Its registry row stays open: the trial is reaped once the storage answers and its heartbeat is stale.
             msg = "could not hand back the trial of worker %s (it is retried once the storage is back): %s"
             log.error(msg, child.name, err)
 
-    def _hand_back_dead(self, storage: Storage, child: Child, how: str) -> None:
+    def _hand_back_dead(self, storage: Storage, child: Child, how: str, ended: Outcome) -> None:
         # Ended here, not left to turn "lost": other workers would wait for it to be reaped.
         held = liveness.end_dead(storage.db, self.study, host=registry.this_host(), pid=child.process.pid)
         if child.trial is not None:
@@ -197,7 +204,7 @@ class Supervisor:
         retries = self.spec.search.max_retries
         study = optuna.load_study(study_name=self.study, storage=storage.optuna)
         folder = TrialDir(self.output_dir / self.study, storage.optuna.get_trial(trial_id).number)
-        outcome.finish(storage, study, trial_id, Outcome.CRASHED, max_retries=retries, folder=folder, detail=how)
+        outcome.finish(storage, study, trial_id, ended, max_retries=retries, folder=folder, detail=how)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.stopping += 1

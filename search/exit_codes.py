@@ -17,6 +17,9 @@ class ExitCode(enum.IntEnum):
     """A failed trial left a device group's ranks out of step: the supervisor restarts the group."""
     STORAGE_LOST = 77
     """The worker could not reach the storage past its outage retries; its trial is retried once it is back."""
+    OUT_OF_MEMORY = 78
+    """A rank of a device group ran out of memory: the supervisor restarts the group, which starts with a smaller
+    micro-batch (not a crash: the halving bounds these restarts)."""
 
     @staticmethod
     def signalled(signum: int) -> int:

@@ -33,6 +33,7 @@ class Outcome(enum.Enum):
     CRASHED = enum.auto()  # the worker process died; its supervisor saw it
     LOST = enum.auto()  # the worker vanished (host gone, network cut); a reaper saw its heartbeat go stale
     NOT_STARTED = enum.auto()  # the worker could not register the trial it was given
+    OUT_OF_MEMORY = enum.auto()  # a rank of a device group ran out of memory: the group restarts smaller
 
 
 class Files(enum.Enum):
@@ -56,6 +57,9 @@ class Ending:
     resume: Files
     resumes_from: Resume
     reason: FailReason | None  # the fail_reason; None: the caller's (a pruned or failed trial says why)
+    # Whether the retry counts against max_retries: not an out-of-memory restart, which halves the micro-batch
+    # each time (micro-batch 1 ends the trial), as one device halves it in place without a retry.
+    counted: bool = True
 
 
 _FAIL, _KEEP, _DELETE = TrialState.FAIL, Files.KEEP, Files.DELETE
@@ -70,6 +74,7 @@ ENDINGS: dict[Outcome, Ending] = {
     Outcome.CRASHED: Ending(_FAIL, True, _KEEP, _KEEP, Resume.HERE, FailReason.WORKER_CRASH),
     Outcome.LOST: Ending(_FAIL, True, _KEEP, _KEEP, Resume.RECORDED, FailReason.WORKER_LOST),
     Outcome.NOT_STARTED: Ending(_FAIL, True, _KEEP, _KEEP, Resume.NOTHING, FailReason.NOT_STARTED),
+    Outcome.OUT_OF_MEMORY: Ending(_FAIL, True, _KEEP, _KEEP, Resume.HERE, FailReason.OOM_RESTART, counted=False),
 }
 
 
@@ -117,8 +122,9 @@ def finish(
         }[ending.resumes_from]
         local = ending.resumes_from is not Resume.RECORDED  # the reaper's may be on another host: take_over checks
         assert recorded is not None
+        retries = max_retries if ending.counted else None
         return retry.hand_back(
-            storage, study, trial_id, reason=recorded, resume_from=resume, max_retries=max_retries, local=local
+            storage, study, trial_id, reason=recorded, resume_from=resume, max_retries=retries, local=local
         )
     state, values = ending.state, None
     if state == TrialState.COMPLETE and value is not None:

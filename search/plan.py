@@ -220,10 +220,16 @@ def check(spec: StudySpec, device_list: list[Device]) -> Plan | None:
     except Exception as exc:  # the inputs were checked before: a model whose config the meta device does not take
         log.warning("memory plan: cannot estimate %s here (%s); no plan", spec.model.name, type(exc).__name__)
         return None
-    if plan.verdict == "too_big":
-        raise PlanError(plan.line())
+    refuse(plan)
     if plan.verdict == "close":
         log.warning("%s (a trial that runs out of memory on one device retries with half the micro-batch)", plan.line())
     else:
         log.info("%s", plan.line())
     return plan
+
+
+def refuse(plan: Plan) -> None:
+    """The one rule for a plan that no back-off can save: PlanError (one line, exit 2), for `start`, `worker` and
+    `hpsearch plan` alike."""
+    if plan.verdict == "too_big":
+        raise PlanError(plan.line())

@@ -6,7 +6,8 @@ every trial it sends each a ``TrialJob`` (the inputs of its own fit()) and they 
 Every way a rank can end reaches the supervisor as the end of rank 0: a peer dies (rank 0's watchdog kills
 the others and exits with ``ExitCode.PEER_DIED``); rank 0 dies (each peer sees its parent gone and exits);
 a trial fails on rank 0 (the collectives are out of step: it records the failure and exits with
-``ExitCode.GROUP_RESTART``, and the group starts afresh)."""
+``ExitCode.GROUP_RESTART``, and the group starts afresh); a rank runs out of memory (it records its micro-batch in the
+trial's folder and ends, rank 0 with ``ExitCode.OUT_OF_MEMORY``: the trial is retried, every rank starting smaller)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,11 @@ CLOSE_TIMEOUT_S = 30.0
 
 
 class GroupRestart(Exception):
-    """A trial failed on a multi-device group; its ranks must be started afresh."""
+    """A trial failed on a multi-device group; its ranks must be started afresh (the worker exits with ``code``)."""
+
+    def __init__(self, message: str, code: ExitCode = ExitCode.GROUP_RESTART) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -123,22 +128,32 @@ class Peers:
                 process.kill()
                 process.join()
 
+    def one_died(self, timeout: float) -> bool:
+        """Whether a peer ended (or ends within ``timeout``): then ``_watch`` is ending this process, and a collective
+        that failed here failed because of it."""
+        return bool(wait([p.sentinel for p in self.processes], timeout))
+
     def _watch(self) -> None:
         # Returns as soon as any peer ends; outside close() that is always a death.
         ended = wait([p.sentinel for p in self.processes])
         if self.closing:
             return
+        exit_code = ExitCode.PEER_DIED
         for rank, process in enumerate(self.processes, start=1):
             if process.sentinel in ended:
                 process.join(5.0)  # the sentinel closes a moment before the exit status exists
                 code = process.exitcode
+                if code == ExitCode.OUT_OF_MEMORY:  # it recorded its micro-batch: the group restarts smaller
+                    log.warning("peer rank %d ran out of memory: restarting the device group", rank)
+                    exit_code = ExitCode.OUT_OF_MEMORY
+                    continue
                 how = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
                 log.error("peer rank %d (pid %d) died (%s): ending the device group", rank, process.pid, how)
         for process in self.processes:
             if process.is_alive():
                 process.kill()
         # os._exit: the main thread may be blocked in a collective that will never complete.
-        os._exit(ExitCode.PEER_DIED)
+        os._exit(exit_code)
 
 
 def peer_main(args: PeerArgs, conn: Connection) -> None:
@@ -159,6 +174,7 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
 
     from hpsearch.trainer import distributed, sharding
     from hpsearch.trainer.encoding import prepare
+    from hpsearch.trainer.errors import RankOutOfMemory
     from hpsearch.trainer.evaluate import EarlyPoints
     from hpsearch.trainer.loop import Run, fit
     from hpsearch.trainer.model import PretrainedCache, load_tokenizer
@@ -201,6 +217,10 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
             result = fit(run, NullReporter())
             if job.cfg.sharding == "none":
                 models.release(run.model)
+        except RankOutOfMemory as exc:
+            # Recorded by fit(); rank 0 waits in a collective this rank will never enter: its watchdog reads the code.
+            log.warning("trial %d: %s; ending this rank for the group to restart smaller", job.trial, exc)
+            os._exit(ExitCode.OUT_OF_MEMORY)
         except Exception:
             # A collective fails at once when rank 0 dies: give that death (the news) a moment to show, not this error.
             time.sleep(1.0)

@@ -13,7 +13,7 @@ from optuna.trial import TrialState
 
 from hpsearch.storage import attrs, retention, slots
 from hpsearch.storage.open import Storage
-from hpsearch.storage.trialdir import BEST, RESUME, TrialDir
+from hpsearch.storage.trialdir import BEST, OUT_OF_MEMORY_FILE, RESUME, TrialDir
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +25,13 @@ def hand_back(
     *,
     reason: str,
     resume_from: Path | None,
-    max_retries: int,
+    max_retries: int | None,
     local: bool = True,
 ) -> bool:
     """Mark the trial failed and, retries permitting, queue it again (before its slot is released, so the next
     worker to claim the slot pops exactly this retry); True if queued. ``local=False``: the resumable state may
-    be on another host (the reaper's case), so its path is recorded unchecked, for ``take_over`` to check."""
+    be on another host (the reaper's case), so its path is recorded unchecked, for ``take_over`` to check.
+    ``max_retries=None``: a retry that does not count (an out-of-memory restart: see outcome.py)."""
     frozen = storage.optuna.get_trial(trial_id)
     if frozen.state.is_finished():
         return False
@@ -41,23 +42,29 @@ def hand_back(
         # Finished by someone else in the meantime (e.g. the worker told its result late).
         return False
     count = int(frozen.user_attrs.get(attrs.RETRY_COUNT, 0))
-    if count >= max_retries:
+    if max_retries is not None and count >= max_retries:
         log.warning("trial %d failed (%s); out of retries (%d)", frozen.number, reason, max_retries)
         return False
-    resume = resume_from if resume_from is not None and (resume_from.exists() or not local) else None
+    resume = resume_from if resume_from is not None and (_resumable(resume_from) or not local) else None
     study.enqueue_trial(
         frozen.params,
         user_attrs={
             attrs.RETRY_OF: frozen.number,
-            attrs.RETRY_COUNT: count + 1,
+            attrs.RETRY_COUNT: count + 1 if max_retries is not None else count,
             attrs.RESUME_FROM: str(resume) if resume else "",
         },
         skip_if_exists=False,
     )
     slots.release_slot(storage.db, study.study_name, trial_number=frozen.number)
     resuming = f", resuming {resume}" if resume else ""
-    log.warning("trial %d failed (%s); retry %d/%d queued%s", frozen.number, reason, count + 1, max_retries, resuming)
+    which = f"retry {count + 1}/{max_retries}" if max_retries is not None else "a retry (not counted)"
+    log.warning("trial %d failed (%s); %s queued%s", frozen.number, reason, which, resuming)
     return True
+
+
+def _resumable(state: Path) -> bool:
+    """Whether a retry has something to take over: the resumable state, or the out-of-memory record beside it."""
+    return state.exists() or state.with_name(OUT_OF_MEMORY_FILE).exists()
 
 
 def waiting_retries(study: optuna.Study) -> list[int]:
@@ -96,10 +103,12 @@ def take_over(storage: Storage, study_name: str, trial: optuna.Trial, here: Tria
         msg = "trial %d: refusing resume_from %s: not the resumable state of trial %d in %s; training from the start"
         log.warning(msg, trial.number, source, of, here.root)
         return None
-    if not old.state.is_file() or not old.holds(old.state) or not _failed(storage, study_name, of):
+    # An attempt that ran out of memory before its first resumable state left only its record: taken over too.
+    left = old.state if old.state.is_file() else old.out_of_memory
+    if not left.is_file() or not old.holds(left) or not _failed(storage, study_name, of):
         return None
     if old == here:
-        return here.state
+        return here.state if here.state.is_file() else None
     # fit() takes the best point from the moved model's own meta (see _restored_best).
     if not here.best.exists() and old.move(BEST, here):
         # The failed attempt's best_checkpoint must not name the folder its retry took.
@@ -108,7 +117,7 @@ def take_over(storage: Storage, study_name: str, trial: optuna.Trial, here: Tria
     if not old.move(RESUME, here):
         return None
     # fit() loads the state (and records resumed_from_step): reading it here too would load it twice.
-    return here.state
+    return here.state if here.state.is_file() else None
 
 
 def trial_id(storage: Storage, study_name: str, number: int) -> int:

@@ -84,7 +84,7 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
             with Reaper(storage, args.study, max_retries=worker.spec.search.max_retries, interval_s=reg.interval_s):
                 worker.run()
     except ranks.GroupRestart as exc:
-        _exit(ExitCode.GROUP_RESTART, f"{exc}; restarting the device group", peers)
+        _exit(exc.code, f"{exc}; restarting the device group", peers)
     except Exception as exc:
         if not isinstance(exc, stop_signals.StorageLost) and not stop_signals.is_storage_failure(exc):
             raise

@@ -25,6 +25,8 @@ PREFIX = "trial-"
 BEST = "best"
 RESUME = "resume"
 RESUME_FILE = "state.pt"
+# Beside it: the micro-batch a rank of a multi-device trial ran out of memory at, for the group's restart to read.
+OUT_OF_MEMORY_FILE = "out_of_memory.json"
 CURVES = "tensorboard"
 LOG = "train.log"  # the log of every attempt at the trial (search/worker.py writes it)
 _LOCK = ".hpsearch.lock"  # held shared by an export while it copies best/, exclusively by retention to delete it
@@ -54,6 +56,10 @@ class TrialDir:
     @property
     def state(self) -> Path:
         return self.resume / RESUME_FILE
+
+    @property
+    def out_of_memory(self) -> Path:
+        return self.resume / OUT_OF_MEMORY_FILE
 
     @property
     def log(self) -> Path:

@@ -24,7 +24,14 @@ from hpsearch.trainer.report import FailReason
 # What each ending means for the user, in the words of docs/failures.md.
 SUCCEEDED = {Outcome.COMPLETE}
 ENDED_FOR_GOOD = {Outcome.COMPLETE, Outcome.PRUNED, Outcome.FAILED}
-RESUMES_FROM_ITS_STATE = {Outcome.INTERRUPTED, Outcome.STORAGE_LOST, Outcome.CRASHED, Outcome.LOST}
+RESUMES_FROM_ITS_STATE = {
+    Outcome.INTERRUPTED,
+    Outcome.STORAGE_LOST,
+    Outcome.CRASHED,
+    Outcome.LOST,
+    Outcome.OUT_OF_MEMORY,
+}
+NOT_COUNTED = {Outcome.OUT_OF_MEMORY}  # a rank's OOM halves the micro-batch: bounded by that, not max_retries
 GIVEN_REASON = {Outcome.PRUNED: FailReason.AT_CHANCE, Outcome.FAILED: FailReason.OOM}
 
 
@@ -85,6 +92,7 @@ def test_an_ending_does_what_its_user_expects(tmp_path: Path, spec_file: Path, s
             [waiting] = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
             again = retry.pop_retry(study)
             assert again is not None and waiting.number == again.number
+            assert waiting.user_attrs[attrs.RETRY_COUNT] == (0 if ended in NOT_COUNTED else 1)
             resumes = retry.take_over(storage, "o", again, TrialDir(root, again.number))
             assert (resumes is not None) is (ended in RESUMES_FROM_ITS_STATE)
         assert outcome.finish(storage, study, trial._trial_id, Outcome.LOST, max_retries=1) is None, "finished: left"

@@ -81,10 +81,11 @@ def test_a_close_plan_is_a_warning(
     assert any(r.levelno == logging.WARNING and "close to cpu:0's" in r.message for r in caplog.records)
 
 
-def test_hpsearch_plan_prints_a_llama_3_8b_full_fine_tune_with_and_without_sharding(cli: Cli, tmp_path: Path) -> None:
+def _llama_spec(tmp_path: Path) -> Path:
+    """A Llama-3-8B full fine-tune's spec; its model folder holds the config alone: the plan reads no weights."""
     from transformers import LlamaConfig
 
-    folder = tmp_path / "llama-3-8b"  # the config alone: the plan reads no weights
+    folder = tmp_path / "llama-3-8b"
     LlamaConfig(
         vocab_size=128256,
         hidden_size=4096,
@@ -103,6 +104,11 @@ def test_hpsearch_plan_prints_a_llama_3_8b_full_fine_tune_with_and_without_shard
         '[train]\nbatch_size = 8\nmicro_batch_size = 1\nprecision = "bf16"\n'
         '[search]\nmetric = "loss"\n[search.space]\nlearning_rate = { type = "float", low = 1e-5, high = 1e-4 }\n'
     )
+    return spec
+
+
+def test_hpsearch_plan_prints_a_llama_3_8b_full_fine_tune_with_and_without_sharding(cli: Cli, tmp_path: Path) -> None:
+    spec = _llama_spec(tmp_path)
     result = cli("plan", "--study", "llama", "--config", str(spec), "--device-memory", "80", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -115,3 +121,23 @@ def test_hpsearch_plan_prints_a_llama_3_8b_full_fine_tune_with_and_without_shard
     assert 'more than the device\'s 24.0 GiB; would fit: [adapter] method = "lora"' not in small.stdout
     assert "more than the device's 24.0 GiB; would fit: " in small.stdout
     assert 'sharding = "fsdp" over 8 devices: 20.7 GiB' in small.stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("gib", "code", "verdict"),
+    [(24, 2, "more than the device's 24.0 GiB"), (64, 0, "close to the device's 64.0 GiB")],
+    ids=["refused", "close"],
+)
+def test_hpsearch_plan_exits_as_start_would(cli: Cli, tmp_path: Path, gib: int, code: int, verdict: str) -> None:
+    """70.3 GiB needed: on 24 GiB `start` refuses it (exit 2, its one line); on 64 GiB it is a close call (exit 0)."""
+    spec = _llama_spec(tmp_path)
+    result = cli("plan", "--study", "llama", "--config", str(spec), "--device-memory", str(gib), cwd=tmp_path)
+    assert result.returncode == code, result.stderr
+    assert verdict in result.stdout.splitlines()[0], result.stdout
+    assert any("as specified" in line for line in result.stdout.splitlines()), "the table is printed either way"
+    assert "Traceback" not in result.stderr
+    if code:
+        assert result.stderr.startswith("hpsearch plan: error: memory plan: 70.3 GiB per device"), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and verdict in result.stderr, result.stderr
+    else:
+        assert "error" not in result.stderr, result.stderr

@@ -14,6 +14,7 @@ import torch
 from optuna.trial import TrialState
 
 from tests.conftest import hpsearch, lm_spec_text
+from tests.support.tiny import build_tiny_gpt2
 from tests.test_faults import _assert_recovered, _spawned_workers, _start, _wait_for_report
 
 FSDP = 'devices_per_trial = 2\nsharding = "fsdp"'
@@ -112,3 +113,44 @@ def test_a_sharded_lora_search_through_the_cli_saves_an_adapter_folder(
     best = Path(trial.user_attrs["best_checkpoint"])
     assert (best / "adapter_config.json").exists() and not (best / "model.safetensors").exists()
     assert load_saved(best) is not None  # AutoPeftModelForCausalLM
+
+
+@pytest.mark.parametrize(("sharding", "rank"), [("fsdp", 1), ("none", 1), ("fsdp", 0)])
+def test_one_rank_out_of_memory_restarts_the_group_at_half_the_micro_batch(
+    tmp_path: Path, lm_files: tuple[Path, Path], sharding: str, rank: int
+) -> None:
+    """One rank alone runs out of memory at step 6 (the other is already waiting in a collective): a peer's exit
+    code reaches the supervisor through rank 0's watchdog, rank 0's own OOM through its attempt. The retry starts
+    every rank at micro-batch 4 from the state of step 4: the same 12 optimizer steps of 16 examples, and the same
+    losses as a run that never ran out (the normalisation is over the whole step). max_retries = 0: the restart is
+    not counted, as one device's halving costs no retry."""
+    model = build_tiny_gpt2(tmp_path / "m", dropout=0.0)  # a micro-batch of 4 would draw other dropout masks
+    train = f'devices_per_trial = 2\nsharding = "{sharding}"'
+    spec = tmp_path / "oom.toml"
+    spec.write_text(
+        lm_spec_text(model, *lm_files, extra_train=train, search="max_retries = 0").replace(
+            'pruner = "median"', 'pruner = "none"'
+        )
+    )
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+
+    def start(study: str, **env: str) -> list[optuna.trial.FrozenTrial]:
+        args = ("start", "--study", study, "--config", str(spec), "--storage", url, "--devices", "cpu:2")
+        result = hpsearch(*args, "--output-dir", str(tmp_path / "runs"), cwd=tmp_path, env=env, timeout=500)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return optuna.load_study(study_name=study, storage=url).trials
+
+    # Micro-batches of 8: one each per rank and step. The rank cannot hold 8 from step 6 on.
+    failed, retry = start("oom", HPSEARCH_TEST_OOM=f"{rank}:6:4")
+    assert failed.state == TrialState.FAIL and failed.user_attrs["fail_reason"].startswith("oom_restart")
+    assert retry.state == TrialState.COMPLETE and retry.params == failed.params
+    assert retry.user_attrs["retry_of"] == 0 and retry.user_attrs["retry_count"] == 0
+    assert retry.user_attrs["resumed_from_step"] == 4
+    # Half the micro-batch, twice the accumulation: the same 16 examples a step, the same 12 steps.
+    assert retry.user_attrs["micro_batch_size"] == 4 and retry.user_attrs["accumulation_steps"] == 2
+    assert sorted(retry.intermediate_values) == [8, 12]
+    (straight,) = start("straight")
+    assert straight.user_attrs["micro_batch_size"] == 8 and straight.params == failed.params
+    for step in (8, 12):
+        assert retry.intermediate_values[step] == pytest.approx(straight.intermediate_values[step], rel=1e-4)
+    assert not list((tmp_path / "runs").glob("*/trial-*/resume")), "the record went with the finished trial's state"

@@ -13,11 +13,11 @@ import torch
 from hpsearch.search.trial_attrs import AttrReporter
 from hpsearch.storage.trialdir import RESUME, RESUME_FILE
 from hpsearch.trainer import loop, step as trainer_step
-from hpsearch.trainer.checkpoint import load_resume
+from hpsearch.trainer.checkpoint import load_resume, record_out_of_memory
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
-from tests.support.tiny import build_tiny_bert, train_tiny
+from tests.support.tiny import build_tiny_bert, files_in, train_tiny
 
 CPU = torch.device("cpu")
 
@@ -104,6 +104,25 @@ def test_out_of_memory_at_micro_batch_one_fails_with_reason(  # type: ignore[no-
     cfg = TrainConfig(learning_rate=1e-3, batch_size=8, micro_batch_size=8, max_steps=2, precision="fp32")
     _, result, _ = train_tiny(no_dropout_model, prepared, cfg, tmp_path / "t")
     assert result.status == "failed" and result.fail_reason == "oom" and result.steps == 0
+
+
+@pytest.mark.parametrize(("ran_out", "micro"), [(24, 12), (1, None)])
+def test_a_recorded_out_of_memory_starts_the_run_smaller_or_fails_it(  # type: ignore[no-untyped-def]
+    no_dropout_model: Path, prepared, tmp_path: Path, ran_out: int, micro: int | None
+) -> None:
+    """What a rank of a device group records when it runs out of memory (trainer/loop.py ``fit``), read back by
+    the group's retry: it starts at the halved micro-batch, or fails at once when micro-batch 1 ran out."""
+    cfg = TrainConfig(
+        learning_rate=1e-3, batch_size=24, micro_batch_size=24, max_steps=2, eval_every=2, precision="fp32"
+    )
+    files = files_in(tmp_path / "t")
+    record_out_of_memory(files.out_of_memory, ran_out, step=1, rank=1)
+    _, result, rep = train_tiny(no_dropout_model, prepared, cfg, tmp_path / "t")
+    if micro is None:
+        assert result.status == "failed" and result.fail_reason == "oom" and result.steps == 0
+        return
+    assert result.status == "complete" and result.steps == 2
+    assert rep.attrs["micro_batch_size"] == micro and rep.attrs["accumulation_steps"] == 24 // micro
 
 
 def test_checkpoint_saved_and_resume_continues(tiny_model: Path, demo_files: tuple[Path, Path], tmp_path: Path) -> None:

@@ -343,6 +343,24 @@ def test_pretrained_weights_stay_in_memory_and_each_trial_gets_a_pristine_copy(
     assert not torch.equal(second.classifier.weight, third.classifier.weight)  # head drawn from the seed
 
 
+def test_a_sharded_trial_takes_the_cached_weights_without_a_copy(tiny_gpt2: Path) -> None:
+    """Rank 0 of a sharded trial (``private``) holds the model once while it sends the shards: the trial gets the
+    cached model itself, the cache gives it up, and the next trial reads it from disk, pristine."""
+    from transformers import AutoModelForCausalLM
+
+    cache, name = PretrainedCache(), str(tiny_gpt2)
+    kept = cache._base(name, 0)  # warm, as after a worker's first trial
+    taken = cache.trial_model(name, None, 0, private=True)
+    assert taken is kept, "a sharded trial takes the cached model itself, no copy"
+    with torch.no_grad():
+        for p in taken.parameters():
+            p.add_(1.0)  # sharding and training change it
+    again = cache.trial_model(name, None, 0, private=True)
+    pristine = AutoModelForCausalLM.from_pretrained(tiny_gpt2).state_dict()
+    assert again is not taken and all(torch.equal(v, pristine[k]) for k, v in again.state_dict().items())
+    assert cache.fresh_causal_lm(name) is not cache._base(name, 0), "other trials still get a copy"
+
+
 # -- kernels ------------------------------------------------------------------------------
 
 

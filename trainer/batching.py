@@ -138,6 +138,12 @@ def collate(data: Encoded, indices: Sequence[int], pad_id: int) -> dict[str, Any
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def smaller_micro(micro: int) -> int | None:
+    """The micro-batch after running out of memory at ``micro``: its largest divisor up to half (so every drawn
+    micro-batch cuts into equal pieces), None at 1."""
+    return max(d for d in range(1, micro // 2 + 1) if micro % d == 0) if micro > 1 else None
+
+
 @dataclass
 class Batches:
     """Which examples each optimizer step trains on: an epoch's micro-batches, drawn once per
@@ -148,6 +154,9 @@ class Batches:
     micro: int
     world: World
     steps_per_epoch: int
+    # The micro-batch the epoch is drawn at, then cut to ``micro``: a run that restarts smaller after running out of
+    # memory trains on the steps it would have trained on had it halved in place.
+    drawn: int = 0
     _epoch: int = -1
     _batches: list[list[int]] = field(default_factory=list)
 
@@ -161,13 +170,22 @@ class Batches:
         if epoch != self._epoch:  # the epoch's order is drawn once, not every step
             cfg = self.cfg
             drawn = micro_batches(
-                self.data.train.lengths, self.micro, seed=cfg.seed, epoch=epoch, group_by_length=cfg.group_by_length
+                self.data.train.lengths,
+                self.drawn or self.micro,
+                seed=cfg.seed,
+                epoch=epoch,
+                group_by_length=cfg.group_by_length,
             )
-            self._batches, self._epoch = even_shards(drawn, self.world.size), epoch
+            self._batches, self._epoch = self._cut(even_shards(drawn, self.world.size)), epoch
         return self._batches[group * self.per_step : (group + 1) * self.per_step]
 
     def halve(self) -> None:
-        """Same effective batch in smaller pieces (the largest divisor up to half): each drawn micro-batch
-        is cut in equal pieces, which keeps this epoch's data order and its step boundaries."""
-        self.micro = max(d for d in range(1, self.micro // 2 + 1) if self.micro % d == 0)
-        self._batches = [b[i : i + self.micro] for b in self._batches for i in range(0, len(b), self.micro)]
+        """Same effective batch in smaller pieces (``smaller_micro``): each drawn micro-batch is cut in equal
+        pieces, which keeps this epoch's data order and its step boundaries."""
+        self.micro = smaller_micro(self.micro) or 1
+        self._batches = self._cut(self._batches)
+
+    def _cut(self, batches: list[list[int]]) -> list[list[int]]:
+        cut = [b[i : i + self.micro] for b in batches for i in range(0, len(b), self.micro)]
+        # A short micro-batch may cut into an odd count: every rank must still run as many passes.
+        return even_shards(cut, self.world.size)

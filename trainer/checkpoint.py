@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -18,6 +19,7 @@ from hpsearch.trainer.errors import is_disk_full
 from hpsearch.trainer.model import unwrap
 from hpsearch.trainer.report import FailReason
 
+log = logging.getLogger(__name__)
 META = "hpsearch.json"  # beside the best model: the study, trial, step, validation metrics and training config
 
 
@@ -29,6 +31,9 @@ class RunFiles:
     best: Path  # the best model's folder, replaced whole at each new best point
     state: Path  # the resumable state's file; its folder is replaced whole at each save
     curves: Path  # the folder of the TensorBoard event files
+    # Where a rank of a multi-device trial records the micro-batch it ran out of memory at (beside ``state``: a retry
+    # takes it over with the resumable state, and a finished trial's goes with it).
+    out_of_memory: Path
 
 
 class CheckpointError(OSError):
@@ -152,3 +157,26 @@ def save_failed(target: Path, exc: BaseException) -> CheckpointError:
     full = is_disk_full(exc) or (isinstance(exc, RuntimeError) and "file write failed" in str(exc))
     reason = FailReason.DISK_FULL if full else FailReason.CHECKPOINT_ERROR
     return CheckpointError(f"cannot save checkpoint {target}: {exc}", reason)
+
+
+def record_out_of_memory(path: Path, micro: int, step: int, rank: int) -> None:
+    """Write that ``rank`` ran out of memory at ``micro`` (JSON, replaced atomically: two ranks may both write)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    tmp.write_text(json.dumps({"micro_batch_size": micro, "step": step, "rank": rank}))
+    os.replace(tmp, path)
+
+
+def out_of_memory_at(path: Path) -> int | None:
+    """The micro-batch a previous attempt ran out of memory at, if one recorded it (JSON: nothing is unpickled)."""
+    try:
+        micro = json.loads(path.read_text()).get("micro_batch_size")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError) as exc:
+        log.warning("ignoring the out-of-memory record %s: %s", path, exc)
+        return None
+    if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
+        log.warning("ignoring the out-of-memory record %s: micro_batch_size %r", path, micro)
+        return None
+    return micro

@@ -32,3 +32,13 @@ def is_disk_full(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+class RankOutOfMemory(Exception):
+    """A rank of a multi-device trial ran out of memory at micro-batch ``micro``. Its peers already wait in a
+    collective it will never enter, so the group cannot halve in place as one device does: the micro-batch is
+    recorded in the trial's folder and the group restarts, every rank starting smaller (docs/decisions.md)."""
+
+    def __init__(self, micro: int, step: int, rank: int) -> None:
+        super().__init__(f"rank {rank} ran out of memory at step {step}, micro-batch {micro}")
+        self.micro, self.step, self.rank = micro, step, rank

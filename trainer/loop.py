@@ -20,6 +20,7 @@ from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.curves import Curves
 from hpsearch.trainer.distributed import World, parameter_digest
 from hpsearch.trainer.encoding import Prepared
+from hpsearch.trainer.errors import RankOutOfMemory
 from hpsearch.trainer.evaluate import EarlyPoints, Metrics, Point
 from hpsearch.trainer.model import enable_gradient_checkpointing
 from hpsearch.trainer.optim import build_optimizer, build_scheduler, plan_steps
@@ -83,7 +84,22 @@ class Loop:
 
 def fit(run: Run, reporter: Reporter) -> TrainResult:
     started = run.started if run.started is not None else time.monotonic()
+    if ckpt.out_of_memory_at(run.files.out_of_memory) == 1:
+        # Every rank reads the same record, before any collective: they all end here.
+        log.error("a previous attempt ran out of memory at micro-batch 1: failing the trial")
+        return TrainResult(Status.FAILED, fail_reason=FailReason.OOM)
     loop, state = _setup(run, reporter)
+    try:
+        return _train(loop, state, started)
+    except RankOutOfMemory as oom:
+        # The group restarts: every rank of the next attempt reads this and starts smaller (Trainable.restore).
+        ckpt.record_out_of_memory(run.files.out_of_memory, oom.micro, oom.step, oom.rank)
+        raise
+
+
+def _train(loop: Loop, state: TrainState, started: float) -> TrainResult:
+    """Optimizer steps, and a validation point every ``eval_every``, until the run ends."""
+    run = loop.run
     # How long the trial took to get going (model copy, optimizer, data, resume); None without a step to take.
     first_step = time.monotonic() - started if state.step < loop.total_steps else None
     result: TrainResult | None = None
@@ -201,7 +217,7 @@ def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
         reporter.resumed(state.resumed_from)
         if state.best is not None and state.best_values is not None:
             reporter.best_saved(run.files.best.resolve(), state.best.step, state.best_values)
-    batches = Batches(run.data, cfg, state.micro, world, steps_per_epoch)
+    batches = Batches(run.data, cfg, state.micro, world, steps_per_epoch, drawn=micro)
     loop = Loop(run, world.wrap(compiled, device), compiled, parts, precision, total_steps, batches)
     loop.early_data = dataclasses.replace(run.data, validation=run.early.data(run.data.validation))
     loop.reporter = StateSavingReporter(

@@ -183,6 +183,8 @@ class PretrainedCache:
     deterministically drawn (as ``from_pretrained`` would). An adapter trial gets no copy: a seeded
     adapter goes onto the one frozen base and :meth:`release` takes it off after the trial, so memory
     holds one base however many trials run (what makes a 7B model on one GPU possible at all).
+    A sharded trial (``private``) takes the pristine model itself out of the cache, no copy: its weights turn into
+    shards, and while rank 0 sends them the host holds the model once, not the cache's and the trial's copies.
     """
 
     def __init__(self, quantization: Any = None) -> None:
@@ -197,8 +199,18 @@ class PretrainedCache:
             self._models[key] = load_model(name, num_labels, self.quantization)
         return self._models[key]
 
-    def fresh(self, name: str, num_labels: int, id2label: dict[int, str], seed: int) -> torch.nn.Module:
-        model = copy.deepcopy(self._base(name, num_labels))
+    def _own(self, name: str, num_labels: int, private: bool) -> torch.nn.Module:
+        """The pristine model for a trial to change: a copy of the cached one, or with ``private`` the cached one
+        itself, taken out of the cache (the next trial reads it from disk again: the cost of holding one copy)."""
+        if not private:
+            return copy.deepcopy(self._base(name, num_labels))
+        taken = self._models.pop((name, num_labels), None)
+        return taken if taken is not None else load_model(name, num_labels, self.quantization)
+
+    def fresh(
+        self, name: str, num_labels: int, id2label: dict[int, str], seed: int, *, private: bool = False
+    ) -> torch.nn.Module:
+        model = self._own(name, num_labels, private)
         _new_head(model, id2label, seed)
         return model
 
@@ -207,22 +219,21 @@ class PretrainedCache:
     ) -> torch.nn.Module:
         """A fresh model for one trial: a classifier for ``labels`` (a LabelMap), or a causal LM
         when there are none; with an enabled ``adapter``, that adapter on the shared base
-        (hand it back with :meth:`release`), or with ``private`` on a copy of it: a sharded trial
-        replaces the base's weights by its shards, which no later trial could use."""
+        (hand it back with :meth:`release`). ``private``: on the base taken out of the cache (``_own``): a sharded
+        trial replaces the base's weights by its shards, which no later trial could use."""
+        num_labels = labels.num_labels if labels is not None else 0
         if adapter is not None and adapter.enabled:
             from hpsearch.trainer import adapters
 
-            base = self._base(name, labels.num_labels if labels is not None else 0)
-            if private:
-                base = copy.deepcopy(base)
+            base = self._own(name, num_labels, private=True) if private else self._base(name, num_labels)
             if labels is not None:
                 _new_head(base, labels.id2label(), seed)  # peft's trainable head is a copy of this one
             model = adapters.attach(base, adapter, "causal-lm" if labels is None else "classification", seed)
             model.hpsearch_private = private  # release() leaves a private copy alone
             return model
         if labels is None:
-            return self.fresh_causal_lm(name)
-        return self.fresh(name, labels.num_labels, labels.id2label(), seed)
+            return self.fresh_causal_lm(name, private=private)
+        return self.fresh(name, num_labels, labels.id2label(), seed, private=private)
 
     def release(self, model: torch.nn.Module) -> None:
         """After a trial: take an adapter off the shared base (a full fine-tune's copy is just dropped)."""
@@ -231,8 +242,8 @@ class PretrainedCache:
         if adapters.is_adapter(model) and not getattr(model, "hpsearch_private", False):
             adapters.detach(model)
 
-    def fresh_causal_lm(self, name: str) -> torch.nn.Module:
-        return copy.deepcopy(self._base(name, 0))  # 0 labels: load_model's causal LM
+    def fresh_causal_lm(self, name: str, *, private: bool = False) -> torch.nn.Module:
+        return self._own(name, 0, private)  # 0 labels: load_model's causal LM
 
 
 def load_model(name: str, num_labels: int, quantization: Any = None) -> torch.nn.Module:

@@ -172,6 +172,7 @@ class FailReason(enum.StrEnum):
     STORAGE_ERROR = "storage_error", "the storage failed; handed back"
     WORKER_CRASH = "worker_crash", "its worker crashed; handed back"
     WORKER_LOST = "worker_lost", "its worker was lost; handed back"
+    OOM_RESTART = "oom_restart", "a rank ran out of memory; retried with a smaller micro-batch"
     NOT_STARTED = "not_started", "could not be registered; handed back"
 
     def record(self, detail: str | None = None) -> str:

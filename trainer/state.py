@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from hpsearch.trainer import adapters, checkpoint as ckpt, sharding
+from hpsearch.trainer.batching import smaller_micro
 from hpsearch.trainer.distributed import World
 from hpsearch.trainer.evaluate import Point
 
@@ -97,7 +98,12 @@ class Trainable:
         return self.files.state
 
     def restore(self, path: Path | None, metric: str, micro: int) -> TrainState:
-        """The state to start from: ``path``'s, or a fresh one where there is none (or it is unreadable)."""
+        """The state to start from: ``path``'s, or a fresh one where there is none (or it is unreadable). Its
+        micro-batch is smaller than the one a rank of a previous attempt ran out of memory at, if one did."""
+        ran_out = ckpt.out_of_memory_at(self.files.out_of_memory)
+        if ran_out is not None:
+            micro = min(micro, smaller_micro(ran_out) or 1)
+            log.warning("a previous attempt ran out of memory at micro-batch %d: this one uses %d", ran_out, micro)
         if path is None:
             return TrainState(micro=micro)
         try:

@@ -13,12 +13,16 @@ from hpsearch.trainer import precision as prec, tasks
 from hpsearch.trainer.batching import Batches, collate
 from hpsearch.trainer.distributed import World
 from hpsearch.trainer.encoding import Prepared
+from hpsearch.trainer.errors import RankOutOfMemory
 from hpsearch.trainer.evaluate import Metrics, evaluate
 from hpsearch.trainer.state import Trainable
 from hpsearch.trainer.stats import Throughput
 
 log = logging.getLogger(__name__)
 COMPILE_BACKEND_ENV = "HPSEARCH_COMPILE_BACKEND"
+OOM_ENV = "HPSEARCH_TEST_OOM"
+"""Tests only: "RANK:STEP:MICRO": rank RANK runs out of memory in a training step from optimizer step STEP on
+whenever its micro-batch is larger than MICRO, as a device too small for it would (CPU never does)."""
 
 
 def train_step(
@@ -32,8 +36,8 @@ def train_step(
 ) -> torch.Tensor | None:
     """Forward, backward and the optimizer step of ``step``; its loss on the device (summed over
     targets, normalised by the step's), or None when even micro-batch 1 runs out of memory. Out of
-    memory, the step is redone with the micro-batch halved (not on several ranks: one cannot re-plan
-    while the others wait in an all-reduce; see docs/failures.md, "CUDA out of memory")."""
+    memory, the step is redone with the micro-batch halved; on several ranks RankOutOfMemory is raised
+    instead: the others wait in a collective, and the group restarts smaller (docs/failures.md)."""
     world, data, optimizer = batches.world, batches.data, parts.optimizer
     while True:
         group = batches.of_step(step)
@@ -43,11 +47,12 @@ def train_step(
         scale = world.size / data.train.targets([i for b in group for i in b])
         mine = group[world.rank :: world.size]
         try:
+            _injected_out_of_memory(world.rank, step, batches.micro)
             loss = _accumulate(model, data, mine, scale, device, precision, parts.scaler, world)
             break
-        except torch.OutOfMemoryError:
+        except torch.OutOfMemoryError as exc:
             if world.size > 1:
-                raise
+                raise RankOutOfMemory(batches.micro, step, world.rank) from exc
             optimizer.zero_grad(set_to_none=True)
             _release_memory(device)
             if batches.micro == 1:
@@ -109,9 +114,9 @@ def validate(
                 num_labels=num_labels,
                 world=world,
             )
-        except torch.OutOfMemoryError:
-            if world.size > 1:
-                raise  # the ranks' shards are cut by the batch size: they must all use the same
+        except torch.OutOfMemoryError as exc:
+            if world.size > 1:  # the ranks' shards are cut by the batch size: they must all use the same
+                raise RankOutOfMemory(max(batch_size // 2, 1), -1, world.rank) from exc
             _release_memory(device)
             if batch_size == 1:
                 return None
@@ -141,6 +146,15 @@ def flops_per_token(model: torch.nn.Module) -> float:
 def _weights(param: torch.Tensor) -> int:
     shape = getattr(getattr(param, "quant_state", None), "shape", None)
     return int(math.prod(shape)) if shape is not None else param.numel()
+
+
+def _injected_out_of_memory(rank: int, step: int, micro: int) -> None:
+    fault = os.environ.get(OOM_ENV)
+    if not fault:
+        return
+    at_rank, from_step, fits = (int(v) for v in fault.split(":"))
+    if rank == at_rank and step >= from_step and micro > fits:
+        raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {OOM_ENV}={fault})")
 
 
 def _release_memory(device: torch.device) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from hpsearch.search.presets import demo_data, tiny_gpt2
 from hpsearch.search.trial_attrs import NullReporter
-from hpsearch.storage.trialdir import BEST, CURVES, RESUME, RESUME_FILE
+from hpsearch.storage.trialdir import BEST, CURVES, OUT_OF_MEMORY_FILE, RESUME, RESUME_FILE
 from hpsearch.trainer.checkpoint import RunFiles
 from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.encoding import Prepared
@@ -81,7 +81,7 @@ def write_lm_split(path: Path, n: int, seed: int, *, pairs: bool = False) -> Pat
 
 def files_in(out: Path) -> RunFiles:
     """A run's files laid out in ``out`` as in a trial's folder (``out/best``, ``out/resume/state.pt``, ...)."""
-    return RunFiles(best=out / BEST, state=out / RESUME / RESUME_FILE, curves=out / CURVES)
+    return RunFiles(out / BEST, out / RESUME / RESUME_FILE, out / CURVES, out / RESUME / OUT_OF_MEMORY_FILE)
 
 
 def tiny_run(model_dir: Path, prepared: tuple[Any, Prepared], cfg: TrainConfig, out: Path, **run: Any) -> Run:
