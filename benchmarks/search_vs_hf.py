@@ -13,9 +13,12 @@ the end; about 53 minutes on 2 cores with --threads 1):
 At the earlier defaults (256 training examples, 128 validation, 8 trials of one epoch) a trial
 has too few validation points for any pruner to save much: samples 0.66 of HF's.
 
-Target: hpsearch's glue_dev accuracy >= HF's, with <= 1/2 of the training samples and
-<= 1/3 of the wall time. The glue_dev difference is printed with a 95% bootstrap interval over
-the sentences both models scored: how much of it another held-out set of this size could undo.
+Target (issue 41): hpsearch's glue_dev accuracy within half a point of HF's (>= HF's - 0.005), with <= 1/3 of
+the training samples and <= 1/4 of the wall time; the issue's run is
+``--train-size 2048 --n-trials 10 --epochs 1 --batch-size 32`` (64 steps a trial, validation every 16), and
+``--cost`` runs the same search with cost as a second objective. Validation time is printed for both sides.
+The glue_dev difference is printed with a 95% bootstrap interval over the sentences both models scored: how
+much of it another held-out set of this size could undo.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class Side:
     wall_s: float
     checkpoint_bytes: int
     trials: str
+    validation_s: float = 0.0
+    """Seconds spent validating, summed over trials (hpsearch: its trials' validation_seconds; HF: eval_runtime)."""
 
     @property
     def glue_dev_accuracy(self) -> float:
@@ -91,6 +96,11 @@ def main() -> None:
     p.add_argument("--work-dir", type=Path, default=ROOT / "benchmarks" / ".search_vs_hf")
     p.add_argument("--only", choices=("hpsearch", "hf"), help="run one side (for debugging)")
     p.add_argument("--sampler", choices=SAMPLERS, help="hpsearch's sampler (default: hpsearch's default)")
+    p.add_argument(
+        "--cost",
+        action="store_true",
+        help='hpsearch with cost as a second objective: metric = ["accuracy", "gpu_hours"]',
+    )
     p.add_argument(
         "--space",
         choices=("issue", "wide"),
@@ -225,7 +235,7 @@ seed = {args.seed}
 [search]
 n_trials = {args.n_trials}
 {sampler}
-metric = "accuracy"
+metric = {'["accuracy", "gpu_hours"]' if args.cost else '"accuracy"'}
 seed = {args.seed}
 [search.space]
 learning_rate = {{ type = "float", low = {LOW_LR}, high = {HIGH_LR}, log = true }}
@@ -271,7 +281,7 @@ def run_hpsearch(args: argparse.Namespace, train: Path, dev: Path) -> Side:
     study = optuna.load_study(study_name="bench", storage=url)
     trials = study.get_trials()
     best = summary.best_trial(study)
-    if best is None or best.value is None:
+    if best is None or not best.values:
         # At toy sizes every trial can be stopped at chance or pruned: nothing to score on glue_dev.
         sys.exit(
             f"hpsearch finished none of its {len(trials)} trials: every one was pruned or stopped at chance; "
@@ -279,16 +289,31 @@ def run_hpsearch(args: argparse.Namespace, train: Path, dev: Path) -> Side:
         )
     return Side(
         name="hpsearch",
-        best_val_accuracy=float(best.value),
+        best_val_accuracy=float(best.values[0]),  # the quality objective (with --cost, the front's best)
         glue_dev_correct=glue_dev_correct(Path(best.user_attrs["best_checkpoint"]), args),
         train_samples=sum(int(t.user_attrs.get("train_samples", 0)) for t in trials),
         wall_s=wall,
         checkpoint_bytes=sum(du(d) for d in (runs / "bench").glob("trial-*")),
         trials=describe(trials),
+        validation_s=sum(float(t.user_attrs.get("validation_seconds", 0.0)) for t in trials),
     )
 
 
 # -- Hugging Face Trainer ---------------------------------------------------------------------
+
+
+def _eval_time_callback() -> Any:
+    from transformers import TrainerCallback
+
+    class EvalTime(TrainerCallback):  # type: ignore[misc]
+        """Sums the Trainer's own eval_runtime over every evaluation of every trial."""
+
+        seconds = 0.0
+
+        def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, float], **kw: Any) -> None:
+            self.seconds += float(metrics.get("eval_runtime", 0.0))
+
+    return EvalTime()
 
 
 def run_hf(args: argparse.Namespace, train: Path, dev: Path) -> Side:
@@ -348,7 +373,9 @@ def run_hf(args: argparse.Namespace, train: Path, dev: Path) -> Side:
         disable_tqdm=True,
         use_cpu=True,
     )
+    evaluating = _eval_time_callback()
     trainer = Trainer(
+        callbacks=[evaluating],
         model_init=model_init,
         args=targs,
         train_dataset=train_ds,
@@ -386,6 +413,7 @@ def run_hf(args: argparse.Namespace, train: Path, dev: Path) -> Side:
         wall_s=wall,
         checkpoint_bytes=du(out),
         trials=describe(hf_trials),
+        validation_s=evaluating.seconds,
     )
 
 
@@ -418,11 +446,14 @@ def report(args: argparse.Namespace, sides: list[Side]) -> None:
 
 
 def table(sides: list[Side]) -> None:
-    print(f"{'':10}{'best val acc':>14}{'glue_dev acc':>14}{'train samples':>15}{'wall s':>9}{'ckpt MB':>10}")
+    print(
+        f"{'':10}{'best val acc':>14}{'glue_dev acc':>14}{'train samples':>15}{'wall s':>9}{'valid. s':>10}"
+        f"{'ckpt MB':>10}"
+    )
     for s in sides:
         print(
             f"{s.name:10}{s.best_val_accuracy:>14.4f}{s.glue_dev_accuracy:>14.4f}{s.train_samples:>15}"
-            f"{s.wall_s:>9.1f}{s.checkpoint_bytes / 1e6:>10.1f}"
+            f"{s.wall_s:>9.1f}{s.validation_s:>10.1f}{s.checkpoint_bytes / 1e6:>10.1f}"
         )
 
 
@@ -430,10 +461,11 @@ def verdict(what: str, hp: Side, hf: Side) -> None:
     samples, wall = hp.train_samples / hf.train_samples, hp.wall_s / hf.wall_s
     glue = hp.glue_dev_accuracy - hf.glue_dev_accuracy
     low, high = paired_interval(hp.glue_dev_correct, hf.glue_dev_correct)
-    met = samples <= 0.5 and wall <= 1 / 3 and glue >= 0
+    # Issue 41's target: at most a third of HF's samples and a quarter of its wall time, glue_dev within half a point.
+    met = samples <= 1 / 3 and wall <= 1 / 4 and glue >= -0.005
     print(
-        f"{what}: samples {samples:.3f} (target <= 0.5), wall time {wall:.3f} (target <= 0.333), "
-        f"glue_dev {glue:+.4f} (target >= 0; 95% interval {low:+.4f}..{high:+.4f}): "
+        f"{what}: samples {samples:.3f} (target <= 0.333), wall time {wall:.3f} (target <= 0.25), "
+        f"glue_dev {glue:+.4f} (target >= -0.005; 95% interval {low:+.4f}..{high:+.4f}): "
         f"target {'MET' if met else 'NOT MET'}"
     )
 
@@ -470,6 +502,7 @@ def pooled(runs: list[list[Side]]) -> None:
             wall_s=sum(s.wall_s for s in sides),
             checkpoint_bytes=max(s.checkpoint_bytes for s in sides),
             trials="",
+            validation_s=sum(s.validation_s for s in sides),
         )
 
     hp, hf = pool([r[0] for r in runs]), pool([r[1] for r in runs])

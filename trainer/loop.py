@@ -73,6 +73,7 @@ class Loop:
     saved: tuple[int, Path] | None = None
     last_resume: float = field(default_factory=time.monotonic)
     running_steps: int = 0
+    validating: float = 0.0  # seconds spent in validation
     early_data: Prepared = field(init=False)  # what an early point scores: run.early's subset of the validation rows
 
     def __post_init__(self) -> None:
@@ -137,7 +138,7 @@ def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResu
     if stopping:
         _save_state(loop, state)  # every rank: a sharded state is written by all of them
         return TrainResult(Status.INTERRUPTED)
-    metrics = validate(loop.compiled, run.data, state.micro * 2, run.device, loop.precision, world)
+    metrics = _validate(loop, run.data, state.micro)
     if metrics is None:
         return TrainResult(Status.FAILED, fail_reason=FailReason.OOM)
     loop.curves.validation(state.step, metrics)
@@ -169,7 +170,7 @@ def early_point(loop: Loop, state: TrainState) -> TrainResult | None:
     and its checkpoint come from full points); the train loss keeps running to the next full point."""
     run, world = loop.run, loop.run.world
     loop.speed.pause()
-    metrics = validate(loop.compiled, loop.early_data, state.micro * 2, run.device, loop.precision, world)
+    metrics = _validate(loop, loop.early_data, state.micro)
     if metrics is None:
         return TrainResult(Status.FAILED, fail_reason=FailReason.OOM)
     value = metrics.objective(run.metric)
@@ -180,6 +181,14 @@ def early_point(loop: Loop, state: TrainState) -> TrainResult | None:
     if world.from_main(world.is_main and loop.reporter.should_prune()):
         return TrainResult(Status.PRUNED)
     return None
+
+
+def _validate(loop: Loop, data: Prepared, micro: int) -> Metrics | None:
+    """Score ``data``'s validation rows, timed (the benchmarks weigh what validating costs against what it saves)."""
+    started = time.perf_counter()
+    metrics = validate(loop.compiled, data, micro * 2, loop.run.device, loop.precision, loop.run.world)
+    loop.validating += time.perf_counter() - started
+    return metrics
 
 
 def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
@@ -275,6 +284,7 @@ def _finish(loop: Loop, state: TrainState, result: TrainResult, first_step: floa
         digests,
         "fsdp" if loop.parts.sharded else None,
         held,
+        round(loop.validating, 3),
     )
     if world.is_main:
         loop.reporter.measured(result.figures)

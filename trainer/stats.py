@@ -138,6 +138,7 @@ class Figures:
     rank_parameter_digests: list[str] | None = None  # equal digests: the ranks' parameters stayed identical
     sharding: str | None = None  # "fsdp" for a sharded trial (its ranks hold different parts: no digests)
     rank_held_mb: list[float] | None = None  # several ranks: parameters + optimizer state each held (its shards)
+    validation_seconds: float | None = None  # spent validating, early points included (this rank's clock)
 
 
 def peak_memory_mb(device: torch.device) -> float:
