@@ -13,7 +13,6 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpsearch.trainer.report import FailReason, Reporter
@@ -21,7 +20,6 @@ from hpsearch.trainer.report import FailReason, Reporter
 if TYPE_CHECKING:
     from hpsearch.search.search_config import SearchConfig
     from hpsearch.trainer.evaluate import Metrics
-    from hpsearch.trainer.stats import Figures
 
 log = logging.getLogger(__name__)
 RANK_JUDGED_FROM = 3
@@ -147,7 +145,6 @@ class EarlyStop:
 
     def __init__(self, inner: Reporter, gate: PruningGate) -> None:
         self.inner, self.gate = inner, gate
-        self.immediate = inner.immediate
         self.reason: FailReason | None = None  # why the run was pruned, where the pruner was not the one to decide
         self._last: tuple[int, Metrics] | None = None
 
@@ -173,14 +170,6 @@ class EarlyStop:
             return early
         return self.gate.may_prune(step, metrics) and self.inner.should_prune()
 
-    def best_saved(self, path: Path, step: int, values: dict[str, float]) -> None:
-        self.inner.best_saved(path, step, values)
-
-    def state_saved(self, path: Path) -> None:
-        self.inner.state_saved(path)
-
-    def resumed(self, step: int) -> None:
-        self.inner.resumed(step)
-
-    def measured(self, figures: Figures) -> None:
-        self.inner.measured(figures)
+    def __getattr__(self, name: str) -> Any:
+        # best_saved, state_saved, resumed, measured: the trial's, unchanged.
+        return getattr(self.inner, name)

@@ -180,11 +180,9 @@ def _weight_bytes(model: torch.nn.Module, quantization: str) -> dict[int, float]
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from hpsearch.trainer.sharding import block_classes
+    from hpsearch.trainer.sharding import block_classes, transformers_model
 
-    inner: Any = model
-    pretrained = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    names = set(block_classes(pretrained))
+    names = set(block_classes(transformers_model(model)))
     return [m for m in model.modules() if type(m).__name__ in names]
 
 

@@ -26,13 +26,9 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
         (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # The fused kernel (CUDA, and CPU since torch 2.4) updates all parameters in one pass; else multi-tensor.
-    fused = device.type == "cuda" or (device.type == "cpu" and _torch_at_least(2, 4))
+    # torch.__version__ is a TorchVersion: it compares as a version ("2.10" >= "2.4"), not as a string.
+    fused = device.type == "cuda" or (device.type == "cpu" and torch.__version__ >= "2.4")
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=fused)
-
-
-def _torch_at_least(major: int, minor: int) -> bool:
-    parts = torch.__version__.split("+")[0].split(".")
-    return (int(parts[0]), int(parts[1])) >= (major, minor)
 
 
 def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:

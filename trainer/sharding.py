@@ -31,7 +31,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(getattr(model, "_orig_mod", model), FSDPModule)
 
 
-def _pretrained(model: torch.nn.Module) -> Any:
+def transformers_model(model: torch.nn.Module) -> Any:
     """The transformers model: under a peft wrapper for an adapter trial."""
     inner: Any = model
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
@@ -80,7 +80,7 @@ def shard(model: torch.nn.Module, precision: str) -> int:
 
     from hpsearch.trainer.config import ConfigError
 
-    pretrained = _pretrained(model)
+    pretrained = transformers_model(model)
     fsdp = plugin(precision, block_classes(pretrained) or None)
     fsdp.set_auto_wrap_policy(pretrained)
     is_block = fsdp2_prepare_auto_wrap_policy(fsdp, pretrained)
