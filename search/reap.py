@@ -71,39 +71,34 @@ def retry_orphans(storage: Storage, study_name: str, *, max_retries: int, grace_
     for the background reaper), and free slots claimed by a worker that vanished before its trial began."""
     with _ONE_PASS:
         study = optuna.load_study(study_name=study_name, storage=storage.optuna)
-        return _retry_orphans(storage, study, max_retries, grace_s)
+        reaped = []
+        # By default the slowest worker's own interval, not this process's: a reaper that beats faster must
+        # not judge a slot a worker claimed a moment ago (a window of milliseconds: a grace given by hand stands).
+        grace = grace_s if grace_s is not None else MISSED_BEATS * liveness.longest_interval(storage.db, study_name)
 
+        def fail(number: int, when: str) -> None:
+            retried = _fail_for_retry(storage, study, number, max_retries)
+            if retried is not None:
+                log.warning("trial %d: its worker vanished %s; failing it for a retry", number, when)
+                reaped.append(Reaped(number, "unknown", "unknown", grace, retried))
 
-def _retry_orphans(storage: Storage, study: optuna.Study, max_retries: int, grace_s: float | None) -> list[Reaped]:
-    reaped = []
-    name = study.study_name
-    # By default the slowest worker's own interval, not this process's: a reaper that beats faster must
-    # not judge a slot a worker claimed a moment ago (a window of milliseconds: a grace given by hand stands).
-    grace = grace_s if grace_s is not None else MISSED_BEATS * liveness.longest_interval(storage.db, name)
-
-    def fail(number: int, when: str) -> None:
-        retried = _fail_for_retry(storage, study, number, max_retries)
-        if retried is not None:
-            log.warning("trial %d: its worker vanished %s; failing it for a retry", number, when)
-            reaped.append(Reaped(number, "unknown", "unknown", grace, retried))
-
-    running_trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-    if running_trials:
-        # Running trials no slot or live registry row names: their worker died between ask() and binding a slot.
-        # Aged by the asking host's clock (Optuna's start time): a grace of minutes dwarfs clock drift.
-        named = slots.bound_trials(storage.db, name) | registry.held_trials(storage.db, name)
-        cutoff = datetime.datetime.now() - datetime.timedelta(seconds=grace)
-        for t in running_trials:
-            if t.number not in named and t.datetime_start is not None and t.datetime_start < cutoff:
-                fail(t.number, "as it asked for the trial")
-    running = {t.number for t in running_trials}
-    for slot, number in slots.orphaned_slots(storage.db, name, older_than_s=grace):
-        if number is None:
-            log.warning("trial slot %d was claimed by a worker that vanished before its trial began", slot)
-            slots.release_slot(storage.db, name, slot=slot)
-        elif number in running:  # a finished trial keeps its slot
-            fail(number, "as the trial began")
-    return reaped
+        running_trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if running_trials:
+            # Running trials no slot or live registry row names: their worker died between ask() and binding a slot.
+            # Aged by the asking host's clock (Optuna's start time): a grace of minutes dwarfs clock drift.
+            named = slots.bound_trials(storage.db, study_name) | registry.held_trials(storage.db, study_name)
+            cutoff = datetime.datetime.now() - datetime.timedelta(seconds=grace)
+            for t in running_trials:
+                if t.number not in named and t.datetime_start is not None and t.datetime_start < cutoff:
+                    fail(t.number, "as it asked for the trial")
+        running = {t.number for t in running_trials}
+        for slot, number in slots.orphaned_slots(storage.db, study_name, older_than_s=grace):
+            if number is None:
+                log.warning("trial slot %d was claimed by a worker that vanished before its trial began", slot)
+                slots.release_slot(storage.db, study_name, slot=slot)
+            elif number in running:  # a finished trial keeps its slot
+                fail(number, "as the trial began")
+        return reaped
 
 
 def by_hand(

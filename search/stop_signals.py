@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from hpsearch.storage.db import RetryPolicy, retrying
+from hpsearch.storage.db import RetryPolicy, one_line, retrying
 from hpsearch.storage.errors import StorageError, StudyNotFoundError
 from hpsearch.storage.open import Storage, open_storage
 
@@ -47,8 +47,7 @@ def describe(exc: BaseException) -> str:
     from optuna.exceptions import StorageInternalError
 
     shown = exc.__cause__ if isinstance(exc, StorageInternalError) and exc.__cause__ else exc
-    text = str(getattr(shown, "orig", None) or shown).strip()
-    return (text.splitlines()[0] if text else type(shown).__name__)[:300]
+    return one_line(shown)[:300]
 
 
 PR_SET_PDEATHSIG = 1

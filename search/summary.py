@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 from collections import Counter
+from dataclasses import asdict
 from typing import Any
 
 import optuna
@@ -371,7 +372,7 @@ def workers(db: Database, study: str) -> dict[str, Any]:
     """What `status` shows about the workers of ``study`` (who runs what, where, how long), as plain data."""
     found = liveness.list_workers(db, study)
     return {
-        "workers": [w.to_dict() for w in found],
+        "workers": [asdict(w) for w in found],
         "workers_by_state": {state: sum(w.state == state for w in found) for state in ("live", "lost", "finished")},
         "gpu_hours": liveness.device_hours(found, gpu_only=True),
         "device_hours": liveness.device_hours(found, gpu_only=False),

@@ -270,7 +270,7 @@ def retrying(fn: Callable[[], T], *, policy: RetryPolicy, what: str, transient: 
             delay = next(delays, None) if transient(exc) else None
             if delay is None:
                 raise
-            log.warning("%s: transient database error (%s); retrying in %.1fs", what, _one_line(exc), delay)
+            log.warning("%s: transient database error (%s); retrying in %.1fs", what, one_line(exc), delay)
             policy.sleep(delay)
 
 
@@ -282,10 +282,11 @@ def with_retries(fn: Callable[[], T], *, policy: RetryPolicy = DEFAULT_RETRY, wh
         )
     except SQLAlchemyError as exc:
         used = ", retries used up" if is_transient(exc) else ""
-        raise StorageError(f"{what} failed{used}: {_one_line(exc)}") from exc
+        raise StorageError(f"{what} failed{used}: {one_line(exc)}") from exc
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """The first line of what the driver said (or the error's type): a log line, a fail reason."""
     text = str(getattr(exc, "orig", None) or exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import and_, func, select, update
@@ -202,9 +202,6 @@ class WorkerView:
     trials_finished: int
     device_seconds: float
     """The worker's attempts in the ledger (ledger.py), the running one included."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def list_workers(db: Database, study: str) -> list[WorkerView]:

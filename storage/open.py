@@ -7,10 +7,8 @@ import fcntl
 import hashlib
 import logging
 import os
-import random
 import sqlite3
 import tempfile
-import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from hpsearch.storage.db import (
     describe_connect_error,
     engine_kwargs,
     give_up_on_silence,
+    retrying,
     with_retries,
 )
 from hpsearch.storage.errors import StorageError, StorageUrlError, StudyNotFoundError
@@ -38,7 +37,8 @@ from hpsearch.storage.tables import Base
 log = logging.getLogger(__name__)
 SCHEMA_LOCK_KEY = int.from_bytes(b"hpsearch", "big")  # an advisory lock's bigint key, project-wide
 CREATION_LOCK_CLASS = int.from_bytes(b"hps", "big")  # an int4: the other key is the study name's
-CREATION_ATTEMPTS = 4  # opens of a new storage whose schema another process was creating at that moment
+# Opens of a new storage whose schema another process was creating at that moment: jittered, so the racers part.
+CREATION_RACE = RetryPolicy(attempts=4, base_delay_s=0.25, max_delay_s=1.0)
 
 
 @dataclass
@@ -147,9 +147,19 @@ def open_storage(url: str, *, create: bool, read_only: bool = False, retry: Retr
         if reader is not None:
             kwargs = {"creator": reader}
     lock = _schema_lock(normalized, kwargs) if create and path is None else contextlib.nullcontext()
+    policy = retry or DEFAULT_RETRY
     try:
         with lock:
-            storage = _open_once_created(url, normalized, kwargs, create, display, retry or DEFAULT_RETRY)
+            # Optuna creates each table, then its version rows (a reader too), after checking they are not there: a
+            # process between another's check and its insert fails on the other's table or row, and opens again.
+            # _schema_lock covers only hpsearch on PostgreSQL, not SQLite nor plain Optuna (docs/failures.md:
+            # "several processes open a new storage"). Any other error of the same words is the database's to report.
+            storage = retrying(
+                lambda: _open(url, normalized, kwargs, create, display, policy),
+                policy=CREATION_RACE,
+                what=f"open storage {display} (another process was creating its schema)",
+                transient=_lost_creation_race,
+            )
         storage.reader = kwargs.get("creator")
     except (SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
         # A failed first connection becomes a fixable one-line message (bad host, password, ...). No probe
@@ -189,28 +199,6 @@ def _open(url: str, normalized: str, kwargs: dict[str, Any], create: bool, displ
     if create and not rdb.get_all_studies():
         storage.prepare()  # a new storage: nothing in it that a refused `start` would have to leave as it was
     return storage
-
-
-def _open_once_created(
-    url: str, normalized: str, kwargs: dict[str, Any], create: bool, display: str, retry: RetryPolicy
-) -> Storage:
-    """``_open``, again when another process was creating the same new schema at that moment.
-
-    Optuna creates each table, then its version rows (a reader too), after checking they are not there: a process
-    between another's check and its insert fails on the other's table or row. ``_schema_lock`` covers only
-    hpsearch on PostgreSQL, not SQLite nor plain Optuna (docs/failures.md: "several processes open a new
-    storage"). Bounded: any other error of the same words is the database's to report.
-    """
-    attempt = 1
-    while True:
-        try:
-            return _open(url, normalized, kwargs, create, display, retry)
-        except (SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
-            if attempt == CREATION_ATTEMPTS or not _lost_creation_race(exc):
-                raise
-        log.debug("storage %s: another process created its schema at the same time; opening it again", display)
-        time.sleep(random.uniform(0.05, 0.25) * attempt)  # jittered, so that the racers do not meet again
-        attempt += 1
 
 
 def _lost_creation_race(exc: BaseException) -> bool:
