@@ -354,6 +354,7 @@ class HpsearchSide:
         self.worker = Worker(args, self.storage, StopFlag(), None)
 
     def run(self, repeat: int) -> Outcome:
+        from hpsearch.search import attempt
         from hpsearch.storage import slots
 
         self.study.enqueue_trial({"seed": repeat})
@@ -363,7 +364,7 @@ class HpsearchSide:
         assert slot is not None
         trial = self.worker.study.ask()
         slots.bind_slot(self.storage.db, self.name, slot, trial.number)
-        self.worker.run_trial(trial)
+        attempt.run(self.worker, trial)
         seconds = time.perf_counter() - t0
         done = self.study.trials[trial.number]
         if done.value is None:

@@ -11,7 +11,7 @@ bf16, else fp32), epochs and seed.
 
 What is timed (wall clock, per repeat), from "a trial starts" to "its accuracy is known":
 
-* hpsearch: one trial through the worker's own path (``Worker.run_trial``: ask -> fresh model
+* hpsearch: one trial through the worker's own path (``attempt.run``: ask -> fresh model
   -> ``fit`` with its validation point and best checkpoint -> tell), in a worker that lives
   across the repeats exactly as a search's worker does; the first repeat also reads the model
   from disk and tokenises (into the on-disk cache), later ones reuse both.

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any
 
 import optuna
 from optuna.trial import TrialState
@@ -229,19 +229,16 @@ class Progress:
         )
 
 
-def for_terminal(
-    study_name: str, storage_url: str, spec: StudySpec, devices: list[Device], stream: TextIO | None = None
-) -> Progress:
-    """A live display when ``stream`` (stderr) is a terminal, plain log lines otherwise."""
-    stream = stream or sys.stderr
+def for_terminal(study_name: str, storage_url: str, spec: StudySpec, devices: list[Device]) -> Progress:
+    """A live display when stderr is a terminal, plain log lines otherwise."""
     try:
-        terminal = stream.isatty() and os.environ.get("TERM", "") != "dumb"
+        terminal = sys.stderr.isatty() and os.environ.get("TERM", "") != "dumb"
     except (AttributeError, ValueError):
         terminal = False
     if terminal:
         from hpsearch.search.live_display import LiveProgress
 
-        return LiveProgress(study_name, storage_url, spec, devices, stream)
+        return LiveProgress(study_name, storage_url, spec, devices, sys.stderr)
     return Progress(study_name, storage_url, spec, devices)
 
 

@@ -181,7 +181,7 @@ class Worker:
                 continue
             self._begin(trial, slot)
             try:
-                self.run_trial(trial)
+                attempt.run(self, trial)
             except (ranks.GroupRestart, stop_signals.StorageLost):
                 # GroupRestart (recorded; the ranks restart) and StorageLost (nothing can be recorded) end the worker.
                 raise
@@ -257,9 +257,6 @@ class Worker:
         while time.monotonic() < deadline and not self.stop():
             time.sleep(0.2)
         return True
-
-    def run_trial(self, trial: optuna.Trial) -> None:
-        attempt.run(self, trial)
 
     def end_attempt(self, trial: optuna.Trial, ended: Outcome, **how: Any) -> bool | None:
         """End this worker's attempt (see outcome.py); None if someone else ended it meanwhile."""

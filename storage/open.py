@@ -125,8 +125,7 @@ def _file_lock(path: Path) -> Iterator[None]:
 def check_creatable(url: str) -> None:
     """Refuse, before anything is read or written, a storage that does not exist and cannot be made (a SQLite
     file in a missing or read-only folder); a PostgreSQL database says so when it is opened."""
-    normalized = urls.normalize(url)
-    path = urls.sqlite_path(normalized)
+    path = urls.sqlite_path(url)
     if path is not None:
         sqlite_file.check_sqlite(path, create=True, read_only=False, display=urls.mask(url))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -213,12 +214,7 @@ def _from_json(d: dict[str, Any]) -> Prepared:
 
 @contextlib.contextmanager
 def _exclusive(lock_path: Path) -> Iterator[None]:
-    """An advisory lock between processes on this host; a no-op where flock is unavailable."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: fall back to atomic writes alone (duplicate work, still safe)
-        yield
-        return
+    """An advisory lock between processes on this host."""
     try:
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         # O_NOFOLLOW: a lock file replaced by a link is not created (or opened) through it.
