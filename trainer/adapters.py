@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from hpsearch.trainer.config import AdapterConfig, ConfigError, ModelConfig
-from hpsearch.trainer.model import NO_REMOTE_CODE, refuse_custom_code
+from hpsearch.trainer.model import NO_REMOTE_CODE, from_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -194,9 +194,8 @@ def check_targets(model: ModelConfig, adapter: AdapterConfig) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     auto: Any = AutoModelForCausalLM if model.task == "causal-lm" else AutoModelForSequenceClassification
-    refuse_custom_code(model.name)
     with torch.device("meta"):
-        empty = auto.from_config(AutoConfig.from_pretrained(model.name, **NO_REMOTE_CODE))
+        empty = auto.from_config(from_pretrained(AutoConfig, model.name))
     modules = [(n, m) for n, m in empty.named_modules() if n]
     linear = ", ".join(sorted({n.rsplit(".", 1)[-1] for n, m in modules if _is_linear(m)}))
     for target in adapter.target_modules:

@@ -56,10 +56,8 @@ def save_best(
 
     def write(tmp: Path) -> None:
         plain = unwrap(model)
-        if state_dict is None:
-            plain.save_pretrained(tmp, safe_serialization=True)
-        else:
-            plain.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        plain.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)  # None: the model's own
+        if state_dict is not None:
             _name_unsharded_class(plain, tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))

@@ -82,14 +82,9 @@ def meta_model(name: str, task: str, num_labels: int = 2) -> tuple[torch.nn.Modu
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from hpsearch.trainer.errors import ModelError
-    from hpsearch.trainer.model import NO_REMOTE_CODE, _explain, refuse_custom_code
+    from hpsearch.trainer.model import from_pretrained
 
-    refuse_custom_code(name)
-    try:
-        config: Any = AutoConfig.from_pretrained(name, **NO_REMOTE_CODE)
-    except Exception as exc:  # a folder without config.json, an unknown hub id: the spec's to fix
-        raise ModelError(_explain(name, exc)) from None
+    config = from_pretrained(AutoConfig, name)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     causal = task == "causal-lm"

@@ -80,15 +80,21 @@ def check_reachable(name: str, timeout_s: float = 5.0) -> None:
         raise ModelError(f"{_explain(name, None)} (cannot reach {endpoint}; set HF_ENDPOINT for a mirror)") from None
 
 
-def load_tokenizer(name: str) -> Any:
-    from transformers import AutoTokenizer
-
+def from_pretrained(auto: Any, name: str) -> Any:
+    """``auto.from_pretrained(name)`` (AutoTokenizer, AutoConfig) as every load of ours: quiet, running no code of
+    the folder's, and a failure said in one line."""
     _quiet_transformers()
     refuse_custom_code(name)
     try:
-        return AutoTokenizer.from_pretrained(name, **NO_REMOTE_CODE)
+        return auto.from_pretrained(name, **NO_REMOTE_CODE)
     except Exception as exc:  # a broken tokenizer.json raises KeyError, TypeError, ...: all the folder's fault
         raise ModelError(_explain(name, exc)) from None
+
+
+def load_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return from_pretrained(AutoTokenizer, name)
 
 
 TOKENIZER_FILES = (
@@ -114,12 +120,7 @@ def check_model(name: str, max_length: int) -> None:
     file. Otherwise every trial would fail on it in turn."""
     from transformers import AutoConfig
 
-    _quiet_transformers()
-    refuse_custom_code(name)
-    try:
-        config = AutoConfig.from_pretrained(name, **NO_REMOTE_CODE)
-    except Exception as exc:
-        raise ModelError(_explain(name, exc)) from None
+    config = from_pretrained(AutoConfig, name)
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if isinstance(positions, int) and max_length > positions:
         raise ConfigError(
