@@ -75,24 +75,15 @@ class StateSavingReporter:
         self.report_queue = ReportQueue(inline=inner.immediate)
         self._state_saved = False  # by this reporter: once per run, for a failure or a stop
 
-    def report(self, value: float, step: int, metrics: Metrics | None = None) -> None:
-        self._send(self.inner.report, value, step, metrics)
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        """``report``, ``best_saved``, ``state_saved``, ``resumed``, ``measured``: sent on, in order."""
+        call = getattr(self.inner, name)
 
-    def best_saved(self, path: Path, step: int, values: dict[str, float]) -> None:
-        self._send(self.inner.best_saved, path, step, dict(values))
+        def send(*args: object) -> None:
+            self._raise_failure()
+            self.report_queue.send(call, *args)
 
-    def state_saved(self, path: Path) -> None:
-        self._send(self.inner.state_saved, path)
-
-    def resumed(self, step: int) -> None:
-        self._send(self.inner.resumed, step)
-
-    def measured(self, figures: Figures) -> None:
-        self._send(self.inner.measured, figures)
-
-    def _send(self, fn: Callable[..., object], *args: object) -> None:
-        self._raise_failure()
-        self.report_queue.send(fn, *args)
+        return send
 
     def should_prune(self) -> bool:
         self._raise_failure()
