@@ -45,6 +45,8 @@ ENDED = {
 
 def run(w: Worker, trial: optuna.Trial) -> None:
     """Train one attempt of ``trial`` on worker ``w``'s device and end it (see outcome.py)."""
+    import torch
+
     from hpsearch.trainer.checkpoint import CheckpointError, RunFiles
     from hpsearch.trainer.loop import Run, fit
 
@@ -67,7 +69,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
     files = RunFiles(best=folder.best, state=folder.state, curves=folder.curves, out_of_memory=folder.out_of_memory)
     reporter = TrialReporter(trial)
     where = {attrs.DEVICE: _device_name(w), attrs.HOST: registry.this_host(), attrs.WORKER: w.args.name}
-    where[attrs.THREADS] = _threads()
+    where[attrs.THREADS] = torch.get_num_threads()
     # Where the resumable state goes, on record before the first one is written: a stop
     # during a database outage saves one that no later call could name (see reap.py).
     reporter.set_attrs(where | {attrs.RESUME_CHECKPOINT: str(folder.state.resolve())})
@@ -217,12 +219,6 @@ def _hand_back_after_storage_failure(
         raise stop_signals.StorageLost.during(trial.number, err) from err
     if w.world.size > 1:
         raise ranks.GroupRestart(f"trial {trial.number} lost its storage on a {w.world.size}-device group")
-
-
-def _threads() -> int:
-    import torch
-
-    return int(torch.get_num_threads())
 
 
 def _device_name(w: Worker) -> str:
