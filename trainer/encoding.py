@@ -79,20 +79,6 @@ def prepare(
     ``write=False`` reads a cached copy but writes none (a `start` whose other checks may still fail: :func:`keep`
     writes it once the study exists). A file that loses too many rows to ``max_length`` is refused (check_dropped),
     read from the cache or not: the share allowed is no part of the cache's key."""
-    prepared = _prepare(cfg, tokenizer, max_length, cache_dir, task, splits, write)
-    check_dropped(prepared, cfg, max_length)
-    return prepared
-
-
-def _prepare(
-    cfg: DataConfig,
-    tokenizer: Any,
-    max_length: int,
-    cache_dir: Path | None,
-    task: str,
-    splits: Splits | None,
-    write: bool,
-) -> Prepared:
     if cache_dir is not None and cache_dir.is_symlink():
         # A shared runs folder is input: a link there would have the cache written (and read) elsewhere.
         log.warning("not using the token cache %s: it is a link, and hpsearch writes through none", cache_dir)
@@ -100,14 +86,14 @@ def _prepare(
     if cache_dir is None:
         return _tokenise(cfg, tokenizer, max_length, task, splits)
     path = _cache_file(cfg, tokenizer, max_length, task, cache_dir)
-    cached = _load(path)
+    cached = _load(path, cfg, max_length)
     if cached is not None:
         return cached
     if not write:
         return _tokenise(cfg, tokenizer, max_length, task, splits)
     # Several workers starting at once: one tokenises under an exclusive lock, the others wait and read its file.
     with _exclusive(path.with_suffix(".lock")):
-        cached = _load(path)
+        cached = _load(path, cfg, max_length)
         if cached is not None:
             return cached
         prepared = _tokenise(cfg, tokenizer, max_length, task, splits)
@@ -148,9 +134,10 @@ def _tokenise(cfg: DataConfig, tokenizer: Any, max_length: int, task: str, split
     return prepared
 
 
-def _load(path: Path) -> Prepared | None:
-    """The cached tokens, or None (none yet, or unreadable: then tokenised again). JSON, never pickle: the
-    folder may sit on a shared disk (docs/decisions.md, "No pickle from disk")."""
+def _load(path: Path, cfg: DataConfig, max_length: int) -> Prepared | None:
+    """The cached tokens, or None (none yet, or unreadable: then tokenised again), checked as freshly tokenised ones
+    are (check_dropped). JSON, never pickle: the folder may sit on a shared disk (docs/decisions.md, "No pickle from
+    disk")."""
     if not path.exists():
         return None
     try:
@@ -160,6 +147,7 @@ def _load(path: Path) -> Prepared | None:
         log.warning("token cache %s is unreadable; tokenising again", path)
         return None
     log.info("token cache hit: %s", path)
+    check_dropped(cached, cfg, max_length)
     return cached
 
 
