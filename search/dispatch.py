@@ -81,9 +81,8 @@ class Supervisor:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         self.progress.start()
         try:
-            crashes: dict[str, deque[float]] = {}
-            for device in self.devices:
-                self._spawn(device, crashes.setdefault(device.label, deque()))
+            for device in self.devices:  # each its own crash count: --devices names a device once
+                self._spawn(device, deque())
             while self.children:
                 ready = wait([*self.children, *(c.conn for c in self.children.values())], timeout=1.0)
                 for obj in ready:
