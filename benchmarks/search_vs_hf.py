@@ -423,7 +423,8 @@ def describe(trials: list[Any]) -> str:
     for t in trials:
         steps = max(t.intermediate_values, default=None)
         params = " ".join(f"{k}={v:.3g}" for k, v in sorted(t.params.items()))
-        value = "-" if t.value is None else f"{t.value:.4f}"
+        # A two-objective trial (--cost) has a value per objective: accuracy, then device-hours.
+        value = "/".join(f"{v:.4g}" for v in t.values) if t.values else "-"
         reached = f" step {steps}" if steps is not None else ""
         lines.append(f"  {t.number:>3} {t.state.name[0]} {value}{reached}  {params}")
     return "\n" + "\n".join(lines)
