@@ -125,7 +125,8 @@ class SearchConfig:
         for name in ("timeout_minutes", "gpu_hours", "max_disk_gb", "budget", "price_per_gpu_hour"):
             # inf passes ">= 0" and breaks arithmetic later (int(inf) in retention): 0 means no limit.
             value = getattr(self, name)
-            rule(math.isfinite(value) and value >= 0, name, "must be a finite number >= 0 (0 = none)")
+            zero = "no price" if name == "price_per_gpu_hour" else "no limit"
+            rule(math.isfinite(value) and value >= 0, name, f"must be a finite number >= 0 (0 = {zero})")
         if self.warm_start:
             check_warm_start(self.warm_start, f"{where}.warm_start")
         for name, (most, words) in LIMITS.items():

@@ -54,7 +54,8 @@ def lm_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def lm_spec_text(model: Path, train: Path, dev: Path, *, extra_train: str = "", search: str = "") -> str:
-    """A causal-LM spec for a tiny model: a few optimizer steps, fp32, median pruning."""
+    """A causal-LM spec for a tiny model: a few optimizer steps, fp32, median pruning; no early points (as
+    spec_text: they would move the steps the pruner judges)."""
     return f"""
 [model]
 name = "{model}"
@@ -77,6 +78,7 @@ n_trials = 1
 sampler = "random"
 pruner = "median"
 metric = "loss"
+early_points = false
 {search}
 [search.space]
 learning_rate = {{ type = "float", low = 1e-4, high = 3e-2, log = true }}
