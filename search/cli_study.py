@@ -13,7 +13,7 @@ from typing import Any
 
 import optuna
 
-from hpsearch.search import budget, dashboard, reap, study as studies, summary
+from hpsearch.search import budget, dashboard, reap, status_text, study as studies, summary
 from hpsearch.search.errors import UsageError
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.storage import attrs, liveness, urls
@@ -109,7 +109,9 @@ def format_status(s: dict[str, Any], *, as_json: bool, best_only: bool, every: b
             # The best trial as before; a two-objective study's front and a priced study's cost beside it.
             extra = {key: s[k] for key, k in (("pareto_front", "front"), ("study_money", "money")) if s.get(k)}
             return json.dumps(s["best"] | extra if s["best"] and extra else s["best"], indent=2)
-        return summary.format_best(s)
+        return status_text.format_best(s)
     if as_json:
         return json.dumps(s, indent=2)
-    return "\n".join([summary.format_status(s), summary.format_trials(s, every=every), summary.format_workers(s)])
+    return "\n".join(
+        [status_text.format_status(s), status_text.format_trials(s, every=every), status_text.format_workers(s)]
+    )

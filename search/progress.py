@@ -20,7 +20,7 @@ import optuna
 from optuna.trial import TrialState
 from sqlalchemy.pool import NullPool
 
-from hpsearch.search import budget, note, objectives, stop_signals, summary, warm_start
+from hpsearch.search import budget, note, objectives, status_text, stop_signals, summary, warm_start
 from hpsearch.search.devices import Device
 from hpsearch.search.spec import StudySpec
 from hpsearch.storage import attrs, ledger, urls
@@ -218,13 +218,13 @@ class Progress:
         return (
             f"{s.finished}/{s.n_trials} trials finished, {s.running} running, {s.pruned} pruned, "
             f"{s.failed} failed, {best}, {s.device_seconds / 3600:.2f} {self.unit} used, "
-            f"{summary.duration(time.monotonic() - self.started)} elapsed, {_left(s)}"
+            f"{status_text.duration(time.monotonic() - self.started)} elapsed, {_left(s)}"
         )
 
     def devices_line(self) -> str:
         now = time.monotonic()
         return "  ".join(
-            f"{label}: trial {number} ({summary.duration(now - since)})" if number is not None else f"{label}: idle"
+            f"{label}: trial {number} ({status_text.duration(now - since)})" if number is not None else f"{label}: idle"
             for label, (number, since) in sorted(self._trials.items())
         )
 
@@ -246,4 +246,4 @@ def _left(s: Snapshot) -> str:
     if s.finished + s.failed >= s.n_trials and not s.running:
         return "done"
     left = s.time_left_s()
-    return f"~{summary.duration(left)} left" if left is not None else "time left: after the first trial"
+    return f"~{status_text.duration(left)} left" if left is not None else "time left: after the first trial"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpsearch.search import summary
+from hpsearch.search import status_text
 from tests.conftest import hpsearch, spec_text, start_study
 
 
@@ -51,7 +51,7 @@ def test_gpu_hours_are_shown_where_a_gpu_worked() -> None:
         "gpu_hours": 1.0,
         "device_hours": 1.5,
     }
-    assert "GPU-hours 1.000  (all devices 1.500 h)" in summary.format_workers(s)
+    assert "GPU-hours 1.000  (all devices 1.500 h)" in status_text.format_workers(s)
 
 
 def test_start_on_a_used_budget_says_so_and_starts_no_worker(done: Done) -> None:
