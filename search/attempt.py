@@ -110,9 +110,8 @@ def run(w: Worker, trial: optuna.Trial) -> None:
             world=w.world,
             early=early_points,
         )
-        rank_searched = w.spec.searches_rank
-        gate = replace(
-            PruningGate.of_search(data, cfg, w.spec.search, rank_searched=rank_searched), early=early_points.steps
+        gate = PruningGate.of_search(
+            data, cfg, w.spec.search, rank_searched=w.spec.searches_rank, early=early_points.steps
         )
         early = EarlyStop(reporter, gate)
         result = fit(run, early)

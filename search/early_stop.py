@@ -78,11 +78,20 @@ class PruningGate:
     early_loss: float | None = None  # the loss at the last early point
 
     @classmethod
-    def of_search(cls, data: Any, cfg: Any, search: SearchConfig, *, rank_searched: bool = False) -> PruningGate:
-        """The gate the spec's search section asks for: the chance stop with every pruner but none."""
+    def of_search(
+        cls,
+        data: Any,
+        cfg: Any,
+        search: SearchConfig,
+        *,
+        rank_searched: bool = False,
+        early: frozenset[int] = frozenset(),
+    ) -> PruningGate:
+        """The gate the spec's search section asks for: the chance stop with every pruner but none; ``early``: the
+        trial's early points (sampling.early_points)."""
         prune_at_chance = search.prune_at_chance if search.pruner != "none" else 0
         gate = cls.of_run(data, cfg, search.quality, prune_at_chance=prune_at_chance, patient=search.patient_pruning)
-        gate.rank_searched = rank_searched
+        gate.rank_searched, gate.early = rank_searched, early
         return gate
 
     @classmethod
