@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from _common import auto_precision, describe_machine
+
 log = logging.getLogger("benchmark")
 ROOT = Path(__file__).resolve().parent.parent
 LOW_LR, HIGH_LR, MAX_WARMUP, MAX_DECAY = 1e-6, 1e-3, 0.3, 0.1
@@ -115,6 +117,7 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
+    print(describe_machine(), flush=True)
     shutil.rmtree(args.work_dir, ignore_errors=True)
     runs = []
     for seed in args.seed:
@@ -372,6 +375,8 @@ def run_hf(args: argparse.Namespace, train: Path, dev: Path) -> Side:
         report_to="none",
         disable_tqdm=True,
         use_cpu=True,
+        # Like with like: hpsearch's precision = "auto" (bf16 on a CPU with AVX512-BF16 or AMX, else fp32).
+        bf16=auto_precision() == "bf16",
     )
     evaluating = _eval_time_callback()
     trainer = Trainer(

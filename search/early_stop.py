@@ -75,7 +75,7 @@ class PruningGate:
     rank_searched: bool = False  # the study searches the LoRA rank: see rank_judged_from
     at_chance: int = 0
     early: frozenset[int] = frozenset()  # the trial's early pruning points (sampling.early_points)
-    early_loss: float | None = None  # the loss at the last early point
+    early_seen: tuple[int, float] | None = None  # the step and loss of the last early point
 
     @classmethod
     def of_search(
@@ -130,10 +130,21 @@ class PruningGate:
         good learning rate is at the prior too, but its loss is falling; docs/search.md, "Early pruning points")."""
         if step not in self.early or self.chance is None:
             return None
-        previous, self.early_loss = self.early_loss, metrics.loss
-        if previous is None or step < self.warmup:
+        previous, self.early_seen = self.early_seen, (step, metrics.loss)
+        if previous is None:
             return False
-        return previous - metrics.loss < FLAT * self.chance.loss and self.chance.matches(metrics)
+        return self.at_peak(previous[0], step) * (previous[1] - metrics.loss) < FLAT * self.chance.loss and (
+            self.chance.matches(metrics)
+        )
+
+    def at_peak(self, start: int, end: int) -> float:
+        """How many times more the steps from ``start`` to ``end`` would have moved the weights at the peak learning
+        rate than under the schedule: a loss change between two points times this is what the trial's learning rate
+        does, whether or not it is still warming up (early on, the change is about the rate summed over the steps)."""
+        from hpsearch.trainer.optim import lr_factor
+
+        applied = sum(lr_factor(t, self.warmup, self.total_steps) for t in range(start, end))
+        return (end - start) / applied if applied > 0 else math.inf
 
     @property
     def stuck(self) -> bool:

@@ -175,7 +175,9 @@ def early_point(loop: Loop, state: TrainState) -> TrainResult | None:
         return TrainResult(Status.FAILED, fail_reason=FailReason.OOM)
     value = metrics.objective(run.metric)
     rows = len(loop.early_data.validation)
-    log.info("step %d/%d early point (%d rows) val_%s %.4f", state.step, loop.total_steps, rows, run.metric, value)
+    # The loss too: an early point cuts a trial on it (flat at the label prior's: search/early_stop.py).
+    shown = f"val_loss {metrics.loss:.4f}" + (f" val_{run.metric} {value:.4f}" if run.metric != "loss" else "")
+    log.info("step %d/%d early point (%d rows) %s", state.step, loop.total_steps, rows, shown)
     if world.is_main:
         loop.reporter.report(value, state.step, metrics)
     if world.from_main(world.is_main and loop.reporter.should_prune()):

@@ -35,14 +35,16 @@ def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
     return round(cfg.warmup_ratio * total_steps)
 
 
+def lr_factor(step: int, warmup: int, total_steps: int) -> float:
+    """The share of the peak learning rate the optimizer step after ``step`` steps uses: a linear warm-up over
+    ``warmup`` steps, then a linear decay to zero at ``total_steps``."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     warmup = warmup_steps(cfg, total_steps)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup, total_steps))
