@@ -146,12 +146,6 @@ class SearchConfig:
             raise SpecError(f"{said}: the first objective must be one of {', '.join(QUALITY)}")
         if len(metric) == 2 and metric[1] not in COSTS:
             raise SpecError(f"{said}: the second objective must be one of {', '.join(COSTS)} (what a model cost)")
-        if len(metric) == 2 and self.warm_start:
-            # Its results are single values, and the front's trials have two: one would mislead the other.
-            raise SpecError(
-                f"{where}.warm_start: {self.warm_start!r} cannot seed a two-objective study yet; "
-                "leave warm_start out, or search a single metric"
-            )
         if len(metric) == 2 and self.sampler in SINGLE_OBJECTIVE_ONLY:
             why = SINGLE_OBJECTIVE_ONLY[self.sampler]
             raise SpecError(

@@ -82,18 +82,18 @@ def plan(spec: StudySpec, name: str, url: str) -> Plan | None:
 
 
 def _check_objective(spec: StudySpec, label: str, earlier: optuna.Study) -> None:
-    """The earlier study's values must mean what this one's do: same direction, same metric where it names one."""
-    directions = [d.name.lower() for d in earlier.directions]
-    if directions != [spec.direction]:
+    """The earlier study's quality objective must mean what this one's does: same direction, same metric where it
+    names one (either study may have a cost objective beside it: only the quality objective is read)."""
+    direction = earlier.directions[0].name.lower()
+    if direction != spec.direction:
         raise SpecError(
-            f"{WHERE}: study {label} has direction {', '.join(directions)}, this one {spec.direction} "
+            f"{WHERE}: study {label} has direction {direction}, this one {spec.direction} "
             f"(metric {spec.search.quality!r}); start from a study with the same metric"
         )
     names = earlier.metric_names
-    if names is not None and names != spec.metric_names:
-        scores = ", ".join(spec.metric_names)
+    if names is not None and names[0] != spec.metric_names[0]:
         raise SpecError(
-            f"{WHERE}: study {label} scored {', '.join(names)}, this one scores {scores}; its values "
+            f"{WHERE}: study {label} scored {names[0]}, this one scores {spec.metric_names[0]}; its values "
             "would mislead the sampler: start from a study with the same metric"
         )
 
@@ -115,8 +115,8 @@ def fit(spec: StudySpec, label: str, trials: Iterable[FrozenTrial], fixed: dict[
     one it searches that the earlier trial did not takes the value the earlier study trained with (``fixed``); a
     value outside this space is left out of that trial. A trial missing any parameter is still queued (the sampler
     proposes what is missing) but not given to the sampler, which needs whole points."""
-    finished = [t for t in trials if t.value is not None and math.isfinite(t.value)]
-    finished.sort(key=lambda t: (t.value if spec.direction == "minimize" else -t.value, t.number))  # type: ignore[operator]
+    sign = 1 if spec.direction == "minimize" else -1
+    finished = sorted((t for t in trials if math.isfinite(_quality(t))), key=lambda t: (sign * _quality(t), t.number))
     out = Plan(label, len(finished))
     left_out: dict[str, list[str]] = {}
     for name in sorted({k for t in finished for k in t.params} - set(spec.space)):
@@ -134,12 +134,18 @@ def fit(spec: StudySpec, label: str, trials: Iterable[FrozenTrial], fixed: dict[
         if params and key not in seen and len(out.queue) < n_queue:
             seen.add(key)
             out.queue.append((params, trial.number))
-        if set(params) == set(spec.space) and spec.search.sampler in LEARNS_FROM_RESULTS:
-            out.results.append((params, float(trial.value), trial.number))  # type: ignore[arg-type]
+        # A two-objective study is given no results: a point on its front needs a cost the earlier run did not pay.
+        if set(params) == set(spec.space) and spec.search.sampler in LEARNS_FROM_RESULTS and not spec.search.cost:
+            out.results.append((params, _quality(trial), trial.number))
     for name, reasons in left_out.items():
         more = f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""
         out.lines.append(f"warm start: parameter {name} of {label} left out: {reasons[0]}{more}")
     return out
+
+
+def _quality(trial: FrozenTrial) -> float:
+    """The trial's quality objective (the first, in a one- or two-objective study); nan where it has none."""
+    return trial.values[0] if trial.values else math.nan
 
 
 def _params(

@@ -161,7 +161,6 @@ def test_retention_keeps_the_front_before_a_better_trial_off_it(tmp_path: Path) 
         ("price_per_gpu_hour = -1.98", "search.price_per_gpu_hour: -1.98 must be a finite number >= 0"),
         ("budget = 10.0", "search.budget: 10.0 is money and needs a price"),
         ('currency = "Chinese yuan"', "search.currency"),
-        ('metric = ["accuracy", "gpu_hours"]\nwarm_start = "earlier"', "cannot seed a two-objective study yet"),
     ],
 )
 def test_bad_objectives_and_money_are_refused_in_one_line(

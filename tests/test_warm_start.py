@@ -107,6 +107,38 @@ def test_a_warm_start_from_another_storage_queues_the_best_configurations_once_a
     assert len(warm_start.ran_here(trials)) == 7
 
 
+def test_a_two_objective_study_is_warm_started_by_its_quality_objective_and_given_no_results(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
+    # A single-objective study seeds a two-objective one: its best configurations (by loss) run first, but TPE is
+    # given no results (a point on the front needs a cost the earlier run never paid). That two-objective study
+    # then seeds a single-objective one, which reads its quality objective only, results included.
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    earlier = _earlier(tmp_path, tiny_model, demo_files, url)
+    best = sorted(earlier.trials, key=lambda t: t.value)[0]
+    cost = 'metric = ["loss", "trainable_parameters"]'
+    spec = _spec(tmp_path / "front.toml", demo_files, tiny_model, n_trials=3, space=EARLIER_SPACE, search="")
+    spec.write_text(
+        spec.read_text().replace('metric = "loss"', cost).replace("seed = 0", 'seed = 0\nwarm_start = "small"')
+    )
+    start_study("front", spec, url, tmp_path)
+    front = optuna.load_study(study_name="front", storage=url)
+    trials = front.get_trials(deepcopy=False)
+    queued = [t for t in trials if t.user_attrs.get(attrs.WARM_START_OF)]  # min(5, 3 // 3) = 1: the best one
+    assert [t.params for t in queued] == [best.params] and queued[0].values is not None
+    assert not any(t.user_attrs.get(attrs.EARLIER_RESULT) for t in trials)
+    assert front.user_attrs[attrs.WARM_START] == {"from": "small", "finished": 3, "queued": 1, "results": 0}
+
+    spec = _spec(tmp_path / "one.toml", demo_files, tiny_model, n_trials=3, space=EARLIER_SPACE, search="")
+    spec.write_text(spec.read_text().replace("seed = 0", 'seed = 0\nwarm_start = "front"'))
+    start_study("one", spec, url, tmp_path)
+    one = optuna.load_study(study_name="one", storage=url).get_trials(deepcopy=False)
+    results = sorted((t.params["learning_rate"], t.value) for t in one if t.user_attrs.get(attrs.EARLIER_RESULT))
+    # What the front study ran itself (not the result it was never given), each with its loss, the first objective.
+    ran = warm_start.ran_here([t for t in trials if t.state == TrialState.COMPLETE])
+    assert results == sorted((t.params["learning_rate"], t.values[0]) for t in ran) and results
+
+
 def _refused(cli: Cli, tmp_path: Path, spec: Path, url: str, expected: str, study: str = "big") -> None:
     before = optuna.get_all_study_names(storage=url)
     result = cli("start", "--study", study, "--config", str(spec), "--storage", url, "--devices", "cpu:1", cwd=tmp_path)
