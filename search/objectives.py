@@ -13,16 +13,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import optuna
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.storage import attrs
-
-if TYPE_CHECKING:
-    from hpsearch.search.search_config import SearchConfig
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +129,3 @@ def pruning_view(study: optuna.Study) -> optuna.Study:
     """The study the pruner judges a two-objective study's trials in: its quality objective alone."""
     storage = cast(BaseStorage, QualityStorage(study._storage))
     return optuna.Study(study.study_name, storage, study.sampler, study.pruner)
-
-
-def objectives_text(search: SearchConfig) -> str:
-    """The objectives as `status` names them: "accuracy" or "accuracy and gpu_hours"."""
-    return " and ".join(search.objectives)

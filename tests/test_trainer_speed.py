@@ -27,6 +27,7 @@ from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.loop import COMPILE_BACKEND_ENV, Run, fit, flops_per_token
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 from hpsearch.trainer.optim import build_optimizer
+from hpsearch.trainer.report import measured
 from hpsearch.trainer.stats import PEAK_ENV, Throughput, mfu, peak_tflops
 from tests.support.tiny import tiny_run
 
@@ -300,7 +301,7 @@ def test_flops_per_token_leaves_embedding_tables_out(tiny_model: Path) -> None:
     assert flops_per_token(model) == 6 * (total - tables)
     speed = Throughput(torch.device("cpu"), flops_per_token=flops_per_token(model))
     speed.add(examples=2, tokens=10, padded=16)
-    assert speed.attrs()["train_padding_ratio"] == 1.6
+    assert measured(speed.speed())["train_padding_ratio"] == 1.6
 
 
 def test_flops_per_token_counts_a_4bit_weight_as_its_whole_matrix() -> None:

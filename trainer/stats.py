@@ -7,11 +7,8 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-
-from hpsearch.trainer.report import measured
 
 # Dense (no sparsity) bf16 tensor-core peak, TFLOP/s, from the vendors' data sheets; the first
 # name fragment found in torch.cuda.get_device_name() wins, so longer names come first.
@@ -104,9 +101,6 @@ class Throughput:
             round(peak_memory_mb(self.device), 1),
             mfu_,
         )
-
-    def attrs(self) -> dict[str, Any]:
-        return measured(self.speed())
 
 
 @dataclass(frozen=True)
