@@ -10,6 +10,7 @@ with a single-objective view of the study (``pruning_view``): the same rules, on
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Sequence
@@ -109,20 +110,10 @@ class QualityStorage:
 
 def _single(trial: FrozenTrial) -> FrozenTrial:
     """``trial`` as a single-objective study of its quality objective has it (a copy)."""
-    return FrozenTrial(
-        number=trial.number,
-        state=trial.state,
-        value=None,
-        values=trial.values[:1] if trial.values else None,
-        datetime_start=trial.datetime_start,
-        datetime_complete=trial.datetime_complete,
-        params=trial.params,
-        distributions=trial.distributions,
-        user_attrs=trial.user_attrs,
-        system_attrs=trial.system_attrs,
-        intermediate_values=points(trial),
-        trial_id=trial._trial_id,
-    )
+    single = copy.copy(trial)
+    single.values = trial.values[:1] if trial.values else None
+    single.intermediate_values = points(trial)
+    return single
 
 
 def pruning_view(study: optuna.Study) -> optuna.Study:
