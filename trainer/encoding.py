@@ -152,17 +152,14 @@ def _load(path: Path, cfg: DataConfig, max_length: int) -> Prepared | None:
 
 
 def _to_json(p: Prepared) -> dict[str, Any]:
-    def split(e: Encoded) -> dict[str, Any]:
-        return {f.name: getattr(e, f.name) for f in dataclasses.fields(e)}
-
     labels = None if p.labels is None else {"names": list(p.labels.names), "numeric": p.labels.numeric}
     return {
         "version": CACHE_VERSION,
         "task": p.task,
         "pad_id": p.pad_id,
         "labels": labels,
-        "train": split(p.train),
-        "validation": split(p.validation),
+        "train": dataclasses.asdict(p.train),
+        "validation": dataclasses.asdict(p.validation),
     }
 
 
