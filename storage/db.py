@@ -242,8 +242,7 @@ def describe_connect_error(url: str, exc: BaseException) -> str:
         match = re.search(pattern, text)
         if match:
             return f"cannot connect to storage {where}: {hint.format(*match.groups())}"
-    first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    return f"cannot connect to storage {where}: {first_line}"
+    return f"cannot connect to storage {where}: {one_line(exc)}"
 
 
 def is_transient(exc: BaseException) -> bool:
