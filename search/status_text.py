@@ -7,6 +7,7 @@ from typing import Any
 from hpsearch.search.money import Price
 from hpsearch.search.summary import fmt, reason
 from hpsearch.storage import attrs, registry, retention
+from hpsearch.trainer.reading import short
 
 LATEST_ROWS, BEST_ROWS = 20, 3
 """Rows of a long study's trial table without --all: the latest trials, and the best ones."""
@@ -136,7 +137,7 @@ def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
                 *([Price.number(t["money"]) if t.get("money") is not None else "-"] if money else []),
                 str(t.get(attrs.THREADS) or "-"),
                 t[attrs.WORKER] or "-",
-                _short(reason(t), 60),
+                short(" ".join(reason(t).split()), 60),  # a traceback's last line may hold newlines
             ]
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -153,11 +154,6 @@ def duration(seconds: float | None) -> str:
     m, sec = divmod(int(seconds), 60)
     h, m = divmod(m, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
-
-
-def _short(text: str, limit: int) -> str:
-    text = " ".join(text.split())  # a traceback's last line may hold newlines
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def format_workers(s: dict[str, Any]) -> str:
