@@ -82,10 +82,8 @@ def stale_trials(
     missed_beats: float = MISSED_BEATS,
     watched_since: float | None = None,
 ) -> list[StaleTrial]:
-    """Trials held by workers whose last heartbeat is older than the grace period: ``missed_beats`` of the interval
-    each worker recorded (workers may beat slower than this process's ``$HPSEARCH_HEARTBEAT_S``), or ``grace_s``
-    where longer. Silence counts only from ``watched_since`` (database clock), when the caller's own connection was
-    last known healthy: a database that was away kept every beat out."""
+    """Trials held by workers ``is_lost`` judges lost, by its ``grace_s``, ``missed_beats`` (of the interval each
+    worker recorded: workers may beat slower than this process's ``$HPSEARCH_HEARTBEAT_S``) and ``watched_since``."""
 
     def read(s: Session) -> list[StaleTrial]:
         now = float(s.execute(select(db.clock())).scalar_one())
@@ -123,14 +121,7 @@ def longest_interval(db: Database, study: str) -> float:
 
 def _stale(r: WorkerRecord, now: float) -> StaleTrial:
     assert r.current_trial is not None
-    return StaleTrial(
-        worker_id=r.id,
-        worker=r.name,
-        host=r.host,
-        trial_number=int(r.current_trial),
-        heartbeat_at=r.heartbeat_at,
-        heartbeat_age_s=now - r.heartbeat_at,
-    )
+    return StaleTrial(r.id, r.name, r.host, int(r.current_trial), r.heartbeat_at, now - r.heartbeat_at)
 
 
 def end_gone(db: Database, study: str, *, host: str, gone: Callable[[int], bool]) -> list[StaleTrial]:
