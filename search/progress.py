@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,10 +231,9 @@ class Progress:
 
 def for_terminal(study_name: str, storage_url: str, spec: StudySpec, devices: list[Device]) -> Progress:
     """A live display when stderr is a terminal, plain log lines otherwise."""
-    try:
+    terminal = False
+    with suppress(AttributeError, ValueError):
         terminal = sys.stderr.isatty() and os.environ.get("TERM", "") != "dumb"
-    except (AttributeError, ValueError):
-        terminal = False
     if terminal:
         from hpsearch.search.live_display import LiveProgress
 

@@ -116,10 +116,9 @@ class TrialDir:
     def holds(self, path: Path) -> bool:
         """Whether ``path`` lies inside this trial's folder once every link is resolved, and is no link itself.
         Refusals are logged: someone put that path there."""
-        try:
+        inside = False
+        with contextlib.suppress(OSError):
             inside = self.is_real() and not path.is_symlink() and path.resolve().is_relative_to(self._real())
-        except OSError:
-            inside = False
         if not inside and (path.exists() or path.is_symlink()):
             log.warning(
                 "refusing %s: it does not lie inside %s (a study row or a shared folder named it); left untouched",
