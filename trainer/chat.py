@@ -126,12 +126,8 @@ def _tokens(tokenizer: Any, text: str) -> list[int]:
 
 
 def _common(prefix: list[int], ids: list[int]) -> int:
-    n = 0
-    for a, b in zip(prefix, ids, strict=False):
-        if a != b:
-            break
-        n += 1
-    return n
+    same = [a == b for a, b in zip(prefix, ids, strict=False)]
+    return same.index(False) if False in same else len(same)
 
 
 def _without_trailing_space(tokenizer: Any, ids: list[int], start: int, end: int) -> int:
