@@ -155,11 +155,6 @@ if psycopg2.__libpq_version__ >= 120000:  # the libpq in psycopg2-binary is newe
     LIBPQ_DEFAULTS["tcp_user_timeout"] = DEAD_PEER_MS
 
 
-def create_engine(url: str, *, pool_size: int = 1) -> Engine:
-    normalized = urls.normalize(url)
-    return sqlalchemy.create_engine(normalized, **engine_kwargs(normalized, pool_size=pool_size))
-
-
 # The server's side of the same rule, set per session: a worker that vanished inside a transaction
 # blocks the rows it touched until the server drops its session (two hours by default, ~20 s so).
 SERVER_WATCH: dict[str, int] = {

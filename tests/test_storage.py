@@ -130,11 +130,13 @@ def test_a_stopping_process_stops_waiting_on_a_database_seen_unreachable() -> No
 
     import sqlalchemy
 
-    from hpsearch.storage.db import GAVE_UP, create_engine, give_up_on_silence
+    from hpsearch.storage import urls
+    from hpsearch.storage.db import GAVE_UP, engine_kwargs, give_up_on_silence
     from tests.support.pgcluster import free_port
 
     # Nothing listens there: each attempt is a refused connection.
-    engine = create_engine(f"postgresql://postgres@127.0.0.1:{free_port()}/postgres")
+    url = urls.normalize(f"postgresql://postgres@127.0.0.1:{free_port()}/postgres")
+    engine = sqlalchemy.create_engine(url, **engine_kwargs(url))
     stopping = {"now": False}
     give_up_on_silence(engine, lambda: stopping["now"])
     with pytest.raises(sqlalchemy.exc.OperationalError):
