@@ -117,19 +117,19 @@ def test_a_two_objective_study_is_warm_started_by_its_quality_objective_and_give
     earlier = _earlier(tmp_path, tiny_model, demo_files, url)
     best = sorted(earlier.trials, key=lambda t: t.value)[0]
     cost = 'metric = ["loss", "trainable_parameters"]'
-    spec = _spec(tmp_path / "front.toml", demo_files, tiny_model, n_trials=3, space=EARLIER_SPACE, search="")
+    spec = _spec(tmp_path / "front.toml", demo_files, tiny_model, n_trials=1, space=EARLIER_SPACE, search="")
     spec.write_text(
         spec.read_text().replace('metric = "loss"', cost).replace("seed = 0", 'seed = 0\nwarm_start = "small"')
     )
     start_study("front", spec, url, tmp_path)
     front = optuna.load_study(study_name="front", storage=url)
     trials = front.get_trials(deepcopy=False)
-    queued = [t for t in trials if t.user_attrs.get(attrs.WARM_START_OF)]  # min(5, 3 // 3) = 1: the best one
+    queued = [t for t in trials if t.user_attrs.get(attrs.WARM_START_OF)]  # at least one: the best
     assert [t.params for t in queued] == [best.params] and queued[0].values is not None
     assert not any(t.user_attrs.get(attrs.EARLIER_RESULT) for t in trials)
     assert front.user_attrs[attrs.WARM_START] == {"from": "small", "finished": 3, "queued": 1, "results": 0}
 
-    spec = _spec(tmp_path / "one.toml", demo_files, tiny_model, n_trials=3, space=EARLIER_SPACE, search="")
+    spec = _spec(tmp_path / "one.toml", demo_files, tiny_model, n_trials=1, space=EARLIER_SPACE, search="")
     spec.write_text(spec.read_text().replace("seed = 0", 'seed = 0\nwarm_start = "front"'))
     start_study("one", spec, url, tmp_path)
     one = optuna.load_study(study_name="one", storage=url).get_trials(deepcopy=False)
