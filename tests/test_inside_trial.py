@@ -140,3 +140,43 @@ def test_a_full_disk_is_disk_full_however_a_library_says_it(
     [trial] = optuna.load_study(study_name="full", storage=sqlite_url).trials
     assert trial.state == TrialState.FAIL and trial.user_attrs["fail_reason"] == "disk_full", trial.user_attrs
     assert not list((tmp_path / "runs" / "full" / "trial-0").glob(".*tmp-*")), "no half-written checkpoint left"
+
+
+def test_a_run_that_fails_lets_its_reports_reach_the_search_first(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first validation point saves best/ and reports it (in the background), then its resumable state hits a
+    # full disk. The worker ends the trial as soon as fit raises; a best_saved still on its way would land after
+    # that end's clean-up and name the deleted best/ (seen once in CI). The search here takes 0.5 s to answer.
+    import time
+
+    from hpsearch.search.trial_attrs import NullReporter
+    from hpsearch.trainer.checkpoint import CheckpointError
+    from hpsearch.trainer.config import DataConfig, TrainConfig
+    from hpsearch.trainer.encoding import prepare
+    from hpsearch.trainer.loop import fit
+    from hpsearch.trainer.model import load_tokenizer
+    from tests.support.tiny import tiny_run
+
+    class SlowSearch(NullReporter):
+        immediate = False  # its calls go through the background queue, as a trial's do
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.best: list[int] = []
+
+        def best_saved(self, path: Path, step: int, values: dict[str, float]) -> None:
+            time.sleep(0.5)
+            self.best.append(step)
+
+    def full_disk(*a: object, **kw: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    tok = load_tokenizer(str(tiny_model))
+    data = prepare(DataConfig(train=str(demo_files[0]), validation=str(demo_files[1])), tok, 32, None)
+    cfg = TrainConfig(batch_size=32, micro_batch_size=32, epochs=1, eval_every=5, resume_every_minutes=0)
+    search = SlowSearch()
+    with pytest.raises(CheckpointError):
+        fit(tiny_run(tiny_model, (tok, data), cfg, tmp_path), search)
+    assert search.best == [5], "fit raised before its best_saved reached the search"

@@ -96,6 +96,9 @@ def fit(run: Run, reporter: Reporter) -> TrainResult:
         # The group restarts: every rank of the next attempt reads this and starts smaller (Trainable.restore).
         ckpt.record_out_of_memory(run.files.out_of_memory, oom.micro, oom.step, oom.rank)
         raise
+    except Exception:
+        loop.reporter.settle()  # what the run reported reaches the search before the search ends the trial
+        raise
 
 
 def _train(loop: Loop, state: TrainState, started: float) -> TrainResult:

@@ -85,6 +85,14 @@ class StateSavingReporter:
 
         return send
 
+    def settle(self) -> None:
+        """Let the calls still on their way reach the search, for at most ANSWER_S, raising nothing: a run that ends
+        on an error of its own is ended by the search after its last record (a best_saved landing after that end's
+        clean-up would name a deleted best/)."""
+        last = self.report_queue.newest()
+        if last is not None:
+            last.done.wait(self.ANSWER_S)
+
     def should_prune(self) -> bool:
         self._raise_failure()
         behind = self.report_queue.oldest()
