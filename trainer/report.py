@@ -88,10 +88,11 @@ class StateSavingReporter:
     def settle(self) -> None:
         """Let the calls still on their way reach the search, for at most ANSWER_S, raising nothing: a run that ends
         on an error of its own is ended by the search after its last record (a best_saved landing after that end's
-        clean-up would name a deleted best/)."""
-        last = self.report_queue.newest()
-        if last is not None:
-            last.done.wait(self.ANSWER_S)
+        clean-up would name a deleted best/). Not after a stop, or once a call failed: the search is away then."""
+        last, give_up = self.report_queue.newest(), time.monotonic() + self.ANSWER_S
+        while last is not None and self.report_queue.error is None and not self.should_stop():
+            if last.done.wait(self.POLL_S) or time.monotonic() > give_up:
+                return
 
     def should_prune(self) -> bool:
         self._raise_failure()
