@@ -121,7 +121,14 @@ def longest_interval(db: Database, study: str) -> float:
 
 def _stale(r: WorkerRecord, now: float) -> StaleTrial:
     assert r.current_trial is not None
-    return StaleTrial(r.id, r.name, r.host, int(r.current_trial), r.heartbeat_at, now - r.heartbeat_at)
+    return StaleTrial(
+        worker_id=r.id,
+        worker=r.name,
+        host=r.host,
+        trial_number=int(r.current_trial),
+        heartbeat_at=r.heartbeat_at,
+        heartbeat_age_s=now - r.heartbeat_at,
+    )
 
 
 def end_gone(db: Database, study: str, *, host: str, gone: Callable[[int], bool]) -> list[StaleTrial]:

@@ -126,8 +126,8 @@ def _tokens(tokenizer: Any, text: str) -> list[int]:
 
 
 def _common(prefix: list[int], ids: list[int]) -> int:
-    same = [a == b for a, b in zip(prefix, ids, strict=False)]
-    return same.index(False) if False in same else len(same)
+    pairs = zip(prefix, ids, strict=False)
+    return next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(prefix), len(ids)))
 
 
 def _without_trailing_space(tokenizer: Any, ids: list[int], start: int, end: int) -> int:
