@@ -53,8 +53,8 @@ from hpsearch.search.spec import StudySpec
 from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.evaluate import Metrics
 
-STEPS, EVAL_EVERY, BATCH = 128, 16, 16
-IID_LOSS_NOISE = False  # --loss-noise iid  # --steps and --batch-size change them (the run: 64 steps of 32)
+STEPS, EVAL_EVERY, BATCH = 128, 16, 16  # --steps and --batch-size change them (the run: 64 steps of 32)
+IID_LOSS_NOISE = False  # --loss-noise iid
 # Balanced labels, 256 validation examples.
 PRIOR = ChanceLevel.of([0, 1] * 128)
 assert PRIOR is not None
