@@ -229,3 +229,4 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
             raise
         log.info("trial %d ended on rank %d: %s at step %d", job.trial, args.rank, result.status, result.steps)
     world.close()
+    distributed.end_process(0)

@@ -51,6 +51,7 @@ def _rank(rank: int, port: int, model_dir: str, train: str, dev: str, out: str) 
         torch.save(_fit(model_dir, train, dev, Path(out) / f"rank{rank}", world), Path(out) / f"rank{rank}.pt")
     finally:
         world.close()
+    distributed.end_process(0)  # as a product rank ends (see end_process)
 
 
 def test_two_ranks_train_what_one_device_trains(tmp_path: Path, lm_files: tuple[Path, Path]) -> None:

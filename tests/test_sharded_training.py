@@ -80,6 +80,7 @@ def _rank(
         torch.save({"params": params, "held": result.figures.rank_held_mb, **ended}, Path(out) / f"rank{rank}.pt")
     finally:
         world.close()
+    distributed.end_process(0)  # as a product rank ends (see end_process)
 
 
 def _two_ranks(
