@@ -122,3 +122,26 @@ def test_two_device_trial_from_the_cli_one_trial_same_parameters_pruned_together
     assert Path(best["best_checkpoint"], "model.safetensors").exists()
     for n in (0, 1):  # one curve per trial, written by rank 0
         assert len(list((tmp_path / "runs" / "dp" / f"trial-{n}" / "tensorboard").glob("events.*"))) == 1
+
+
+def test_a_rank_ends_with_its_code_and_what_it_wrote_but_not_yet_flushed() -> None:
+    # end_process skips the interpreter's shutdown (where a gloo thread can abort the process): what the rank
+    # printed without a newline and logged must still reach its streams, and its exit code its parent.
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, sys\n"
+        "from hpsearch.trainer import distributed\n"
+        "logging.basicConfig(stream=sys.stderr, level=logging.INFO, format='%(message)s')\n"
+        "logging.getLogger('rank').info('trial 3 ended on rank 1')\n"
+        "sys.stdout.write('unterminated')\n"
+        "distributed.end_process(3)\n"
+        "print('never')\n"
+    )
+    # A pipe, not a terminal: stdout is block-buffered, so an exit without a flush would lose the text.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "unterminated" and "trial 3 ended on rank 1" in done.stderr, (done.stdout, done.stderr)
