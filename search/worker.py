@@ -48,6 +48,23 @@ class WorkerArgs:
 
 def main(args: WorkerArgs, conn: Connection | None = None) -> None:
     """Entry point of the spawned worker process."""
+    try:
+        _serve(args, conn)
+        code: int | str | None = 0
+    except SystemExit as exc:
+        code = exc.code
+    if args.peer_devices and isinstance(code, int):
+        from hpsearch.trainer import distributed
+
+        # The supervisor reads this code (a smaller group's restart, a stop): not a SIGABRT in the shutdown instead.
+        distributed.end_process(code)
+    if code:
+        raise SystemExit(code)
+
+
+def _serve(args: WorkerArgs, conn: Connection | None) -> None:
+    """Register, then ask, train and tell until the budget is used or a stop; an exit code other than 0 is a
+    SystemExit, read by the supervisor (search/exit_codes.py)."""
     cli.setup_logging(args.log_level, args.name)
     stop = stop_signals.StopFlag()
     stop.install()
@@ -56,20 +73,19 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         raise SystemExit(ExitCode.signalled(signal.SIGTERM))
     import torch
 
-    from hpsearch.trainer import distributed
-
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "cuda":
         # TF32 tensor cores for fp32 matmuls: ~free speed on Ampere and newer.
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    from hpsearch.trainer.distributed import World
 
     # A device group's peer ranks start first and join this rank's process group, for every trial (ranks.py).
     peers = None
     if args.peer_devices:
         peers = ranks.Peers(args.device, args.peer_devices, args.name, args.output_dir, args.threads)
-    world = peers.start(torch_device(args.device)) if peers else distributed.World()
+    world = peers.start(torch_device(args.device)) if peers else World()
     outage_retry = replace(OUTAGE_RETRY, give_up=stop.outage_retry_over)
     try:
         storage = stop_signals.open_retrying(args.storage_url, outage_retry, stop)
@@ -94,23 +110,18 @@ def main(args: WorkerArgs, conn: Connection | None = None) -> None:
         _exit(ExitCode.STORAGE_LOST, why, peers)
     finally:
         storage.close()
-    # Stopped: tell the supervisor (our trial is handed back already); it restarts us unless stopping too.
-    code = ExitCode.signalled(stop.signum) if stop.requested else 0
     if peers:
         peers.close()
         world.close()
-        distributed.end_process(code)
-    if code:
-        raise SystemExit(code)
+    if stop.requested:
+        # Tell the supervisor we were stopped (our trial is handed back already): it restarts us unless stopping too.
+        raise SystemExit(ExitCode.signalled(stop.signum))
 
 
 def _exit(code: int, why: str, peers: ranks.Peers | None) -> NoReturn:
     log.error("%s", why)
     if peers:
-        from hpsearch.trainer import distributed
-
         peers.close(kill=True)
-        distributed.end_process(code)  # the supervisor reads this code (a smaller group's restart): no SIGABRT instead
     raise SystemExit(code)
 
 
