@@ -106,7 +106,7 @@ def early_points(spec: StudySpec, cfg: TrainConfig, data: Prepared) -> EarlyPoin
     down, ``eval_every / reduction_factor^k``; a quarter and a half of the way for median/percentile), each kept only
     where validating costs less than the training it could save: scoring a row forward costs about a third of
     training on it (forward 1, backward 2), and a cut here instead of at the next point saves that many steps of
-    ``batch_size`` rows."""
+    ``batch_size`` rows. An early point cuts only a flat curve, which takes two points: one kept alone is none."""
     from hpsearch.trainer.evaluate import EarlyPoints
     from hpsearch.trainer.optim import plan_steps
 
@@ -126,4 +126,6 @@ def early_points(spec: StudySpec, cfg: TrainConfig, data: Prepared) -> EarlyPoin
         for step, following in zip(candidates, [*candidates[1:], first], strict=True)
         if rows / 3 < (following - step) * cfg.batch_size
     ]
+    if len(kept) < 2:  # one point alone never cuts: it has no earlier one to be flat against
+        return EarlyPoints()
     return EarlyPoints(frozenset(kept), rows, s.seed)

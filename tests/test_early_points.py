@@ -3,7 +3,9 @@ the pruner is asked there, and a trial's value and its kept checkpoint come from
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import optuna
@@ -69,9 +71,24 @@ def test_an_early_point_that_costs_more_than_it_could_save_is_skipped(
     # Batch 1: a point at step 4 saves at most 4 rows of training before step 8; scoring 96 rows costs ~32.
     assert sampling.early_points(_spec(tiny_model, demo_files), one, data).steps == set()
     # Scoring 12 rows (a third: 4) costs what the 4 steps from 4 to 8 could save: skipped; the point at 8 could
-    # save 8 steps: kept. 9 rows (3) cost less than either.
-    assert sampling.early_points(_spec(tiny_model, demo_files, early_point_rows=12), one, data).steps == {8}
+    # save 8 steps, but alone it never cuts (a flat curve needs two points): none. 9 rows (3) cost less than either.
+    assert sampling.early_points(_spec(tiny_model, demo_files, early_point_rows=12), one, data).steps == set()
     assert sampling.early_points(_spec(tiny_model, demo_files, early_point_rows=9), one, data).steps == {4, 8}
+
+
+def test_an_early_point_that_would_be_alone_is_not_kept(tiny_model: Path, demo_files: tuple[Path, Path]) -> None:
+    # search_vs_hf's default shape: 1,024 training rows, batch 16, validation every 16 on 256 rows. Scoring 256 rows
+    # (a third: 85) costs more than the 4 steps from 1 to 5 save (64 rows); the point at 5 (176 rows) pays, but it
+    # would be the trial's only early point, and a flat curve needs two: none is validated for nothing.
+    shape: Any = SimpleNamespace(train=range(1024), validation=range(256))
+    asha = _spec(tiny_model, demo_files, "asha")
+    cfg = TrainConfig(batch_size=16, epochs=2, eval_every=16)
+    assert sampling.early_points(asha, cfg, shape) == EarlyPoints()
+    # Batch 32: both pay (85 rows against 128 and 352).
+    assert sampling.early_points(asha, replace(cfg, batch_size=32), shape) == EarlyPoints(frozenset({1, 5}), 256, 0)
+    # A subset of 128 rows (43) pays at batch 16 too.
+    fewer = _spec(tiny_model, demo_files, "asha", early_point_rows=128)
+    assert sampling.early_points(fewer, cfg, shape) == EarlyPoints(frozenset({1, 5}), 128, 0)
 
 
 def test_the_early_subset_is_fixed_and_the_same_in_every_trial(prepared: tuple[Any, Prepared]) -> None:
