@@ -104,8 +104,7 @@ def save_resume(path: Path, state: dict[str, Any], *, atomic: bool = True) -> Pa
 def load_resume(path: Path) -> dict[str, Any]:
     """The state :func:`save_resume` wrote: ``weights_only``, never a pickle (a shared runs folder may hold a
     file someone else wrote; see docs/decisions.md, "No pickle from disk")."""
-    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
-    return state
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def rng_state() -> dict[str, Any]:

@@ -53,8 +53,7 @@ class World:
 
         if self.size == 1 or not is_accumulating or is_sharded(model):
             return contextlib.nullcontext()
-        sync: contextlib.AbstractContextManager[Any] = model.no_sync()  # type: ignore[operator]
-        return sync
+        return model.no_sync()  # type: ignore[operator]
 
     def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:  # in place
         if self.size > 1:

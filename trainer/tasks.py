@@ -11,8 +11,7 @@ from hpsearch.trainer.batching import CAUSAL_LM, IGNORE_INDEX
 def logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], task: str) -> torch.Tensor:
     # No key/value cache in training: it is only useful for generation and costs memory.
     extra = {"use_cache": False} if task == CAUSAL_LM else {}
-    result: torch.Tensor = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
-    return result
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
 
 
 def loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
