@@ -46,10 +46,7 @@ def block_classes(model: torch.nn.Module) -> list[str]:
     if named:
         return named
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
-    if not lists:
-        return []
-    longest = max(lists, key=len)
-    return sorted({type(m).__name__ for m in longest})
+    return sorted({type(m).__name__ for m in max(lists, key=len, default=[])})
 
 
 def plugin(precision: str, blocks: list[str] | None = None) -> Any:
@@ -181,8 +178,7 @@ def full_state(model: torch.nn.Module, *, trained_only: bool) -> dict[str, torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trained_only)
-    state: dict[str, torch.Tensor] = get_model_state_dict(model, options=options)  # type: ignore[assignment]
-    return state
+    return get_model_state_dict(model, options=options)  # type: ignore[return-value]
 
 
 def save_shards(model: torch.nn.Module, optimizer: Any, folder: Path, *, trained_only: bool) -> list[dict[str, Any]]:
@@ -196,8 +192,7 @@ def save_shards(model: torch.nn.Module, optimizer: Any, folder: Path, *, trained
     options = StateDictOptions(ignore_frozen_params=trained_only)
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     dcp.save({"model": model_state, "optimizer": optim_state["state"]}, storage_writer=_writer(folder))
-    groups: list[dict[str, Any]] = optim_state["param_groups"]  # type: ignore[assignment]
-    return groups
+    return optim_state["param_groups"]  # type: ignore[return-value]
 
 
 def load_shards(
@@ -256,7 +251,7 @@ class _IndexUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _reader_class() -> type:
+def _SafeReader(folder: Path) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
@@ -288,8 +283,4 @@ def _reader_class() -> type:
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
-    return SafeReader
-
-
-def _SafeReader(folder: Path) -> Any:
-    return _reader_class()(folder)
+    return SafeReader(folder)
