@@ -319,10 +319,6 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     inner: Any = model
-    while True:
-        if isinstance(inner, DistributedDataParallel):
-            inner = inner.module
-        elif hasattr(inner, "_orig_mod"):
-            inner = inner._orig_mod
-        else:
-            return inner
+    while isinstance(inner, DistributedDataParallel) or hasattr(inner, "_orig_mod"):
+        inner = inner.module if isinstance(inner, DistributedDataParallel) else inner._orig_mod
+    return inner
