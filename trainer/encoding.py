@@ -244,15 +244,12 @@ SHOWN_LINES = 5
 
 def left_out(prepared: Prepared, cfg: DataConfig, max_length: int) -> list[str]:
     """One line per file that had rows left out: how many, why, and the first few line numbers."""
-    said = []
-    for path, split in ((cfg.train, prepared.train), (cfg.validation, prepared.validation)):
-        if split.dropped:
-            total = len(split) + len(split.dropped)
-            said.append(
-                f"data file {path}: {len(split.dropped)} of {total} rows left out, as "
-                f"{LEFT_OUT.format(max_length)} ({_lines(split.dropped)})"
-            )
-    return said
+    return [
+        f"data file {path}: {len(split.dropped)} of {len(split) + len(split.dropped)} rows left out, as "
+        f"{LEFT_OUT.format(max_length)} ({_lines(split.dropped)})"
+        for path, split in ((cfg.train, prepared.train), (cfg.validation, prepared.validation))
+        if split.dropped
+    ]
 
 
 def check_dropped(prepared: Prepared, cfg: DataConfig, max_length: int) -> None:
