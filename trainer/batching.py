@@ -168,14 +168,8 @@ class Batches:
         """The micro-batches of optimizer step ``step``, over every rank."""
         epoch, group = divmod(step, self.steps_per_epoch)
         if epoch != self._epoch:  # the epoch's order is drawn once, not every step
-            cfg = self.cfg
-            drawn = micro_batches(
-                self.data.train.lengths,
-                self.drawn or self.micro,
-                seed=cfg.seed,
-                epoch=epoch,
-                group_by_length=cfg.group_by_length,
-            )
+            cfg, lengths, micro = self.cfg, self.data.train.lengths, self.drawn or self.micro
+            drawn = micro_batches(lengths, micro, seed=cfg.seed, epoch=epoch, group_by_length=cfg.group_by_length)
             self._batches, self._epoch = self._cut(even_shards(drawn, self.world.size)), epoch
         return self._batches[group * self.per_step : (group + 1) * self.per_step]
 
