@@ -18,6 +18,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from hpsearch.trainer.sharding import is_sharded
+
 HOST = "127.0.0.1"  # the ranks of a trial share one host
 # The collectives' own sockets too: gloo and NCCL would otherwise listen on the address the
 # host name resolves to, reachable from the rest of the network, unauthenticated.
@@ -36,8 +38,6 @@ class World:
 
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         """DDP around ``model``; a sharded model (trainer/sharding.py) is its own wrapper already."""
-        from hpsearch.trainer.sharding import is_sharded
-
         if self.size == 1 or is_sharded(model):
             return model
         from torch.nn.parallel import DistributedDataParallel
@@ -49,8 +49,6 @@ class World:
         """DDP all-reduces the gradients in every backward pass: while a step accumulates, only its last one syncs.
         FSDP reduce-scatters every micro-batch's gradients: each rank keeps only its shard of the step's sum, where
         skipping the sync would hold every block's full gradients until the step's end (docs/decisions.md)."""
-        from hpsearch.trainer.sharding import is_sharded
-
         if self.size == 1 or not is_accumulating or is_sharded(model):
             return contextlib.nullcontext()
         return model.no_sync()  # type: ignore[operator]

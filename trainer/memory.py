@@ -25,7 +25,10 @@ from typing import Any
 
 import torch
 
+from hpsearch.trainer import adapters
 from hpsearch.trainer.config import AdapterConfig
+from hpsearch.trainer.model import from_pretrained
+from hpsearch.trainer.sharding import block_classes, transformers_model
 
 ACTIVATION_BYTES_PER_VALUE = 34
 """Bytes stored per (token x hidden unit) per transformer layer at 16 bits for the backward pass."""
@@ -81,8 +84,6 @@ def meta_model(name: str, task: str, num_labels: int = 2) -> tuple[torch.nn.Modu
     """The model of ``name``'s config on the meta device, in the dtype from_pretrained would load it in."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from hpsearch.trainer.model import from_pretrained
 
     config = from_pretrained(AutoConfig, name)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
@@ -148,8 +149,6 @@ def with_adapter(model: torch.nn.Module, adapter: AdapterConfig, task: str) -> t
     """``model`` (on the meta device) with ``adapter`` attached, as a trial would have it."""
     from accelerate import init_empty_weights
 
-    from hpsearch.trainer import adapters
-
     quiet = logging.getLogger(adapters.__name__)
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # its "N trainable parameters" line is a trial's news, not a plan's
@@ -175,8 +174,6 @@ def _weight_bytes(model: torch.nn.Module, quantization: str) -> dict[int, float]
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from hpsearch.trainer.sharding import block_classes, transformers_model
-
     names = set(block_classes(transformers_model(model)))
     return [m for m in model.modules() if type(m).__name__ in names]
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import copy
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
@@ -59,9 +61,6 @@ def check_reachable(name: str, timeout_s: float = 5.0) -> None:
     """A hub id that is not in the local cache needs the hub: say at once when it cannot be
     reached (a cloud instance without access, a mistyped folder that looks like an id), instead
     of after huggingface_hub's retries (half a minute or more of warnings)."""
-    import socket
-    from urllib.parse import urlsplit
-
     if _local_path(name) is not None or os.environ.get("HF_HUB_OFFLINE", "").strip() in ("1", "true", "True"):
         return  # a local folder; or offline mode, where transformers answers at once
     from huggingface_hub import try_to_load_from_cache

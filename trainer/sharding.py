@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from hpsearch.trainer.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 SHARDS = "shards"
@@ -75,8 +77,6 @@ def shard(model: torch.nn.Module, precision: str) -> int:
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy, get_module_children_bottom_up
     from torch.distributed.fsdp import fully_shard
 
-    from hpsearch.trainer.config import ConfigError
-
     pretrained = transformers_model(model)
     fsdp = plugin(precision, block_classes(pretrained) or None)
     fsdp.set_auto_wrap_policy(pretrained)
@@ -117,8 +117,6 @@ def shard_from_first(model: torch.nn.Module, precision: str, device: torch.devic
     to the device one at a time as they are sharded), the empty ones get device memory for their shards only, and
     rank 0 sends each tensor, of which every rank keeps its shard. Returns the number of blocks."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    from hpsearch.trainer.config import ConfigError
 
     layout = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
     first = world.gather(layout)[0]
