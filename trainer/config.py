@@ -158,8 +158,7 @@ class TrainConfig:
         # make a trial diverge; every float field must be an ordinary number.
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, float):
-                rule(math.isfinite(value), f.name, "must be a finite number")
+            rule(not isinstance(value, float) or math.isfinite(value), f.name, "must be a finite number")
         for name, most in LIMITS.items():
             value = getattr(self, name)
             rule(not isinstance(value, int) or value <= most, name, f"must be at most {most:,}")
