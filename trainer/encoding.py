@@ -94,11 +94,10 @@ def prepare(
     # Several workers starting at once: one tokenises under an exclusive lock, the others wait and read its file.
     with _exclusive(path.with_suffix(".lock")):
         cached = _load(path, cfg, max_length)
-        if cached is not None:
-            return cached
-        prepared = _tokenise(cfg, tokenizer, max_length, task, splits)
-        _write_atomic(path, prepared)
-    return prepared
+        if cached is None:
+            cached = _tokenise(cfg, tokenizer, max_length, task, splits)
+            _write_atomic(path, cached)
+    return cached
 
 
 def keep(prepared: Prepared, cfg: DataConfig, tokenizer: Any, max_length: int, cache_dir: Path) -> None:
@@ -128,8 +127,7 @@ def _tokenise(cfg: DataConfig, tokenizer: Any, max_length: int, task: str, split
             return _encode_text(rows, tokenizer, max_length)
         return _encode(rows, labels, tokenizer, max_length)
 
-    train, validation = encode(splits.train), encode(splits.validation)
-    prepared = Prepared(train=train, validation=validation, labels=splits.labels, pad_id=int(pad_id or 0), task=task)
+    prepared = Prepared(encode(splits.train), encode(splits.validation), labels, pad_id=int(pad_id or 0), task=task)
     check_dropped(prepared, cfg, max_length)  # before a cache is written for a file that is refused
     return prepared
 
