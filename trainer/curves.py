@@ -45,8 +45,7 @@ class Curves:
         scalars = {"train/loss": loss, "train/learning_rate": lr}
         if seconds > 0:
             scalars["train/samples_per_second"] = examples / seconds
-        scalars.update(self._memory())
-        self.write(step, scalars)
+        self.write(step, scalars | self._memory())
 
     def validation(self, step: int, metrics: Any) -> None:
         self.write(step, {f"validation/{name}": value for name, value in metrics.values().items()})
