@@ -55,8 +55,7 @@ class Trainable:
         # The plain module: no DDP / compile prefixes. Of an adapter, only what it trains.
         model = adapters.trainable_state(self.model) if adapters.is_adapter(self.model) else self.model.state_dict()
         return ckpt.save_resume(
-            self.files.state,
-            {"model": model, "optimizer": self.optimizer.state_dict(), **self._plain(state)},
+            self.files.state, {"model": model, "optimizer": self.optimizer.state_dict(), **self._plain(state)}
         )
 
     def _plain(self, state: TrainState) -> dict[str, Any]:
