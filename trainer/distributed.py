@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from hpsearch.trainer.sharding import is_sharded
 
@@ -40,8 +41,6 @@ class World:
         """DDP around ``model``; a sharded model (trainer/sharding.py) is its own wrapper already."""
         if self.size == 1 or is_sharded(model):
             return model
-        from torch.nn.parallel import DistributedDataParallel
-
         ids = [device.index or 0] if device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
 

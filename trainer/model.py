@@ -11,6 +11,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from hpsearch.trainer.config import AdapterConfig, ConfigError
 from hpsearch.trainer.errors import ModelError
@@ -315,8 +316,6 @@ def _head_modules(model: torch.nn.Module) -> list[torch.nn.Linear]:
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The plain model under torch.compile / DDP wrappers, in either order (what gets saved)."""
-    from torch.nn.parallel import DistributedDataParallel
-
     inner: Any = model
     while isinstance(inner, DistributedDataParallel) or hasattr(inner, "_orig_mod"):
         inner = inner.module if isinstance(inner, DistributedDataParallel) else inner._orig_mod
