@@ -118,8 +118,7 @@ def estimate(model: torch.nn.Module, shape: Shape, setup: Setup) -> Estimate:
     optimizer = 2 * gradients  # AdamW: exp_avg and exp_avg_sq, each the parameter's size and dtype
     gathered = 0
     if setup.sharding == "fsdp" and setup.devices > 1:
-        n = setup.devices
-        weights, gradients, optimizer = (math.ceil(b / n) for b in (weights, gradients, optimizer))
+        weights, gradients, optimizer = (math.ceil(b / setup.devices) for b in (weights, gradients, optimizer))
         gathered = _gathered_bytes(model, setup.precision)
     return Estimate(
         weights=int(weights),
