@@ -160,18 +160,13 @@ def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResu
         if world.is_main:
             # Recorded so that a retry on another worker can find it (see search/reap.py).
             loop.reporter.state_saved(path.resolve())
-    if world.is_main:
-        loop.reporter.report(point.value, state.step, metrics)
-    # Only rank 0 talks to the search; its answer is every rank's.
-    if world.from_main(world.is_main and loop.reporter.should_prune()):
-        return TrainResult(Status.PRUNED)
-    return None
+    return _judge(loop, point.value, state.step, metrics)
 
 
 def early_point(loop: Loop, state: TrainState) -> TrainResult | None:
     """A point the pruner asked for: the early subset scored, reported and judged, nothing saved (a trial's value
     and its checkpoint come from full points); the train loss keeps running to the next full point."""
-    run, world = loop.run, loop.run.world
+    run = loop.run
     loop.speed.pause()
     metrics = _validate(loop, loop.early_data, state.micro)
     if metrics is None:
@@ -181,11 +176,15 @@ def early_point(loop: Loop, state: TrainState) -> TrainResult | None:
     # The loss too: an early point cuts a trial on it (flat at the label prior's: search/early_stop.py).
     shown = f"val_loss {metrics.loss:.4f}" + (f" val_{run.metric} {value:.4f}" if run.metric != "loss" else "")
     log.info("step %d/%d early point (%d rows) %s", state.step, loop.total_steps, rows, shown)
+    return _judge(loop, value, state.step, metrics)
+
+
+def _judge(loop: Loop, value: float, step: int, metrics: Metrics) -> TrainResult | None:
+    """Report a point and ask whether to prune: only rank 0 talks to the search, and its answer is every rank's."""
+    world = loop.run.world
     if world.is_main:
-        loop.reporter.report(value, state.step, metrics)
-    if world.from_main(world.is_main and loop.reporter.should_prune()):
-        return TrainResult(Status.PRUNED)
-    return None
+        loop.reporter.report(value, step, metrics)
+    return TrainResult(Status.PRUNED) if world.from_main(world.is_main and loop.reporter.should_prune()) else None
 
 
 def _validate(loop: Loop, data: Prepared, micro: int) -> Metrics | None:
