@@ -300,8 +300,7 @@ def _new_head(model: torch.nn.Module, id2label: dict[int, str], seed: int) -> No
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in _head_modules(model):
-            weight = torch.randn(module.weight.shape, generator=generator) * std
-            module.weight.copy_(weight.to(module.weight.dtype))
+            module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)  # cast to its dtype
             if module.bias is not None:
                 module.bias.zero_()
 
