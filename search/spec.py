@@ -338,17 +338,13 @@ def difference(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str | 
 
 def load_file(path: Path) -> StudySpec:
     try:
-        kind = "folder" if path.is_dir() else "file" if path.is_file() else "other" if path.exists() else None
+        kind = "folder" if path.is_dir() else "file" if path.is_file() else "other" if path.exists() else "missing"
     except OSError as exc:  # a name too long for the file system, a folder we may not enter
         raise SpecError(f"spec file {path} cannot be read ({exc.strerror or exc}); fix the --config path") from None
-    if kind == "folder":
-        raise SpecError(f"spec file {path} is a folder, not a spec file; pass --config with the path of a .toml spec")
-    if kind == "other":
-        raise SpecError(
-            f"spec file {path} is not a regular file (a pipe or a device); pass --config with the path of a .toml spec"
-        )
-    if kind is None:
-        raise SpecError(f"spec file {path} does not exist; pass --config with the path of a .toml spec")
+    if kind != "file":
+        what = {"folder": "is a folder, not a spec file", "other": "is not a regular file (a pipe or a device)"}
+        why = what.get(kind, "does not exist")
+        raise SpecError(f"spec file {path} {why}; pass --config with the path of a .toml spec")
     try:
         # utf-8-sig: Windows editors save a byte-order mark that TOML would call an invalid statement.
         raw = tomllib.loads(path.read_text(encoding="utf-8-sig"))
