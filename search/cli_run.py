@@ -151,8 +151,7 @@ def _nothing_to_run(args: argparse.Namespace, url: str, why: str) -> int:
 def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Device], spec: StudySpec) -> int:
     level = logging.DEBUG if args.verbose else logging.INFO
     supervisor = Supervisor(args.study, url, device_list, args.output_dir.resolve(), spec, level)
-    code = supervisor.run()
-    return _report(args, url, code, storage_lost=supervisor.storage_lost)
+    return _report(args, url, supervisor.run(), storage_lost=supervisor.storage_lost)
 
 
 def _report(args: argparse.Namespace, url: str, code: int, *, storage_lost: bool = False) -> int:
@@ -252,8 +251,7 @@ def _check_inputs(spec: StudySpec, output_dir: Path, study: str, device_list: li
     before any worker starts: bad input is one clear line, not N failed trials. Writes nothing but a built-in model
     (``builtin://``, built from hpsearch's own code once per host)."""
     _check_output_dir(output_dir, study)
-    data = resolved_data(spec.data)
-    splits = read_splits(data, spec.model.task)
+    splits = read_splits(resolved_data(spec.data), spec.model.task)
     spec = resolved(spec, output_dir)
     check_reachable(spec.model.name)
     tokenizer = load_tokenizer(spec.model.name)

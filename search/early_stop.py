@@ -118,8 +118,7 @@ class PruningGate:
 
     def see(self, step: int, metrics: Metrics) -> None:
         """Count the points in a row, from judged_from on, that were no better than chance."""
-        chance = self.chance
-        matches = chance is not None and step >= self.judged_from and chance.matches(metrics)
+        matches = self.chance is not None and step >= self.judged_from and self.chance.matches(metrics)
         self.at_chance = self.at_chance + 1 if matches else 0
 
     def cut_early(self, step: int, metrics: Metrics) -> bool | None:

@@ -124,9 +124,8 @@ def export_best(
         tmp.rename(target)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        reason = exc.strerror or str(exc)
         raise ExportError(
-            f"--export {target}: cannot write there ({reason}); choose a folder you can write to"
+            f"--export {target}: cannot write there ({exc.strerror or exc}); choose a folder you can write to"
         ) from None
     log.info("exported trial %d of %s to %s", best["number"], study, target)
     return target

@@ -126,8 +126,7 @@ def _changes(setup: Setup, kind: str) -> list[tuple[str, Setup]]:
         ]
     elif setup.sharding == "fsdp":
         tries.append(('sharding = "none" (each device holds it all)', replace(setup, sharding="none", devices=1)))
-        bigger = [n for n in SHARD_COUNTS if n > setup.devices]
-        tries += [(f"devices_per_trial = {n}", replace(setup, devices=n)) for n in bigger]
+        tries += [(f"devices_per_trial = {n}", replace(setup, devices=n)) for n in SHARD_COUNTS if n > setup.devices]
     if not setup.checkpointing:
         tries.append(("gradient_checkpointing = true", replace(setup, checkpointing=True)))
     micro = setup.micro_batch // 2

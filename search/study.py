@@ -135,8 +135,7 @@ def check_same(name: str, stored: StudySpec, given: StudySpec) -> None:
 
 
 def stored_spec(storage: Storage, name: str) -> StudySpec:
-    study_id = require_study(storage, name)
-    stored_attrs = storage.optuna.get_study_user_attrs(study_id)
+    stored_attrs = storage.optuna.get_study_user_attrs(require_study(storage, name))
     if attrs.SPEC not in stored_attrs:
         raise SpecError(
             f"study {name!r} was not created by hpsearch (it has no stored spec); create one with "
