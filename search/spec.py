@@ -225,8 +225,7 @@ class StudySpec:
         key = param.name[len(ADAPTER_PREFIX) :]
         keys = {f.name for f in fields(AdapterConfig)}
         if key not in keys:
-            known = [ADAPTER_PREFIX + k for k in keys]
-            said = near(param.name, known, "searchable adapter keys")
+            said = near(param.name, [ADAPTER_PREFIX + k for k in keys], "searchable adapter keys")
             raise SpecError(f"search.space.{param.name}: not an [adapter] key; {said}")
         check_type_fits(param, typing.get_type_hints(AdapterConfig)[key], table="adapter")
 
