@@ -73,8 +73,7 @@ def export_best(
             f"checkpoint {source} was overwritten by another study named {study!r} (from {owner.get('storage')}); "
             f"it is not trial {best['number']}'s model, and that model is lost"
         )
-    links = [p for p in source.rglob("*") if p.is_symlink()]
-    if links:
+    if links := [p for p in source.rglob("*") if p.is_symlink()]:
         # hpsearch writes none: one there was put by someone else, and copying would follow it.
         raise ExportError(f"checkpoint {source} holds a symbolic link ({links[0]}); refusing to export it")
     is_adapter = (source / adapters.ADAPTER_CONFIG).exists()  # an adapter's config.json is in its base's folder

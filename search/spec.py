@@ -327,8 +327,7 @@ def difference(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str | 
         path = f"{prefix}{key}"
         va, vb = a.get(key), b.get(key)
         if isinstance(va, dict) and isinstance(vb, dict):
-            found = difference(va, vb, path + ".")
-            if found:
+            if found := difference(va, vb, path + "."):
                 return found
         elif va != vb:
             return f"{path}: stored {va!r}, given {vb!r}"

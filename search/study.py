@@ -126,8 +126,7 @@ def ensure_uid(study: optuna.Study) -> str:
 
 
 def check_same(name: str, stored: StudySpec, given: StudySpec) -> None:
-    diff = difference(stored.identity(), given.identity())
-    if diff:
+    if diff := difference(stored.identity(), given.identity()):
         raise SpecMismatchError(
             f"study {name!r} exists with a different spec ({diff}); start a new study with "
             f"another --study name, or resume it with its stored spec: `hpsearch worker --study {name}`"
