@@ -234,8 +234,7 @@ def describe_connect_error(url: str, exc: BaseException) -> str:
     where = urls.mask(url)
     text = str(getattr(exc, "orig", exc) or exc)
     for pattern, hint in _CONNECT_HINTS:
-        match = re.search(pattern, text)
-        if match:
+        if match := re.search(pattern, text):
             return f"cannot connect to storage {where}: {hint.format(*match.groups())}"
     return f"cannot connect to storage {where}: {one_line(exc)}"
 
