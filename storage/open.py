@@ -168,8 +168,7 @@ def open_storage(url: str, *, create: bool, read_only: bool = False, retry: Retr
         if not create and _missing_tables(cause):
             raise _no_studies(url) from None
         _refuse_bad_option(url, cause or exc)
-        said = damaged(cause) if path is not None else None
-        if said:
+        if path is not None and (said := damaged(cause)):
             raise StorageUrlError(damaged_message(display, said)) from None
         if isinstance(cause, OperationalError) and (path is None or "unable to open" in str(cause)):
             raise StorageUrlError(describe_connect_error(normalized, cause)) from None
