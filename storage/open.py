@@ -89,10 +89,8 @@ class Storage:
                 return conn
 
             conn = with_retries(take, policy=self.db.retry, what=f"lock study {name!r} for creation")
-            try:
+            with contextlib.closing(conn):  # closing it ends the transaction, and with it the lock
                 yield
-            finally:
-                conn.close()  # ends the transaction, and with it the lock
 
     def prepare(self) -> None:
         """Make the storage ready for workers: WAL mode for a SQLite file, and our tables. Only where a study is
