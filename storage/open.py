@@ -229,8 +229,7 @@ def damaged(exc: BaseException | None) -> str | None:
     """What SQLite said, where ``exc`` (or an error it was raised from) is SQLite finding its file damaged or not a
     database at all: found when a page is read, so at opening or in any later call. None for any other error."""
     while exc is not None:
-        said = next((words for words in SQLITE_DAMAGED if words in str(getattr(exc, "orig", None) or exc)), None)
-        if said:
+        if said := next((words for words in SQLITE_DAMAGED if words in str(getattr(exc, "orig", None) or exc)), None):
             return said
         exc = exc.__cause__ or exc.__context__
     return None
