@@ -212,8 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hpsearch.storage import open as storages, urls
         from hpsearch.storage.errors import StorageError
 
-        said = storages.damaged(exc)
-        if said:  # a page SQLite reads only now, in the middle of a command
+        if said := storages.damaged(exc):  # a page SQLite reads only now, in the middle of a command
             where = urls.mask(urls.resolve(getattr(args, "storage", None)))
             print(f"hpsearch {args.command}: error: {storages.damaged_message(where, said)}", file=sys.stderr)
             return ExitCode.USAGE

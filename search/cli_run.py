@@ -151,8 +151,7 @@ def _nothing_to_run(args: argparse.Namespace, url: str, why: str) -> int:
 def _run_and_report(args: argparse.Namespace, url: str, device_list: list[Device], spec: StudySpec) -> int:
     level = logging.DEBUG if args.verbose else logging.INFO
     supervisor = Supervisor(args.study, url, device_list, args.output_dir.resolve(), spec, level)
-    code = supervisor.run()
-    return _report(args, url, code, storage_lost=supervisor.storage_lost)
+    return _report(args, url, supervisor.run(), storage_lost=supervisor.storage_lost)
 
 
 def _report(args: argparse.Namespace, url: str, code: int, *, storage_lost: bool = False) -> int:
@@ -252,8 +251,7 @@ def _check_inputs(spec: StudySpec, output_dir: Path, study: str, device_list: li
     before any worker starts: bad input is one clear line, not N failed trials. Writes nothing but a built-in model
     (``builtin://``, built from hpsearch's own code once per host)."""
     _check_output_dir(output_dir, study)
-    data = resolved_data(spec.data)
-    splits = read_splits(data, spec.model.task)
+    splits = read_splits(resolved_data(spec.data), spec.model.task)
     spec = resolved(spec, output_dir)
     check_reachable(spec.model.name)
     tokenizer = load_tokenizer(spec.model.name)
@@ -270,9 +268,8 @@ def _check_inputs(spec: StudySpec, output_dir: Path, study: str, device_list: li
     # Tokenised now: what only tokenising finds (a causal-LM prompt that leaves no token to train on) is reported
     # here. Into the workers' own cache once the study exists (Inputs.keep), where they find it.
     cache = output_dir / TOKEN_CACHE
-    max_length, task = spec.model.max_length, spec.model.task
-    prepared = prepare(spec.data, tokenizer, max_length, cache, task, splits, write=False)
-    for line in left_out(prepared, spec.data, max_length):
+    prepared = prepare(spec.data, tokenizer, spec.model.max_length, cache, spec.model.task, splits, write=False)
+    for line in left_out(prepared, spec.data, spec.model.max_length):
         log.warning("%s", line)
     return Inputs(spec, tokenizer, prepared, cache)
 
@@ -284,17 +281,14 @@ def _check_output_dir(output_dir: Path, study: str) -> None:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     try:
-        if not existing.is_dir():
-            raise UsageError(
-                f"--output-dir {output_dir}: cannot write there ({existing} is a file); choose a folder you can "
-                "write to"
-            )
-        with tempfile.TemporaryFile(dir=existing):
-            pass
+        why = None if existing.is_dir() else f"{existing} is a file"
+        if why is None:
+            with tempfile.TemporaryFile(dir=existing):
+                pass
     except OSError as exc:
-        raise UsageError(
-            f"--output-dir {output_dir}: cannot write there ({exc.strerror or exc}); choose a folder you can write to"
-        ) from None
+        why = exc.strerror or str(exc)
+    if why is not None:
+        raise UsageError(f"--output-dir {output_dir}: cannot write there ({why}); choose a folder you can write to")
     for name in (study, TOKEN_CACHE, BUILTIN_DIR):
         path = output_dir / name
         if path.is_symlink() and name != study:  # the study's folder: rundir.check said so already

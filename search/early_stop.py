@@ -12,7 +12,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from hpsearch.trainer.report import FailReason, Reporter
@@ -91,8 +91,7 @@ class PruningGate:
         trial's early points (sampling.early_points)."""
         prune_at_chance = search.prune_at_chance if search.pruner != "none" else 0
         gate = cls.of_run(data, cfg, search.quality, prune_at_chance=prune_at_chance, patient=search.patient_pruning)
-        gate.rank_searched, gate.early = rank_searched, early
-        return gate
+        return replace(gate, rank_searched=rank_searched, early=early)
 
     @classmethod
     def of_run(cls, data: Any, cfg: Any, metric: str, *, prune_at_chance: int, patient: bool) -> PruningGate:
@@ -118,8 +117,7 @@ class PruningGate:
 
     def see(self, step: int, metrics: Metrics) -> None:
         """Count the points in a row, from judged_from on, that were no better than chance."""
-        chance = self.chance
-        matches = chance is not None and step >= self.judged_from and chance.matches(metrics)
+        matches = self.chance is not None and step >= self.judged_from and self.chance.matches(metrics)
         self.at_chance = self.at_chance + 1 if matches else 0
 
     def cut_early(self, step: int, metrics: Metrics) -> bool | None:

@@ -73,8 +73,7 @@ def export_best(
             f"checkpoint {source} was overwritten by another study named {study!r} (from {owner.get('storage')}); "
             f"it is not trial {best['number']}'s model, and that model is lost"
         )
-    links = [p for p in source.rglob("*") if p.is_symlink()]
-    if links:
+    if links := [p for p in source.rglob("*") if p.is_symlink()]:
         # hpsearch writes none: one there was put by someone else, and copying would follow it.
         raise ExportError(f"checkpoint {source} holds a symbolic link ({links[0]}); refusing to export it")
     is_adapter = (source / adapters.ADAPTER_CONFIG).exists()  # an adapter's config.json is in its base's folder
@@ -124,9 +123,8 @@ def export_best(
         tmp.rename(target)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        reason = exc.strerror or str(exc)
         raise ExportError(
-            f"--export {target}: cannot write there ({reason}); choose a folder you can write to"
+            f"--export {target}: cannot write there ({exc.strerror or exc}); choose a folder you can write to"
         ) from None
     log.info("exported trial %d of %s to %s", best["number"], study, target)
     return target

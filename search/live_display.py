@@ -79,8 +79,7 @@ class LiveProgress(Progress):
             done = min(BAR_WIDTH, round(BAR_WIDTH * snap.finished / max(1, snap.n_trials)))
             bar = "#" * done + "-" * (BAR_WIDTH - done)
             block = [f"hpsearch {self.study_name} [{bar}] {self.line(snap)}"]
-        devices = self.devices_line()
-        if devices:
+        if devices := self.devices_line():
             block.append(devices)
         self._block = [_fit(line, width) for line in _wrap(block, width)]
         self.flush()

@@ -14,6 +14,7 @@ import copy
 import logging
 import math
 from collections.abc import Sequence
+from contextlib import suppress
 from typing import Any, cast
 
 import optuna
@@ -48,10 +49,8 @@ def points(trial: FrozenTrial) -> dict[int, float]:
     found: dict[int, float] = {}
     if isinstance(raw, dict):
         for step, value in raw.items():
-            try:
+            with suppress(TypeError, ValueError):
                 found[int(step)] = float(value)
-            except (TypeError, ValueError):
-                continue
     return found
 
 

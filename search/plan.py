@@ -126,8 +126,7 @@ def _changes(setup: Setup, kind: str) -> list[tuple[str, Setup]]:
         ]
     elif setup.sharding == "fsdp":
         tries.append(('sharding = "none" (each device holds it all)', replace(setup, sharding="none", devices=1)))
-        bigger = [n for n in SHARD_COUNTS if n > setup.devices]
-        tries += [(f"devices_per_trial = {n}", replace(setup, devices=n)) for n in bigger]
+        tries += [(f"devices_per_trial = {n}", replace(setup, devices=n)) for n in SHARD_COUNTS if n > setup.devices]
     if not setup.checkpointing:
         tries.append(("gradient_checkpointing = true", replace(setup, checkpointing=True)))
     micro = setup.micro_batch // 2
@@ -180,8 +179,7 @@ def _precision(requested: str, kind: str) -> str:
 
 def device_memory(device_list: list[Device]) -> int | None:
     """Bytes of the smallest device (a GPU's memory; a CPU rank's share of the host's), None when unknown."""
-    override = os.environ.get(DEVICE_MEMORY_ENV)
-    if override:
+    if override := os.environ.get(DEVICE_MEMORY_ENV):
         return int(float(override) * 2**20)
     if device_list and device_list[0].kind == "cuda":
         gpus = {i for d in device_list for i in (d.index, *d.peers)}

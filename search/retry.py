@@ -5,6 +5,7 @@ Called by outcome.py ``finish`` for every ending its table retries (a stop, a cr
 from __future__ import annotations
 
 import logging
+from contextlib import suppress
 from pathlib import Path
 
 import optuna
@@ -83,11 +84,9 @@ def pop_retry(study: optuna.Study) -> optuna.Trial | None:
     for frozen in storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.WAITING,)):
         if attrs.RETRY_OF not in frozen.user_attrs:
             continue
-        try:
+        with suppress(UpdateFinishedTrialError):
             if storage.set_trial_state_values(frozen._trial_id, state=TrialState.RUNNING):
                 return optuna.Trial(study, frozen._trial_id)
-        except UpdateFinishedTrialError:
-            continue
     return None
 
 

@@ -31,8 +31,7 @@ def make_sampler(spec: StudySpec, seed: int) -> optuna.samplers.BaseSampler:
         from hpsearch.search.sobol import SobolSampler
 
         # One scramble for the whole study (not the worker's seed): workers share the sequence.
-        space = {name: distribution(p) for name, p in spec.space.items()}
-        return SobolSampler(space, spec.search.seed)
+        return SobolSampler({name: distribution(p) for name, p in spec.space.items()}, spec.search.seed)
     if kind == "grid":
         # GridSampler shuffles the grid with its seed and stores only each trial's index into
         # it: every worker (and a resumed study) must shuffle alike, so the study's seed, not

@@ -25,10 +25,9 @@ def scale(u: float, dist: BaseDistribution) -> Any:
         # Each of the n grid points gets an equal share of [0, 1).
         n = math.floor((high - low) / dist.step + 1e-9) + 1
         value = low + min(int(u * n), n - 1) * dist.step
-    elif isinstance(dist, IntDistribution):  # log int: round on the log scale, within the range
-        value = math.exp(math.log(low - 0.5) + u * (math.log(high + 0.5) - math.log(low - 0.5)))
-    elif dist.log:
-        value = math.exp(math.log(low) + u * (math.log(high) - math.log(low)))
+    elif dist.log:  # a log int rounds on the log scale, within the range
+        a, b = (low - 0.5, high + 0.5) if isinstance(dist, IntDistribution) else (low, high)
+        value = math.exp(math.log(a) + u * (math.log(b) - math.log(a)))
     else:
         value = low + u * (high - low)
     if isinstance(dist, IntDistribution):
@@ -59,8 +58,7 @@ class SobolSampler(BaseSampler):
         engine = qmc.Sobol(len(names), scramble=True, seed=self._seed)
         if trial.number > 0:
             engine.fast_forward(trial.number)
-        point = engine.random(1)[0]
-        return {name: scale(float(u), search_space[name]) for name, u in zip(names, point, strict=True)}
+        return {name: scale(float(u), search_space[name]) for name, u in zip(names, engine.random(1)[0], strict=True)}
 
     def sample_independent(
         self, study: Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution

@@ -125,10 +125,9 @@ class Param:
             k = (value - low) / self.step
             if abs(k - round(k)) > 1e-6:
                 below = low + math.floor(k) * self.step
-                above = below + self.step
                 raise SpecError(
                     f"{where}: {value!r} is not on the search grid (low + a multiple of step {self.step:g}); "
-                    f"the nearest values are {below:g} and {above:g}"
+                    f"the nearest values are {below:g} and {below + self.step:g}"
                 )
         return int(value) if self.type == "int" else float(value)
 

@@ -225,8 +225,7 @@ class StudySpec:
         key = param.name[len(ADAPTER_PREFIX) :]
         keys = {f.name for f in fields(AdapterConfig)}
         if key not in keys:
-            known = [ADAPTER_PREFIX + k for k in keys]
-            said = near(param.name, known, "searchable adapter keys")
+            said = near(param.name, [ADAPTER_PREFIX + k for k in keys], "searchable adapter keys")
             raise SpecError(f"search.space.{param.name}: not an [adapter] key; {said}")
         check_type_fits(param, typing.get_type_hints(AdapterConfig)[key], table="adapter")
 
@@ -328,8 +327,7 @@ def difference(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str | 
         path = f"{prefix}{key}"
         va, vb = a.get(key), b.get(key)
         if isinstance(va, dict) and isinstance(vb, dict):
-            found = difference(va, vb, path + ".")
-            if found:
+            if found := difference(va, vb, path + "."):
                 return found
         elif va != vb:
             return f"{path}: stored {va!r}, given {vb!r}"
@@ -338,17 +336,13 @@ def difference(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str | 
 
 def load_file(path: Path) -> StudySpec:
     try:
-        kind = "folder" if path.is_dir() else "file" if path.is_file() else "other" if path.exists() else None
+        kind = "folder" if path.is_dir() else "file" if path.is_file() else "other" if path.exists() else "missing"
     except OSError as exc:  # a name too long for the file system, a folder we may not enter
         raise SpecError(f"spec file {path} cannot be read ({exc.strerror or exc}); fix the --config path") from None
-    if kind == "folder":
-        raise SpecError(f"spec file {path} is a folder, not a spec file; pass --config with the path of a .toml spec")
-    if kind == "other":
-        raise SpecError(
-            f"spec file {path} is not a regular file (a pipe or a device); pass --config with the path of a .toml spec"
-        )
-    if kind is None:
-        raise SpecError(f"spec file {path} does not exist; pass --config with the path of a .toml spec")
+    if kind != "file":
+        what = {"folder": "is a folder, not a spec file", "other": "is not a regular file (a pipe or a device)"}
+        why = what.get(kind, "does not exist")
+        raise SpecError(f"spec file {path} {why}; pass --config with the path of a .toml spec")
     try:
         # utf-8-sig: Windows editors save a byte-order mark that TOML would call an invalid statement.
         raw = tomllib.loads(path.read_text(encoding="utf-8-sig"))

@@ -124,11 +124,10 @@ def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
     header += [*([money["currency"] or "money"] if money else []), "threads", "worker", "reason"]
     rows = [header]
     for t in shown:
-        state = t["state"].lower() + (" (stale)" if t.get("stale") else "")
         rows.append(
             [
                 str(t["number"]),
-                state,
+                t["state"].lower() + (" (stale)" if t.get("stale") else ""),
                 f"{t['value']:.4f}" if t["value"] is not None else "-",
                 *([fmt(t["cost"]) if t["cost"] is not None else "-"] if cost else []),
                 str(t["step"]) if t["step"] is not None else "-",

@@ -110,11 +110,10 @@ class StopFlag:
 def open_retrying(url: str, policy: RetryPolicy, stop: StopFlag) -> Storage | None:
     """The storage, waited for as every later call waits for it; None if a stop came first. The URL was checked
     a moment ago: a refused connection is an outage, and failing would count as a crash (3 give the device up)."""
-    waiting = replace(policy, give_up=stop)  # a stop ends the waits: no trial is held yet, nothing to hand back
     try:
         return retrying(
             lambda: open_storage(url, create=False, retry=policy),
-            policy=waiting,
+            policy=replace(policy, give_up=stop),  # a stop ends the waits: no trial is held yet, nothing to hand back
             what="open the storage",
             transient=lambda e: isinstance(e, StorageError) and not isinstance(e, StudyNotFoundError),
         )

@@ -126,8 +126,7 @@ def ensure_uid(study: optuna.Study) -> str:
 
 
 def check_same(name: str, stored: StudySpec, given: StudySpec) -> None:
-    diff = difference(stored.identity(), given.identity())
-    if diff:
+    if diff := difference(stored.identity(), given.identity()):
         raise SpecMismatchError(
             f"study {name!r} exists with a different spec ({diff}); start a new study with "
             f"another --study name, or resume it with its stored spec: `hpsearch worker --study {name}`"
@@ -135,8 +134,7 @@ def check_same(name: str, stored: StudySpec, given: StudySpec) -> None:
 
 
 def stored_spec(storage: Storage, name: str) -> StudySpec:
-    study_id = require_study(storage, name)
-    stored_attrs = storage.optuna.get_study_user_attrs(study_id)
+    stored_attrs = storage.optuna.get_study_user_attrs(require_study(storage, name))
     if attrs.SPEC not in stored_attrs:
         raise SpecError(
             f"study {name!r} was not created by hpsearch (it has no stored spec); create one with "

@@ -180,8 +180,7 @@ def failed_only(s: dict[str, Any]) -> str | None:
     st = s["states"]
     if not st["fail"] or st["complete"] or st["pruned"] or st["running"] or st["waiting"]:
         return None
-    reasons = Counter(reason(t) for t in s["trials"] if t["state"] == "FAIL")
-    cause, count = reasons.most_common(1)[0]
+    cause, count = Counter(reason(t) for t in s["trials"] if t["state"] == "FAIL").most_common(1)[0]
     return f"every trial failed ({st['fail']}); {count} with: {cause}"
 
 

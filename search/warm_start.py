@@ -73,8 +73,7 @@ def plan(spec: StudySpec, name: str, url: str) -> Plan | None:
                 f"{WHERE}: study {source_name!r} does not exist in {storage.display} (studies there: {names}); "
                 "name one of them"
             ) from None
-        earlier = optuna.load_study(study_name=source_name, storage=storage.optuna)
-        _check_objective(spec, label, earlier)
+        _check_objective(spec, label, optuna.load_study(study_name=source_name, storage=storage.optuna))
         # What it ran itself: results it was given by a warm start of its own are not its configurations.
         trials = ran_here(storage.optuna.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,)))
         fixed = _fixed_values(storage.optuna.get_study_user_attrs(study_id).get(attrs.SPEC))
@@ -173,8 +172,7 @@ def apply(study: optuna.Study, spec: StudySpec, warm: Plan) -> None:
     for line in warm.lines:
         log.info("%s", line)
     for params, number in warm.queue:
-        origin = f"{warm.source}#{number}"
-        study.enqueue_trial(params, user_attrs={attrs.ENQUEUED: True, attrs.WARM_START_OF: origin})
+        study.enqueue_trial(params, user_attrs={attrs.ENQUEUED: True, attrs.WARM_START_OF: f"{warm.source}#{number}"})
     space = {name: distribution(p) for name, p in spec.space.items()}
     study.add_trials(
         optuna.trial.create_trial(

@@ -235,8 +235,7 @@ class Worker:
                 change,
             )
         if theirs is not None:
-            budget = {key: getattr(theirs.search, key) for key in BUDGET_KEYS}
-            self.spec.search = replace(self.spec.search, **budget)
+            self.spec.search = replace(self.spec.search, **{key: getattr(theirs.search, key) for key in BUDGET_KEYS})
 
     def _begin(self, trial: optuna.Trial, slot: int) -> None:
         """Bind the trial to its slot and to this worker's registry row, then tell the supervisor.
@@ -298,13 +297,12 @@ class Worker:
     def retain(self) -> None:
         """Keep only the best checkpoints of the study's top trials (see storage/retention.py); in a two-objective
         study, the Pareto front's first."""
-        search = self.spec.search
         retention.retain(
             self.storage.db,
             candidates(self.study, self.root),
-            keep_top_k=search.keep_top_k,
+            keep_top_k=self.spec.search.keep_top_k,
             minimize=self.spec.direction == "minimize",
-            max_disk_gb=search.max_disk_gb,
+            max_disk_gb=self.spec.search.max_disk_gb,
         )
 
     def _notify(self, *message: Any) -> None:

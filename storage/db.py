@@ -9,7 +9,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
+from contextlib import AbstractContextManager, closing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -234,8 +234,7 @@ def describe_connect_error(url: str, exc: BaseException) -> str:
     where = urls.mask(url)
     text = str(getattr(exc, "orig", exc) or exc)
     for pattern, hint in _CONNECT_HINTS:
-        match = re.search(pattern, text)
-        if match:
+        if match := re.search(pattern, text):
             return f"cannot connect to storage {where}: {hint.format(*match.groups())}"
     return f"cannot connect to storage {where}: {one_line(exc)}"
 
@@ -293,18 +292,9 @@ class Database:
         self.retry = retry
         self._sessions = sessionmaker(bind=engine, expire_on_commit=False)
 
-    @contextmanager
-    def session(self) -> Iterator[Session]:
-        """A transaction: commits on success, rolls back on error (no retry inside)."""
-        session = self._sessions()
-        try:
-            yield session
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
-        finally:
-            session.close()
+    def session(self) -> AbstractContextManager[Session]:
+        """A transaction: commits on success, rolls back on error, then closes (no retry inside)."""
+        return self._sessions.begin()
 
     @property
     def given_up(self) -> bool:

@@ -64,9 +64,8 @@ def spent(s: Session, db: Database, study: str, trial: int | None = None) -> lis
     )
     found = []
     for a, w in rows:
-        if a.ended_at is not None:
-            ended = a.ended_at
-        else:
+        ended = a.ended_at
+        if ended is None:
             ended = w.heartbeat_at if w.ended_at is not None or liveness.is_lost(w, now) else now
         found.append(Spent(a.trial_number, a.worker_id, w.device, attempt_seconds(a.started_at, ended, a.devices)))
     return found

@@ -138,13 +138,9 @@ def end_gone(db: Database, study: str, *, host: str, gone: Callable[[int], bool]
 
     def end(s: Session) -> list[StaleTrial]:
         now = float(s.execute(select(db.clock())).scalar_one())
-        rows = s.execute(
-            select(WorkerRecord).where(
-                WorkerRecord.study_name == study, WorkerRecord.host == host, WorkerRecord.ended_at.is_(None)
-            )
-        ).scalars()
+        unended = (WorkerRecord.study_name == study, WorkerRecord.host == host, WorkerRecord.ended_at.is_(None))
         held = []
-        for r in list(rows):
+        for r in s.scalars(select(WorkerRecord).where(*unended)).all():
             if not is_lost(r, now) or not gone(r.pid):
                 continue
             trial = _stale(r, now) if r.current_trial is not None else None

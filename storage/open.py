@@ -89,10 +89,8 @@ class Storage:
                 return conn
 
             conn = with_retries(take, policy=self.db.retry, what=f"lock study {name!r} for creation")
-            try:
+            with contextlib.closing(conn):  # closing it ends the transaction, and with it the lock
                 yield
-            finally:
-                conn.close()  # ends the transaction, and with it the lock
 
     def prepare(self) -> None:
         """Make the storage ready for workers: WAL mode for a SQLite file, and our tables. Only where a study is
@@ -153,13 +151,12 @@ def open_storage(url: str, *, create: bool, read_only: bool = False, retry: Retr
             # process between another's check and its insert fails on the other's table or row, and opens again.
             # _schema_lock covers only hpsearch on PostgreSQL, not SQLite nor plain Optuna (docs/failures.md:
             # "several processes open a new storage"). Any other error of the same words is the database's to report.
-            storage = retrying(
+            return retrying(
                 lambda: _open(url, normalized, kwargs, create, display, policy),
                 policy=CREATION_RACE,
                 what=f"open storage {display} (another process was creating its schema)",
                 transient=_lost_creation_race,
             )
-        storage.reader = kwargs.get("creator")
     except (SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
         # A failed first connection becomes a fixable one-line message (bad host, password, ...). No probe
         # connection first: its backend lingers after close, and 64 workers starting together would hold two
@@ -168,13 +165,11 @@ def open_storage(url: str, *, create: bool, read_only: bool = False, retry: Retr
         if not create and _missing_tables(cause):
             raise _no_studies(url) from None
         _refuse_bad_option(url, cause or exc)
-        said = damaged(cause) if path is not None else None
-        if said:
+        if path is not None and (said := damaged(cause)):
             raise StorageUrlError(damaged_message(display, said)) from None
         if isinstance(cause, OperationalError) and (path is None or "unable to open" in str(cause)):
             raise StorageUrlError(describe_connect_error(normalized, cause)) from None
         raise StorageError(f"cannot open storage {display}: {str(cause or exc).splitlines()[0]}") from exc
-    return storage
 
 
 def _open(url: str, normalized: str, kwargs: dict[str, Any], create: bool, display: str, retry: RetryPolicy) -> Storage:
@@ -194,7 +189,7 @@ def _open(url: str, normalized: str, kwargs: dict[str, Any], create: bool, displ
             f"storage {display} has Optuna schema {current}, this Optuna needs {head}; run "
             f"`optuna storage upgrade --storage URL` (or use the Optuna that created it)"
         )
-    storage = Storage(url=normalized, optuna=rdb, db=Database(rdb.engine, retry=retry))
+    storage = Storage(url=normalized, optuna=rdb, db=Database(rdb.engine, retry=retry), reader=kwargs.get("creator"))
     if create and not rdb.get_all_studies():
         storage.prepare()  # a new storage: nothing in it that a refused `start` would have to leave as it was
     return storage
@@ -234,8 +229,7 @@ def damaged(exc: BaseException | None) -> str | None:
     """What SQLite said, where ``exc`` (or an error it was raised from) is SQLite finding its file damaged or not a
     database at all: found when a page is read, so at opening or in any later call. None for any other error."""
     while exc is not None:
-        said = next((words for words in SQLITE_DAMAGED if words in str(getattr(exc, "orig", None) or exc)), None)
-        if said:
+        if said := next((words for words in SQLITE_DAMAGED if words in str(getattr(exc, "orig", None) or exc)), None):
             return said
         exc = exc.__cause__ or exc.__context__
     return None

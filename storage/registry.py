@@ -94,9 +94,8 @@ def trial_started(db: Database, worker_id: int, trial_number: int) -> None:
 
 def trial_ended(db: Database, worker_id: int, *, finished: bool = True) -> None:
     """The current trial ended (``finished=False``: handed back); its attempt, if still open, closes now."""
-    clock = db.clock()
-    finished_count = WorkerRecord.trials_finished + (1 if finished else 0)
-    _update(db, worker_id, "record trial end", current_trial=None, trials_finished=finished_count, heartbeat_at=clock)
+    count = WorkerRecord.trials_finished + int(finished)
+    _update(db, worker_id, "record trial end", current_trial=None, trials_finished=count, heartbeat_at=db.clock())
 
 
 def end(db: Database, worker_id: int) -> None:
@@ -220,9 +219,7 @@ class Registration:
 
     def _on_checkin(self, dbapi_connection: Any, _record: Any) -> None:
         """Write a due beat on a connection going back to the pool (any thread)."""
-        if dbapi_connection is None or not self._due.is_set():
-            return
-        if not self._writing.acquire(blocking=False):
+        if dbapi_connection is None or not self._due.is_set() or not self._writing.acquire(blocking=False):
             return
         try:
             with contextlib.closing(dbapi_connection.cursor()) as cursor:

@@ -34,9 +34,8 @@ def claim_slot(db: Database, study_name: str, n_trials: int, worker: str) -> int
             return free
         except StorageError as exc:
             # Another worker took this slot between our read and our insert: try the next.
-            if isinstance(exc.__cause__, IntegrityError):
-                continue
-            raise
+            if not isinstance(exc.__cause__, IntegrityError):
+                raise
 
 
 def bind_slot(db: Database, study_name: str, slot: int, trial_number: int) -> None:

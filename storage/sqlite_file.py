@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -97,11 +98,9 @@ def use_wal(path: Path, display: str) -> None:
             kind,
         )
         return
-    conn = sqlite3.connect(path, timeout=120)
-    try:
-        if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-            conn.execute("PRAGMA journal_mode=WAL")
-    except sqlite3.DatabaseError as exc:
-        raise StorageError(f"storage {display}: cannot switch it to WAL mode: {exc}") from None
-    finally:
-        conn.close()
+    with contextlib.closing(sqlite3.connect(path, timeout=120)) as conn:
+        try:
+            if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                conn.execute("PRAGMA journal_mode=WAL")
+        except sqlite3.DatabaseError as exc:
+            raise StorageError(f"storage {display}: cannot switch it to WAL mode: {exc}") from None
