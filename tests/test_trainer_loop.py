@@ -193,7 +193,9 @@ def test_an_accuracy_tie_between_points_goes_to_the_lower_loss(
 ) -> None:  # type: ignore[no-untyped-def]
     """The best point is the most accurate one and, among equally accurate ones, the one with the
     lowest validation loss, not merely the first: its model, step and loss are what is kept."""
-    cfg = TrainConfig(learning_rate=1e-2, batch_size=32, micro_batch_size=32, epochs=4, eval_every=2, precision="fp32")
+    cfg = TrainConfig(
+        learning_rate=1e-2, batch_size=32, micro_batch_size=32, epochs=4, eval_every=2, precision="fp32", seed=2
+    )
     _, result, rep = train_tiny(no_dropout_model, prepared, cfg, tmp_path / "acc", metric="accuracy")
     # The same run, deterministic on CPU, reporting its loss at the same points.
     _, _, losses = train_tiny(no_dropout_model, prepared, cfg, tmp_path / "loss")
