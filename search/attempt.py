@@ -93,7 +93,9 @@ def run(w: Worker, trial: optuna.Trial) -> None:
             w.peers.run(job)
         data = w.data
         # A sharded trial's base turns into shards: it gets its own copy, not the worker's shared one.
-        model = w.models.trial_model(w.spec.model.name, data.labels, cfg.seed, adapter, private=cfg.sharding != "none")
+        model = w.models.trial_model(
+            w.spec.model.name, data.labels, cfg.seed, adapter, private=cfg.sharding != "none", precision=cfg.precision
+        )
         run = Run(
             model=model,
             tokenizer=w.tokenizer,

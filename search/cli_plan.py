@@ -24,10 +24,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     memory = int(args.device_memory * 2**30) if args.device_memory is not None else None
     plan = plans.make(spec, device_list, memory, every_fix=True)
     print(plan.line())
-    heads = ("weights", "gradients", "optimizer", "gathered", "activations", "total")
+    heads = ("weights", "gradients", "optimizer", "16-bit copy", "gathered", "activations", "total")
     print(f"  {'per device':<44}" + "".join(f"{h:>12}" for h in heads))
     for change, e in [("as specified", plan.estimate), *plan.alternatives]:
-        cells = (e.weights, e.gradients, e.optimizer, e.gathered, e.activations, e.total)
+        cells = (e.weights, e.gradients, e.optimizer, e.casts, e.gathered, e.activations, e.total)
         print(f"  {change:<44}" + "".join(f"{plans.gib(b):>12}" for b in cells))
     # The table first (what would fit is the answer the user came for), then the verdict `start` would give.
     sys.stdout.flush()

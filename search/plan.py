@@ -51,19 +51,25 @@ class Plan:
         e = self.estimate
         terms = (
             f"weights {gib(e.weights)}, gradients {gib(e.gradients)}, optimizer {gib(e.optimizer)}"
+            + (f", 16-bit copies {gib(e.casts)}" if e.casts else "")
             + (f", gathered blocks {gib(e.gathered)}" if e.gathered else "")
             + f", activations {gib(e.activations)}"
         )
-        how = _describe(self.setup)
+        how = _describe(self.setup, e)
         need = f"memory plan: {gib(e.total)} per device ({terms}; {how})"
         if self.memory is None:
             return f"{need}; the device's memory is unknown"
         have = f"{self.device}'s {gib(self.memory)}"
         if self.verdict == "fits":
             return f"{need}: fits {have}"
-        fixes = "; ".join(f"{change}: {gib(e.total)}" for change, e in self.fixes[:4]) or "nothing tried fits"
         word = "close to" if self.verdict == "close" else "more than"
-        return f"{need}: {word} {have}; would fit: {fixes}"
+        fitting = [(change, e) for change, e in self.fixes if e.total <= FITS * self.memory]
+        if fitting:
+            return f"{need}: {word} {have}; would fit: " + "; ".join(f"{c}: {gib(e.total)}" for c, e in fitting[:4])
+        if self.fixes:
+            change, smallest = min(self.fixes, key=lambda t: t[1].total)
+            return f"{need}: {word} {have}; nothing tried fits (the smallest: {change}: {gib(smallest.total)})"
+        return f"{need}: {word} {have}; nothing tried fits"
 
     def record(self) -> dict[str, Any]:
         """What the study keeps (attrs.MEMORY_PLAN) and `status` shows."""
@@ -84,6 +90,7 @@ def setup_of(spec: StudySpec, precision: str) -> Setup:
     if "adapter.r" in space:
         adapter = replace(adapter, r=max(int(v) for v in space["adapter.r"].checked_values()))
     return Setup(
+        requested=train.precision,
         precision=precision,
         micro_batch=int(micro),
         length=spec.model.max_length,
@@ -129,6 +136,8 @@ def _changes(setup: Setup, kind: str) -> list[tuple[str, Setup]]:
         tries += [(f"devices_per_trial = {n}", replace(setup, devices=n)) for n in SHARD_COUNTS if n > setup.devices]
     if not setup.checkpointing:
         tries.append(("gradient_checkpointing = true", replace(setup, checkpointing=True)))
+    if setup.adapter is None and setup.requested != "bf16-true" and (kind == "cuda" or setup.precision == "bf16"):
+        tries.append(('precision = "bf16-true"', replace(setup, requested="bf16-true", precision="bf16")))
     micro = setup.micro_batch // 2
     while micro >= 1:
         tries.append((f"micro_batch_size = {micro}", replace(setup, micro_batch=micro)))
@@ -154,8 +163,12 @@ def _fixes(tried: list[tuple[str, Estimate]], now: Estimate, memory: int | None)
     return chosen or sorted(smaller, key=lambda t: t[1].total)[:2]
 
 
-def _describe(setup: Setup) -> str:
-    parts = [setup.precision, f"micro-batch {setup.micro_batch} x {setup.length} tokens"]
+def _describe(setup: Setup, e: Estimate) -> str:
+    masters = "fp32 masters" if e.regime in ("fp32", "bf16-mixed", "fp16-mixed") else "bf16 weights, no fp32 masters"
+    parts = [
+        f"{e.regime}: {masters}, {e.bytes_per_trained} bytes a trained parameter",
+        f"micro-batch {setup.micro_batch} x {setup.length} tokens",
+    ]
     if setup.adapter is not None:
         parts.append(f"LoRA r={setup.adapter.r}")
     if setup.quantization != "none":
@@ -168,6 +181,9 @@ def _describe(setup: Setup) -> str:
 
 
 def _precision(requested: str, kind: str) -> str:
+    """The compute precision a trial of ``requested`` would resolve to on a device of ``kind``."""
+    if requested == "bf16-true":
+        return "bf16"
     if requested != "auto":
         return requested
     if kind == "cuda":

@@ -200,7 +200,9 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
             # Built empty: its shards come from rank 0's model, so this host holds the model once, not N times.
             model = sharding.empty_model(job.model.name, data.labels, job.adapter)
         else:
-            model = models.trial_model(job.model.name, data.labels, job.cfg.seed, job.adapter)
+            model = models.trial_model(
+                job.model.name, data.labels, job.cfg.seed, job.adapter, precision=job.cfg.precision
+            )
         run = Run(
             model=model,
             tokenizer=tokenizer,

@@ -50,20 +50,67 @@ def save_best(
     target: Path,
     meta: dict[str, Any],
     state_dict: dict[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Save model + tokenizer to ``target``, loadable with ``from_pretrained``; replaces the previous best.
-    ``state_dict``: the weights to write, when the model's own are shards (trainer/sharding.py ``full_state``)."""
+    ``state_dict``: the weights to write, when the model's own are shards (trainer/sharding.py ``full_state``).
+    ``dtype``: the checkpoint's own dtype (trainer/precision.py ``Policy.stored``): fp32 masters of a bf16 model
+    are saved in bf16, so the best folder is as big as the model it came from. An adapter folder keeps its fp32
+    adapter (peft's own default; a few MB)."""
 
     def write(tmp: Path) -> None:
         plain = unwrap(model)
-        plain.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)  # None: the model's own
+        full = not hasattr(plain, "peft_config")
+        weights = state_dict
+        if full and dtype is not None and any(_needs_cast(t, dtype) for t in _values(plain, state_dict)):
+            weights = _cast(state_dict if state_dict is not None else plain.state_dict(), dtype)
+        plain.save_pretrained(tmp, safe_serialization=True, state_dict=weights)  # None: the model's own
         if state_dict is not None:
             _name_unsharded_class(plain, tmp)
+        if weights is not state_dict and dtype is not None:
+            _name_dtype(tmp, dtype)
         tokenizer.save_pretrained(tmp)
         (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
 
     _atomic_dir(target, write)
     return target
+
+
+def _values(model: torch.nn.Module, state_dict: dict[str, torch.Tensor] | None) -> Any:
+    return state_dict.values() if state_dict is not None else (p for p in model.parameters())
+
+
+def _needs_cast(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    return tensor.is_floating_point() and tensor.dtype != dtype
+
+
+def _cast(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``state_dict``'s floating tensors in ``dtype``; one copy per storage, so tied weights (a head that is the
+    embedding) stay one tensor and save_pretrained still sees them tied."""
+    copies: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, tensor in state_dict.items():
+        if not _needs_cast(tensor, dtype):
+            out[name] = tensor
+            continue
+        key = tensor.data_ptr()
+        if key not in copies:
+            copies[key] = tensor.detach().to(dtype)
+        out[name] = copies[key]
+    return out
+
+
+def _name_dtype(folder: Path, dtype: torch.dtype) -> None:
+    """config.json names the dtype the model was trained in (fp32 masters); write the one its weights are in."""
+    config = folder / "config.json"
+    if not config.exists():
+        return
+    values = json.loads(config.read_text())
+    name = str(dtype).removeprefix("torch.")
+    for key in ("dtype", "torch_dtype"):
+        if key in values or key == "dtype":
+            values[key] = name
+    config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
 
 
 def _name_unsharded_class(model: torch.nn.Module, folder: Path) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
-PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+PRECISIONS = ("auto", "bf16", "fp16", "fp32", "bf16-true")
 TASKS = ("classification", "causal-lm")
 QUANTIZATIONS = ("none", "4bit", "8bit")
 ADAPTER_METHODS = ("none", "lora")
@@ -120,8 +120,11 @@ class TrainConfig:
     """Stop after this many optimizer steps (0 = no cap)."""
     eval_every: int = 50
     """Optimizer steps between validation points (and one more at the end)."""
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    """auto: bf16 where the hardware supports it (CPU included), else fp16 on GPU, else fp32."""
+    precision: Literal["auto", "bf16", "fp16", "fp32", "bf16-true"] = "auto"
+    """auto: bf16 where the hardware supports it (CPU included), else fp16 on GPU, else fp32. auto, bf16 and fp16
+    are mixed: fp32 master weights, gradients and optimizer state, 16-bit compute (whatever dtype the checkpoint is
+    stored in). bf16-true: bf16 weights and optimizer state with a Kahan-compensated update, for a model whose fp32
+    masters do not fit (about 0.6 of the memory a parameter). fp32: everything fp32."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay (not applied to biases and LayerNorm weights)."""
     warmup_ratio: float = 0.0

@@ -42,7 +42,9 @@ class World:
         if self.size == 1 or is_sharded(model):
             return model
         ids = [device.index or 0] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
+        # The gradients are views into DDP's all-reduce buckets: without it each rank holds a second, bucket-sized
+        # copy of every gradient (the memory plan counts the gradients once).
+        return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
 
     def no_sync(self, model: torch.nn.Module, is_accumulating: bool) -> contextlib.AbstractContextManager[Any]:
         """DDP all-reduces the gradients in every backward pass: while a step accumulates, only its last one syncs.

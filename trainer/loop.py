@@ -64,6 +64,7 @@ class Loop:
     precision: str
     total_steps: int
     batches: Batches
+    policy: prec.Policy
     speed: Throughput = field(init=False)
     curves: Curves = field(init=False)
     # The train loss summed on the device since the last validation point, read there only: .item() is a host sync.
@@ -200,11 +201,14 @@ def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
     # The spec checks each searched value, and pairs of them, but not every combination of a
     # wide space: a sampled batch size that does not divide into micro-batches is said here.
     cfg.validate()
-    precision = prec.resolve(cfg.precision, device)
+    policy = _policy(run)
+    precision = policy.compute
     # Ranks draw different dropout masks; their weights are equal anyway (DDP starts from rank 0's).
     torch.manual_seed(cfg.seed + world.rank)
     # Sharded wherever there is a process group to shard over (one rank of one: the GPU check's path).
     sharded = cfg.sharding == "fsdp" and torch.distributed.is_available() and torch.distributed.is_initialized()
+    # The policy's dtypes before anything is made of the weights (device copy, shards, optimizer moments).
+    prec.apply(run.model, policy)
     if not getattr(run.model, "is_quantized", False) and not sharded:
         # A quantized (QLoRA) base was put on its GPU by bitsandbytes as it loaded, and cannot be moved. A sharded
         # model reaches its device as it is sharded, block by block: never whole.
@@ -221,7 +225,7 @@ def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
     compiled = compile_model(run.model) if cfg.compile else run.model
     micro = cfg.batch_size // world.size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
     total_steps, steps_per_epoch = plan_steps(len(run.data.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
-    optimizer = build_optimizer(run.model, cfg, device)
+    optimizer = build_optimizer(run.model, cfg, device, compensated=policy.compensated)
     scaler = sharding.grad_scaler(precision, device) if sharded else prec.grad_scaler(precision, device)
     scheduler = build_scheduler(optimizer, cfg, total_steps)
     parts = Trainable(run.model, optimizer, scheduler, scaler, run.files, vars(cfg), world)
@@ -231,12 +235,30 @@ def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
         if state.best is not None and state.best_values is not None:
             reporter.best_saved(run.files.best.resolve(), state.best.step, state.best_values)
     batches = Batches(run.data, cfg, state.micro, world, steps_per_epoch, drawn=micro)
-    loop = Loop(run, world.wrap(compiled, device), compiled, parts, precision, total_steps, batches)
+    loop = Loop(run, world.wrap(compiled, device), compiled, parts, precision, total_steps, batches, policy)
     loop.early_data = dataclasses.replace(run.data, validation=run.early.data(run.data.validation))
     loop.reporter = StateSavingReporter(
         reporter, lambda: _state_for_reporter(loop, state), run.should_stop, run.stop_waiting
     )
     return loop, state
+
+
+def _policy(run: Run) -> prec.Policy:
+    """The trial's precision policy: its compute on this device, the dtype its checkpoint is stored in (as the
+    loader read it; a model built here, the dtype it was built in), adapter or not."""
+    compute = prec.resolve(run.cfg.precision, run.device)
+    stored = getattr(run.model, "hpsearch_stored", None)
+    if not isinstance(stored, torch.dtype):
+        stored = next((p.dtype for p in run.model.parameters() if p.is_floating_point()), torch.float32)
+    chosen = prec.policy(run.cfg.precision, compute, stored, adapter=adapters.is_adapter(run.model))
+    log.info(
+        "precision %s: trained weights, gradients and optimizer state %s, compute %s, best model saved as %s",
+        chosen.regime,
+        str(chosen.trained).removeprefix("torch."),
+        chosen.compute,
+        str(chosen.stored).removeprefix("torch."),
+    )
+    return chosen
 
 
 def _save_state(loop: Loop, state: TrainState) -> Path:
@@ -263,7 +285,8 @@ def _save_best(loop: Loop, metrics: Metrics, step: int) -> None:
         # A collective: every rank sends its shards; they reach rank 0's host memory one block at a time.
         weights = sharding.full_state(run.model, trained_only=adapters.is_adapter(run.model))
     if run.world.is_main:
-        path = ckpt.save_best(run.model, run.tokenizer, run.files.best, _meta(run, metrics, step), weights)
+        meta = _meta(run, metrics, step)
+        path = ckpt.save_best(run.model, run.tokenizer, run.files.best, meta, weights, loop.policy.stored)
         loop.reporter.best_saved(path.resolve(), step, metrics.values())
 
 
@@ -278,7 +301,7 @@ def _finish(loop: Loop, state: TrainState, result: TrainResult, first_step: floa
     held = _held_mb(loop)
     result.figures = Figures(
         loop.speed.speed(),
-        loop.precision,
+        loop.policy.regime,
         state.micro,
         loop.batches.per_step // world.size,
         run.cfg.compile,

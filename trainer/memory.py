@@ -1,11 +1,15 @@
 """How many bytes one trial needs on each of its devices, from the model's config alone: the model is built on
 the meta device (accelerate's ``init_empty_weights``: shapes and dtypes, no storage, no weights read).
 
-Arithmetic a reader can check (docs/multi-gpu.md, "The memory plan"):
-- weights: every parameter, at the dtype it loads in (the config's ``dtype``: transformers loads "auto"); a
-  4-bit base 0.5 byte a weight plus its fp32 scale per 64, an 8-bit one 1 byte; the rest upcast to fp32;
+Arithmetic a reader can check (docs/multi-gpu.md, "The memory plan"), each dtype the trainer's own
+(trainer/precision.py ``Policy``: the plan and the trial read the same one):
+- weights: every trained parameter at the policy's ``trained`` dtype (fp32 masters in the mixed regimes, whatever
+  the checkpoint is stored in), every frozen one (an adapter's base) at ``frozen``; a 4-bit base 0.5 byte a weight
+  plus its fp32 scale per 64, an 8-bit one 1 byte; the rest upcast to fp32;
 - gradients: every trained parameter, at its dtype;
-- optimizer: AdamW's two moments per trained parameter, at its dtype;
+- optimizer: AdamW's two moments per trained parameter, at its dtype (bf16-true: and a bf16 Kahan compensation);
+- casts: under 16-bit autocast, the copy of each fp32 trained weight autocast keeps from the forward through the
+  backward (2 bytes a parameter);
 - sharded (fsdp over N): those three divided by N, plus what is gathered whole while it computes: the root's
   parameters (embeddings and head; FSDP keeps the root's gathered through the backward) and two blocks (the one
   computing and the one prefetched);
@@ -25,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hpsearch.trainer import adapters
+from hpsearch.trainer import adapters, precision as prec
 from hpsearch.trainer.config import AdapterConfig
 from hpsearch.trainer.model import from_pretrained
 from hpsearch.trainer.sharding import block_classes, transformers_model
@@ -40,7 +44,7 @@ QUANTIZED_BYTES = {"4bit": 0.5 + 4 / 64, "8bit": 1.0}
 class Setup:
     """What the estimate depends on, besides the model."""
 
-    precision: str  # "bf16", "fp16" or "fp32" (resolved)
+    precision: str  # the compute precision: "bf16", "fp16" or "fp32" (resolved)
     micro_batch: int
     length: int  # tokens per example (model.max_length)
     checkpointing: bool = False
@@ -48,6 +52,11 @@ class Setup:
     devices: int = 1
     adapter: AdapterConfig | None = None
     quantization: str = "none"
+    requested: str = "auto"  # the spec's train.precision: says whether masters are fp32 (bf16-true: not)
+
+    def policy(self, stored: torch.dtype) -> prec.Policy:
+        """The trial's precision policy for a checkpoint stored in ``stored``: what the trainer will hold."""
+        return prec.policy(self.requested, self.precision, stored, adapter=self.adapter is not None)
 
 
 @dataclass(frozen=True)
@@ -61,12 +70,15 @@ class Estimate:
     activations: int
     parameters: int  # counts, for the reader
     trained: int
+    casts: int = 0  # autocast's 16-bit copies of fp32 trained weights, held from the forward through the backward
+    regime: str = ""  # the precision policy's name (bf16-mixed, fp32, bf16-true...)
+    bytes_per_trained: int = 0  # weight + gradient + optimizer state of one trained parameter
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.gathered + self.activations
+        return self.weights + self.gradients + self.optimizer + self.casts + self.gathered + self.activations
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "total": self.total}
 
 
@@ -78,6 +90,7 @@ class Shape:
     layers: int
     vocab: int
     causal: bool
+    stored: torch.dtype = torch.float32  # the checkpoint's dtype (its config's)
 
 
 def meta_model(name: str, task: str, num_labels: int = 2) -> tuple[torch.nn.Module, Shape]:
@@ -105,21 +118,26 @@ def meta_model(name: str, task: str, num_labels: int = 2) -> tuple[torch.nn.Modu
     text: Any = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0))
     layers = int(getattr(text, "num_hidden_layers", 0) or getattr(text, "n_layer", 0))
-    return model, Shape(hidden, layers, int(getattr(text, "vocab_size", 0)), causal)
+    return model, Shape(hidden, layers, int(getattr(text, "vocab_size", 0)), causal, prec.stored_dtype(config))
 
 
 def estimate(model: torch.nn.Module, shape: Shape, setup: Setup) -> Estimate:
-    """The bytes per device for training ``model`` (on the meta device, or real) as ``setup`` says."""
+    """The bytes per device for training ``model`` (on the meta device, or real) as ``setup`` says, each term at
+    the dtype the trainer's precision policy gives it (not the dtype ``model`` happens to be built in)."""
+    policy = setup.policy(shape.stored)
     params = list(model.parameters())
-    trained = [p for p in params if p.requires_grad]
+    trained = sum(p.numel() for p in params if p.requires_grad)
     quantized = _weight_bytes(model, setup.quantization)
-    weights = sum(quantized.get(id(p), p.numel() * p.element_size()) for p in params)
-    gradients = sum(p.numel() * p.element_size() for p in trained)
-    optimizer = 2 * gradients  # AdamW: exp_avg and exp_avg_sq, each the parameter's size and dtype
+    size = {True: _bytes(policy.trained), False: _bytes(policy.frozen)}
+    weights = sum(quantized.get(id(p), p.numel() * size[p.requires_grad]) for p in params)
+    gradients = trained * _bytes(policy.trained)
+    optimizer = trained * (policy.trained_bytes() - 2 * _bytes(policy.trained))  # AdamW's moments (+ compensation)
+    casts = trained * policy.cast_bytes()
     gathered = 0
     if setup.sharding == "fsdp" and setup.devices > 1:
         weights, gradients, optimizer = (math.ceil(b / setup.devices) for b in (weights, gradients, optimizer))
-        gathered = _gathered_bytes(model, setup.precision)
+        # FSDP gathers the parameters in the compute dtype itself (its param_dtype): autocast copies nothing.
+        gathered, casts = _gathered_bytes(model, setup.precision), 0
     return Estimate(
         weights=int(weights),
         gradients=gradients,
@@ -127,8 +145,15 @@ def estimate(model: torch.nn.Module, shape: Shape, setup: Setup) -> Estimate:
         gathered=gathered,
         activations=activation_bytes(shape, setup),
         parameters=sum(p.numel() for p in params),
-        trained=sum(p.numel() for p in trained),
+        trained=trained,
+        casts=casts,
+        regime=policy.regime,
+        bytes_per_trained=policy.trained_bytes(),
     )
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
 
 
 def activation_bytes(shape: Shape, setup: Setup) -> int:
@@ -178,13 +203,14 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _gathered_bytes(model: torch.nn.Module, precision: str) -> int:
-    """The root's parameters and the two largest blocks', whole, at the dtype they are gathered in."""
+    """The root's parameters and the two largest blocks', whole, at the dtype they are gathered in (the compute
+    precision: FSDP's param_dtype)."""
     blocks = _blocks(model)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     compute = 4 if precision == "fp32" else 2
 
     def size(params: Any) -> int:
-        return sum(p.numel() * min(p.element_size(), compute) for p in params)
+        return sum(p.numel() * compute for p in params)
 
     root = size(p for p in model.parameters() if id(p) not in in_blocks)
     largest = sorted((size(b.parameters()) for b in blocks), reverse=True)[:2]

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from hpsearch.trainer import precision as prec
 from hpsearch.trainer.config import AdapterConfig, ConfigError
 from hpsearch.trainer.errors import ModelError
 
@@ -189,52 +190,78 @@ class PretrainedCache:
     """
 
     def __init__(self, quantization: Any = None) -> None:
-        self._models: dict[tuple[str, int], torch.nn.Module] = {}
+        self._models: dict[tuple[str, int, torch.dtype], torch.nn.Module] = {}
+        self._stored: dict[str, torch.dtype] = {}
         self.quantization = quantization
         """A transformers BitsAndBytesConfig for the base (QLoRA), or None."""
 
-    def _base(self, name: str, num_labels: int) -> torch.nn.Module:
+    def _base(self, name: str, num_labels: int, dtype: torch.dtype) -> torch.nn.Module:
         """The pristine model, read from disk on first use only."""
-        key = (name, num_labels)
+        key = (name, num_labels, dtype)
         if key not in self._models:
-            self._models[key] = load_model(name, num_labels, self.quantization)
+            self._models[key] = load_model(name, num_labels, self.quantization, dtype)
         return self._models[key]
 
-    def _own(self, name: str, num_labels: int, private: bool) -> torch.nn.Module:
+    def _own(self, name: str, num_labels: int, private: bool, dtype: torch.dtype) -> torch.nn.Module:
         """The pristine model for a trial to change: a copy of the cached one, or with ``private`` the cached one
         itself, taken out of the cache (the next trial reads it from disk again: the cost of holding one copy)."""
         if not private:
-            return copy.deepcopy(self._base(name, num_labels))
-        taken = self._models.pop((name, num_labels), None)
-        return taken if taken is not None else load_model(name, num_labels, self.quantization)
+            return copy.deepcopy(self._base(name, num_labels, dtype))
+        taken = self._models.pop((name, num_labels, dtype), None)
+        return taken if taken is not None else load_model(name, num_labels, self.quantization, dtype)
 
     def fresh(
-        self, name: str, num_labels: int, id2label: dict[int, str], seed: int, *, private: bool = False
+        self,
+        name: str,
+        num_labels: int,
+        id2label: dict[int, str],
+        seed: int,
+        *,
+        private: bool = False,
+        precision: str = "auto",
     ) -> torch.nn.Module:
-        model = self._own(name, num_labels, private)
+        model = self._own(name, num_labels, private, prec.load_dtype(precision, adapter=False))
         _new_head(model, id2label, seed)
         return model
 
     def trial_model(
-        self, name: str, labels: Any, seed: int, adapter: AdapterConfig | None = None, *, private: bool = False
+        self,
+        name: str,
+        labels: Any,
+        seed: int,
+        adapter: AdapterConfig | None = None,
+        *,
+        private: bool = False,
+        precision: str = "auto",
     ) -> torch.nn.Module:
         """A fresh model for one trial: a classifier for ``labels`` (a LabelMap), or a causal LM
         when there are none; with an enabled ``adapter``, that adapter on the shared base
         (hand it back with :meth:`release`). ``private``: on the base taken out of the cache (``_own``): a sharded
-        trial replaces the base's weights by its shards, which no later trial could use."""
+        trial replaces the base's weights by its shards, which no later trial could use. ``precision`` (the spec's
+        ``train.precision``) decides the dtype it is loaded in (trainer/precision.py)."""
         num_labels = labels.num_labels if labels is not None else 0
         if adapter is not None and adapter.enabled:
             from hpsearch.trainer import adapters
 
-            base = self._own(name, num_labels, private=True) if private else self._base(name, num_labels)
+            dtype = prec.load_dtype(precision, adapter=True, stored=self.stored(name))
+            base = self._own(name, num_labels, True, dtype) if private else self._base(name, num_labels, dtype)
             if labels is not None:
                 _new_head(base, labels.id2label(), seed)  # peft's trainable head is a copy of this one
             model = adapters.attach(base, adapter, "causal-lm" if labels is None else "classification", seed)
             model.hpsearch_private = private  # release() leaves a private copy alone
+            model.hpsearch_stored = base.hpsearch_stored
             return model
         if labels is None:
-            return self.fresh_causal_lm(name, private=private)
-        return self.fresh(name, num_labels, labels.id2label(), seed, private=private)
+            return self.fresh_causal_lm(name, private=private, precision=precision)
+        return self.fresh(name, num_labels, labels.id2label(), seed, private=private, precision=precision)
+
+    def stored(self, name: str) -> torch.dtype:
+        """The dtype ``name``'s checkpoint is stored in (its config's), read once per model."""
+        if name not in self._stored:
+            from transformers import AutoConfig
+
+            self._stored[name] = prec.stored_dtype(from_pretrained(AutoConfig, name))
+        return self._stored[name]
 
     def release(self, model: torch.nn.Module) -> None:
         """After a trial: take an adapter off the shared base (a full fine-tune's copy is just dropped)."""
@@ -243,16 +270,21 @@ class PretrainedCache:
         if adapters.is_adapter(model) and not getattr(model, "hpsearch_private", False):
             adapters.detach(model)
 
-    def fresh_causal_lm(self, name: str, *, private: bool = False) -> torch.nn.Module:
-        return self._own(name, 0, private)  # 0 labels: load_model's causal LM
+    def fresh_causal_lm(self, name: str, *, private: bool = False, precision: str = "auto") -> torch.nn.Module:
+        return self._own(name, 0, private, prec.load_dtype(precision, adapter=False))  # 0 labels: a causal LM
 
 
-def load_model(name: str, num_labels: int, quantization: Any = None) -> torch.nn.Module:
-    """A sequence classifier with ``num_labels`` labels, or a causal LM when ``num_labels`` is 0;
-    with ``quantization`` (a BitsAndBytesConfig), quantized on the current CUDA device for QLoRA."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+def load_model(
+    name: str, num_labels: int, quantization: Any = None, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """A sequence classifier with ``num_labels`` labels, or a causal LM when ``num_labels`` is 0, its weights in
+    ``dtype`` whatever its config says (trainer/precision.py decides it); with ``quantization`` (a
+    BitsAndBytesConfig), quantized on the current CUDA device for QLoRA. The dtype the checkpoint is stored in
+    rides along as ``model.hpsearch_stored``: the best model is saved in it."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     _quiet_transformers()
+    stored = prec.stored_dtype(from_pretrained(AutoConfig, name))
     auto: Any = AutoModelForCausalLM if num_labels == 0 else AutoModelForSequenceClassification
     # A classifier checkpoint with another label count is a fine start: its head is replaced
     # (and re-initialised per trial) anyway.
@@ -263,19 +295,34 @@ def load_model(name: str, num_labels: int, quantization: Any = None) -> torch.nn
         # bitsandbytes places the quantized weights itself, on this worker's one visible GPU; no
         # dtype: prepare_model_for_kbit_training below upcasts the unquantized layers to fp32 anyway.
         kwargs.update(quantization_config=quantization, device_map={"": 0})
+    else:
+        # Explicit, never the config's: transformers 5 would otherwise load a bf16 config's weights in bf16.
+        kwargs.update(dtype_kwarg(dtype))
     try:
-        model = auto.from_pretrained(name, attn_implementation="sdpa", **kwargs)
+        try:
+            model = auto.from_pretrained(name, attn_implementation="sdpa", **kwargs)
+        except (OSError, ValueError) as exc:
+            if "sdpa" not in str(exc).lower():
+                raise
+            # Architectures without an SDPA kernel fall back to their default attention.
+            model = auto.from_pretrained(name, **kwargs)
         if quantization is not None:
             from peft import prepare_model_for_kbit_training
 
             # Freezes the base and upcasts its non-quantized layers for stable training.
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-        return model
     except (OSError, ValueError) as exc:
-        if "sdpa" in str(exc).lower():
-            # Architectures without an SDPA kernel fall back to their default attention.
-            return auto.from_pretrained(name, **kwargs)
         raise ModelError(_explain(name, exc)) from None
+    model.hpsearch_stored = stored
+    return model
+
+
+def dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """``from_pretrained``'s dtype argument: ``dtype`` since transformers 4.56, ``torch_dtype`` before."""
+    import transformers
+
+    major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:

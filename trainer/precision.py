@@ -1,17 +1,112 @@
-"""Choosing and applying the numeric precision a device does best."""
+"""Choosing and applying the numeric precision: the one place that says, for a trial, the dtype of each thing it
+holds (stored weights, trained masters, gradients, optimizer state, compute, gradient reduction). The loader
+(trainer/model.py), the loop, the checkpoint and the memory plan (trainer/memory.py) all read a :class:`Policy`.
+
+The regimes, named as litgpt names them:
+- ``bf16-mixed`` / ``fp16-mixed`` (``precision = "auto" | "bf16" | "fp16"``): fp32 master weights, fp32 gradients
+  and fp32 AdamW moments; the forward and backward run under 16-bit autocast (fp16 with a loss scaler). A bf16
+  checkpoint is loaded into fp32 masters too: bf16 keeps 8 bits of mantissa, so near a weight of 0.016 an AdamW
+  step of 2e-5 would round away (pure bf16 training loses most small updates).
+- ``fp32``: everything fp32, no autocast.
+- ``bf16-true`` (opt-in): bf16 weights, gradients and moments, for a model whose fp32 masters do not fit; the update
+  is Kahan-compensated (torch-optimi's AdamW) so small steps accumulate instead of rounding away.
+Adapters (LoRA/QLoRA): the frozen base keeps its checkpoint's dtype (its memory is the point of adapters), the
+adapter and a classifier's head train in fp32 (peft's own default: ``autocast_adapter_dtype``).
+The best checkpoint is saved in the checkpoint's own dtype: a bf16 model's best folder is bf16."""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hpsearch.trainer.config import ConfigError
 
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The dtype of each thing a trial holds (torchtitan's ``MixedPrecisionPolicy``, stated whole)."""
+
+    regime: str  # "bf16-mixed", "fp16-mixed", "fp32" or "bf16-true": what logs, the plan and docs call it
+    compute: str  # what autocast runs in: "bf16", "fp16" or "fp32" (no autocast)
+    trained: torch.dtype  # trained parameters (masters), their gradients and the optimizer's moments
+    frozen: torch.dtype  # the frozen base of an adapter trial
+    stored: torch.dtype  # the checkpoint's own dtype: the best model is saved in it
+    reduce: torch.dtype = torch.float32  # gradients summed across ranks (sharded trials) in fp32: no lost bits
+    compensated: bool = False  # bf16-true: the optimizer keeps a bf16 Kahan compensation per trained parameter
+
+    @property
+    def load(self) -> torch.dtype:
+        """The dtype a full fine-tune's weights are loaded in (explicitly: never the config's by accident)."""
+        return self.trained
+
+    @property
+    def masters_fp32(self) -> bool:
+        return self.trained == torch.float32
+
+    def trained_bytes(self) -> int:
+        """Bytes per trained parameter for its weight, gradient and optimizer state (AdamW's two moments, and
+        bf16-true's compensation buffer)."""
+        size = torch.finfo(self.trained).bits // 8
+        return 4 * size + (size if self.compensated else 0)
+
+    def cast_bytes(self) -> int:
+        """Bytes per trained parameter autocast keeps as a 16-bit copy from the forward through the backward (its
+        weight cache), in the mixed regimes; 0 where the weights are already in the compute dtype."""
+        return 2 if self.compute != "fp32" and self.trained == torch.float32 else 0
+
+
+def policy(requested: str, compute: str, stored: torch.dtype, adapter: bool = False) -> Policy:
+    """The policy of a trial: ``requested`` is the spec's ``train.precision``, ``compute`` its resolved compute
+    precision (:func:`resolve`, or the plan's guess), ``stored`` the checkpoint's dtype (:func:`stored_dtype`)."""
+    stored = stored if stored in (*SIXTEEN_BIT, torch.float32) else torch.float32
+    if requested == "fp32" or compute == "fp32":
+        return Policy("fp32", "fp32", torch.float32, torch.float32, stored)
+    if requested == "bf16-true":
+        # An adapter is a few MB: it trains in fp32 even here; only the base is bf16 whatever it was stored in.
+        trained = torch.float32 if adapter else torch.bfloat16
+        return Policy("bf16-true", "bf16", trained, torch.bfloat16, stored, compensated=not adapter)
+    # An adapter's base keeps the dtype it was stored in: a 16-bit base stays 16-bit, an fp32 one fp32.
+    return Policy(f"{compute}-mixed", compute, torch.float32, stored, stored)
+
+
+def load_dtype(requested: str, adapter: bool, stored: torch.dtype = torch.float32) -> torch.dtype:
+    """The dtype a trial's model is loaded in before its device is known: a full fine-tune's weights are its
+    masters; an adapter's base is frozen. The loop casts what the device's policy wants otherwise (an adapter on
+    a CPU without bf16 computes in fp32, its base too), so this only spares a second copy in the common case."""
+    chosen = policy(requested, "bf16", stored, adapter)
+    return chosen.frozen if adapter else chosen.trained
+
+
+def apply(model: torch.nn.Module, chosen: Policy) -> None:
+    """Give ``model``'s parameters the policy's dtypes, in place: trained ones ``trained``, frozen ones ``frozen``
+    (a quantized base's packed weights are not floating point and stay as they are; its other frozen layers keep
+    the fp32 peft gave them). Before the optimizer is made: its moments take their parameters' dtype."""
+    quantized = bool(getattr(model, "is_quantized", False))
+    for param in model.parameters():
+        if param.is_floating_point() and not (quantized and not param.requires_grad):
+            dtype = chosen.trained if param.requires_grad else chosen.frozen
+            if param.dtype != dtype:
+                param.data = param.data.to(dtype)
+
+
+def stored_dtype(config: Any) -> torch.dtype:
+    """The dtype a checkpoint says its weights are in (config.json's ``dtype``, ``torch_dtype`` before
+    transformers 5); fp32 when it says none."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else torch.float32
+
 
 def resolve(requested: str, device: torch.device) -> str:
-    """Turn "auto" into bf16 / fp16 / fp32 for ``device``; explicit choices are checked."""
+    """Turn "auto" into bf16 / fp16 / fp32 for ``device`` (the compute precision); explicit choices are checked.
+    ``bf16-true`` computes in bf16."""
+    requested = "bf16" if requested == "bf16-true" else requested
     if requested == "fp32":
         return "fp32"
     if device.type == "cuda":

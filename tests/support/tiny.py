@@ -66,6 +66,36 @@ def build_tiny_gpt2(folder: Path, *, dropout: float = 0.1) -> Path:
     return tiny_gpt2.build(folder, dropout=dropout)
 
 
+def build_tiny_llama(folder: Path, tokenizer_from: Path, dtype: torch.dtype) -> Path:
+    """A tiny Llama (2 layers, 64 wide) whose config and weights are stored in ``dtype``, as current LLM checkpoints
+    are in bf16; the same seeded weights whatever ``dtype`` (rounded to it), the tokenizer of ``tokenizer_from``."""
+    import shutil
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(dtype)
+    model.config.dtype = dtype
+    model.save_pretrained(folder)
+    for file in tokenizer_from.iterdir():
+        if "token" in file.name or file.name in ("vocab.json", "merges.txt"):
+            shutil.copy(file, folder / file.name)
+    return folder
+
+
 def write_lm_split(path: Path, n: int, seed: int, *, pairs: bool = False) -> Path:
     """Causal-LM rows: {"text": ...}, or {"prompt": review, "response": verdict} with ``pairs``."""
     path.parent.mkdir(parents=True, exist_ok=True)
