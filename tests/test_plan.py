@@ -158,3 +158,42 @@ def test_hpsearch_plan_exits_as_start_would(cli: Cli, tmp_path: Path, gib: int, 
         assert len(result.stderr.strip().splitlines()) == 1 and verdict in result.stderr, result.stderr
     else:
         assert "error" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("adapter", [None, LORA], ids=["full", "lora"])
+@pytest.mark.parametrize("requested", ["bf16", "fp32", "bf16-true"])
+def test_each_precisions_terms_are_what_the_trainer_allocates_for_a_bf16_checkpoint(
+    tmp_path: Path, tiny_gpt2: Path, requested: str, adapter: AdapterConfig | None
+) -> None:
+    """The plan and the trainer read one policy: for a checkpoint stored in bf16, the weights, gradients and
+    optimizer state a real step holds (the trainer's own loader, policy and optimizer) are the plan's terms."""
+    from hpsearch.trainer import precision as prec
+    from hpsearch.trainer.config import TrainConfig
+    from hpsearch.trainer.optim import build_optimizer
+    from tests.support.tiny import build_tiny_llama
+
+    model_dir = build_tiny_llama(tmp_path / "llama", tiny_gpt2, torch.bfloat16)
+    compute = prec.resolve(requested, torch.device("cpu"))
+    model = PretrainedCache().trial_model(str(model_dir), None, 0, adapter, private=True, precision=requested)
+    policy = prec.policy(requested, compute, torch.bfloat16, adapter=adapter is not None)
+    prec.apply(model, policy)
+    optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"), compensated=policy.compensated)
+    ids = torch.tensor([[5, 6, 7]])
+    with prec.autocast(compute, torch.device("cpu")):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    real = sharding.held_bytes(model, optimizer)
+
+    meta, shape = memory.meta_model(str(model_dir), "causal-lm")
+    assert shape.stored == torch.bfloat16
+    if adapter is not None:
+        meta = memory.with_adapter(meta, adapter, "causal-lm")
+    est = memory.estimate(meta, shape, memory.Setup(compute, 4, 32, adapter=adapter, requested=requested))
+    assert (est.weights, est.gradients, est.optimizer) == (real["parameters"], real["gradients"], real["optimizer"])
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    expected = {"bf16": 16, "fp32": 16, "bf16-true": 16 if adapter else 10}[requested]
+    assert est.bytes_per_trained == expected and est.regime == policy.regime
+    # Autocast's bf16 copy of each fp32 trained weight (bf16-true's adapter trains in fp32 too).
+    copied = requested == "bf16" or (requested == "bf16-true" and adapter is not None)
+    assert est.casts == (2 * trained if copied else 0)

@@ -242,3 +242,24 @@ def test_a_sharded_state_whose_index_names_a_file_outside_its_folder_is_refused(
     good = Metadata(state_dict_metadata={}, storage_data={MetadataIndex("w"): _StorageInfo("__0_0.distcp", 0, 8)})
     (folder / ".metadata").write_bytes(pickle.dumps(good))
     assert sharding._SafeReader(folder).read_metadata().storage_data[MetadataIndex("w")].relative_path == "__0_0.distcp"
+
+
+def test_a_bf16_checkpoint_shards_fp32_masters_as_the_plan_says(
+    tmp_path: Path, lm_files: tuple[Path, Path], tiny_gpt2: Path
+) -> None:
+    """precision bf16 on a checkpoint stored in bf16, sharded over 2 gloo ranks: each rank holds fp32 master shards
+    and fp32 moments (bf16 only gathered for compute), and that is the plan's sharded figure."""
+    from tests.support.tiny import build_tiny_llama
+
+    model_dir = str(build_tiny_llama(tmp_path / "llama", tiny_gpt2, torch.bfloat16))
+    files = (str(lm_files[0]), str(lm_files[1]))
+    cfg = replace(FSDP, precision="bf16", learning_rate=2e-4)
+    rank0, rank1 = _two_ranks(tmp_path, model_dir, files, cfg=cfg)
+    assert {v.dtype for v in rank0["params"].values()} == {torch.float32}, "fp32 masters, gathered whole"
+    meta, shape = memory.meta_model(model_dir, "causal-lm")
+    planned = memory.estimate(meta, shape, memory.Setup("bf16", 4, 48, sharding="fsdp", devices=2, requested="bf16"))
+    assert planned.regime == "bf16-mixed" and planned.bytes_per_trained == 16
+    assert rank0["held"] == rank1["held"]
+    assert (planned.weights + planned.optimizer) / 2**20 == pytest.approx(rank0["held"][0], rel=0.02)
+    saved = json.loads((tmp_path / "fsdp" / "best" / "config.json").read_text())
+    assert saved["dtype"] == "bfloat16"  # the best model in the checkpoint's own dtype
