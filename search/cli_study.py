@@ -95,6 +95,7 @@ def study_status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
         s["uid"] = study.user_attrs.get(attrs.UID)  # whose checkpoint folder is whose
         plan = study.user_attrs.get(attrs.MEMORY_PLAN)
         s["memory_plan"] = plan.get("line") if isinstance(plan, dict) else None
+        s["memory_held"] = summary.memory_held(s["trials"], plan)
         summary.add_money(storage.db, name, spec, s)
         if not best_only:
             s.update(summary.workers(storage.db, name))

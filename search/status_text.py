@@ -33,6 +33,8 @@ def format_status(s: dict[str, Any]) -> str:
     ]
     if s.get("memory_plan"):
         lines.append(s["memory_plan"])
+    if s.get("memory_held"):
+        lines.append(s["memory_held"])
     if s.get("stopped"):
         lines += _format_stopped(s["stopped"])
     if s.get("stale_trials"):

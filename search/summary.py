@@ -27,6 +27,7 @@ SHOWN = (
     attrs.DEVICE,
     attrs.WORKER,
     attrs.THREADS,
+    attrs.HELD,
     attrs.SPEED,
     attrs.FAIL_REASON,
     attrs.RETRY_OF,
@@ -225,3 +226,28 @@ def workers(db: Database, study: str) -> dict[str, Any]:
         "gpu_hours": liveness.device_hours(found, gpu_only=True),
         "device_hours": liveness.device_hours(found, gpu_only=False),
     }
+
+
+def memory_held(trials: list[dict[str, Any]], plan: Any) -> str | None:
+    """The memory plan's figures beside what the trials really held (``Figures.held_mb``): a wrong plan shows after
+    one trial. On CUDA the peak allocation is set beside the plan's total; on CPU, where only the tensors' own
+    bytes are measured, beside its weights, gradients and optimizer state. None before any trial measured itself."""
+    held = [
+        (t[attrs.HELD], t["number"], t.get(attrs.DEVICE)) for t in trials if isinstance(t.get(attrs.HELD), (int, float))
+    ]
+    if not held:
+        return None
+    most, number, device = max(held, key=lambda h: h[0])
+    line = f"memory: trial {number} held {_size(most * 2**20)}"
+    if not isinstance(plan, dict) or not all(
+        isinstance(plan.get(k), int) for k in ("total", "weights", "gradients", "optimizer")
+    ):
+        return line
+    if str(device or "").startswith("cuda"):
+        return f"{line} at its peak; planned {_size(plan['total'])} per device (the spec's largest micro-batch)"
+    states = plan["weights"] + plan["gradients"] + plan["optimizer"]
+    return f"{line} of weights, gradients and optimizer state; planned {_size(states)}"
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"

@@ -35,6 +35,7 @@ RESUME_CHECKPOINT = "resume_checkpoint"  # path of its latest resumable state, t
 RESUMED_FROM_STEP = "resumed_from_step"  # the step a retry's training resumed at
 SPEED = "train_samples_per_second"  # the one figure (``Speed`` field) that status shows
 TRAINABLE = "trainable_parameters"  # the ``Figures`` field a trainable_parameters objective reads (objectives.py)
+HELD = "held_mb"  # the ``Figures`` field set beside the memory plan (planned vs measured, in `status`)
 PEAK_MEMORY = "peak_memory_mb"  # the ``Speed`` field a peak_memory_gb objective reads (search/objectives.py)
 POINTS = "validation_points"  # a two-objective study's {step: quality objective}: Optuna keeps none there
 

@@ -113,6 +113,13 @@ def test_a_bf16_checkpoint_moves_its_weights_as_an_fp32_one_does(
         saved = load_file(str(best / "model.safetensors"))
         assert {v.dtype for v in saved.values() if v.is_floating_point()} == {prec_dtypes()[name]}
     assert moved["bf16"] >= 0.8, moved
+    # status sets what the trial held beside the plan: both fp32 masters, so the same figure.
+    url = f"sqlite:///{tmp_path}/bf16-bf16.db"
+    status = hpsearch("status", "--study", "mp", "--storage", url, cwd=tmp_path)
+    (line,) = [x for x in status.stdout.splitlines() if x.startswith("memory: trial 0 held")]
+    held, planned = line.split(" held ")[1].split(" of ")[0], line.split("; planned ")[1]
+    assert held == planned and held.endswith("MiB") and float(held.split()[0]) > 0, line
+    assert trials["bf16"].user_attrs["held_mb"] > 0
     assert moved["bf16"] >= moved["fp32"] - 0.05, moved
     # The same curve: fp32 masters from either start (bf16 rounding of the initial weights is all that differs).
     curves = {name: [t.intermediate_values[s] for s in sorted(t.intermediate_values)] for name, t in trials.items()}

@@ -312,6 +312,7 @@ def _finish(loop: Loop, state: TrainState, result: TrainResult, first_step: floa
         "fsdp" if loop.parts.sharded else None,
         held,
         round(loop.validating, 3),
+        _held_on_device(loop),
     )
     if world.is_main:
         loop.reporter.measured(result.figures)
@@ -321,13 +322,29 @@ def _finish(loop: Loop, state: TrainState, result: TrainResult, first_step: floa
     return result
 
 
+def _held_on_device(loop: Loop) -> float:
+    """Figures.held_mb: CUDA's peak allocation; on CPU the weights, optimizer state and gradients (their size)."""
+    device = loop.run.device
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / 2**20, 3)
+    held = sharding.held_bytes(loop.parts.model, loop.parts.optimizer)
+    return round((held["parameters"] + held["optimizer"] + held["trained"]) / 2**20, 3)
+
+
 def _held_mb(loop: Loop) -> list[float] | None:
     """With several ranks, the parameters and optimizer state each rank held at the end, measured from its
     tensors (a sharded rank's: its shards)."""
     if loop.run.world.size == 1:
         return None
     held = sharding.held_bytes(loop.parts.model, loop.parts.optimizer)
-    log.info("rank %d holds %s", loop.run.world.rank, ", ".join(f"{k} {v / 2**20:.1f} MB" for k, v in held.items()))
+    # Measured after the last step: its gradients are freed by then, so they are not in this line.
+    mb = {k: round(v / 2**20, 1) for k, v in held.items()}
+    log.info(
+        "rank %d holds parameters %.1f MB and optimizer state %.1f MB",
+        loop.run.world.rank,
+        mb["parameters"],
+        mb["optimizer"],
+    )
     mine = (held["parameters"] + held["optimizer"]) / 2**20
     return [round(mb, 3) for mb in loop.run.world.gather(mine)]
 

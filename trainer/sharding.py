@@ -166,6 +166,7 @@ def held_bytes(model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
         "parameters": sum(_local(p).nbytes for p in params),
         "gradients": sum(_local(p.grad).nbytes for p in params if p.grad is not None),
         "optimizer": sum(_local(v).nbytes for v in moments),
+        "trained": sum(_local(p).nbytes for p in params if p.requires_grad),  # what its gradients take in a step
     }
 
 

@@ -133,6 +133,11 @@ class Figures:
     sharding: str | None = None  # "fsdp" for a sharded trial (its ranks hold different parts: no digests)
     rank_held_mb: list[float] | None = None  # several ranks: parameters + optimizer state each held (its shards)
     validation_seconds: float | None = None  # spent validating, early points included (this rank's clock)
+    held_mb: float | None = None
+    """What training held on the device, to set beside the memory plan: on CUDA the peak allocated (weights,
+    gradients, optimizer state, activations: torch.cuda.max_memory_allocated); on CPU, where the process's memory
+    says nothing of the tensors, the weights and optimizer state measured from the tensors at the end plus the
+    gradients (each its parameter's size and dtype; the last step's are freed by then). Rank 0's."""
 
 
 def peak_memory_mb(device: torch.device) -> float:
