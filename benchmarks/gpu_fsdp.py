@@ -9,7 +9,10 @@
    state; the best model loaded with ``from_pretrained`` reproduces its validation loss.
 2. The memory plan against the measured peak of that run (torch.cuda.max_memory_allocated).
 3. ``hpsearch plan`` of a Llama-3-8B full fine-tune (config built here, no download) against this GPU's memory
-   (read through nvidia-smi), with and without sharding.
+   (read through nvidia-smi), with and without sharding: fp32 masters, ~16 bytes a parameter (145 GiB: refused
+   on one H100 or H200), and ``precision = "bf16-true"`` (10 bytes a parameter).
+4. Planned against measured peak for a 0.5B checkpoint stored in bf16 (a Qwen2-0.5B-shaped Llama built here from
+   random weights): one full fine-tune each in the mixed default and in bf16-true, on cuda:0.
 """
 
 from __future__ import annotations
@@ -110,11 +113,65 @@ def main() -> int:
     print(
         f"3. Llama-3-8B full fine-tune, plan against this GPU: exit {out.returncode}\n{out.stdout}{out.stderr[-800:]}"
     )
-    if out.returncode != 0 or ("fits cuda:0" not in out.stdout and not cpu):
-        failures.append("the Llama-3-8B plan did not run or does not fit an H200")
+    if "16 bytes a trained parameter" not in out.stdout or 'precision = "bf16-true"' not in out.stdout:
+        failures.append("the Llama-3-8B plan does not say fp32 masters (16 bytes a parameter) and bf16-true")
+    failures += planned_vs_measured(work, device, tokenizer, cpu)
     for f in failures:
         print(f"FAILED: {f}")
     return 1 if failures else 0
+
+
+def planned_vs_measured(work: Path, device: object, tokenizer: object, cpu: bool) -> list[str]:
+    """4. A 0.5B bf16 checkpoint (Qwen2-0.5B's shape; tiny on --cpu), one full fine-tune per regime: the plan's
+    total against torch.cuda.max_memory_allocated (on --cpu, the held bytes the trainer measures)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hpsearch.search.trial_attrs import NullReporter
+    from hpsearch.trainer import memory
+    from hpsearch.trainer.checkpoint import RunFiles
+    from hpsearch.trainer.config import DataConfig, TrainConfig
+    from hpsearch.trainer.encoding import prepare
+    from hpsearch.trainer.loop import Run, fit
+    from hpsearch.trainer.model import PretrainedCache
+
+    shape = (
+        {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+        if cpu
+        else {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14}
+    )
+    folder = work / "half-b"
+    vocab = len(tokenizer)  # type: ignore[arg-type]
+    config = LlamaConfig(vocab_size=vocab, num_key_value_heads=2, max_position_embeddings=512, **shape)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)  # type: ignore[attr-defined]
+    data = prepare(DataConfig(str(work / "train.jsonl"), str(work / "dev.jsonl")), tokenizer, 64, None, "causal-lm")
+    failures = []
+    for precision in ("bf16", "bf16-true"):
+        cfg = TrainConfig(learning_rate=2e-5, batch_size=8, micro_batch_size=8, max_steps=4, eval_every=4)
+        cfg = replace(cfg, precision=precision, resume_every_minutes=10**6)  # type: ignore[arg-type]
+        out = work / f"half-b-{precision}"
+        files = RunFiles(out / "best", out / "resume/state.pt", out / "tb", out / "resume/oom.json")
+        trial = PretrainedCache().fresh_causal_lm(str(folder), precision=precision)
+        if not cpu:
+            torch.cuda.reset_peak_memory_stats()
+        result = fit(Run(trial, tokenizer, data, cfg, "loss", device, files), NullReporter())  # type: ignore[arg-type]
+        measured = (result.figures.held_mb or 0) * 2**20
+        m, s = memory.meta_model(str(folder), "causal-lm")
+        e = memory.estimate(m, s, memory.Setup("bf16", 8, 64, requested=precision))
+        states = e.weights + e.gradients + e.optimizer
+        planned = states if cpu else e.total
+        print(
+            f"4. 0.5B bf16 checkpoint, {e.regime} ({e.bytes_per_trained} bytes a parameter): planned "
+            f"{planned / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB: {planned / max(measured, 1):.2f}x"
+        )
+        if not 0.8 <= planned / max(measured, 1) <= 1.3:
+            failures.append(f"{e.regime}: the plan is {planned / max(measured, 1):.2f}x the measured peak")
+        del trial
+    return failures
 
 
 if __name__ == "__main__":
