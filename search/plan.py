@@ -18,8 +18,6 @@ from hpsearch.trainer.memory import Estimate, Setup, estimate, gib, meta_model, 
 
 log = logging.getLogger(__name__)
 
-DEVICE_MEMORY_ENV = "HPSEARCH_TEST_DEVICE_MEMORY_MB"
-"""Tests only: each device's memory in MiB, instead of what the host has (a refusal is tested without a GPU)."""
 FITS = 0.9  # of the device's memory: the rest is the CUDA context, the allocator's slack, what the estimate misses
 REFUSED = 1.3  # over this much more than the device has, no back-off saves the trial: refused
 SHARD_COUNTS = (2, 4, 8, 16)
@@ -195,8 +193,6 @@ def _precision(requested: str, kind: str) -> str:
 
 def device_memory(device_list: list[Device]) -> int | None:
     """Bytes of the smallest device (a GPU's memory; a CPU rank's share of the host's), None when unknown."""
-    if override := os.environ.get(DEVICE_MEMORY_ENV):
-        return int(float(override) * 2**20)
     if device_list and device_list[0].kind == "cuda":
         gpus = {i for d in device_list for i in (d.index, *d.peers)}
         sizes = _gpu_memory()

@@ -63,7 +63,7 @@ def test_start_refuses_a_plan_far_over_the_devices_memory_before_writing_anythin
     need = plans.make(StudySpec.from_dict(tomllib.loads(spec.read_text())), [Device("cpu", 0)], 10**12).estimate
     # Half of what a trial needs: LoRA (most of the tiny model is its embeddings, frozen then) does not fit
     # either; a micro-batch of 1 does.
-    monkeypatch.setenv(plans.DEVICE_MEMORY_ENV, str(need.total / 2 / 2**20))
+    monkeypatch.setattr(plans, "device_memory", lambda _devices: need.total // 2)
     line = assert_refused(cli, spec, tmp_path, "memory plan: ")
     assert "more than cpu:0's" in line and "would fit: micro_batch_size = " in line, line
     assert not (tmp_path / "hpsearch-runs").exists()
@@ -74,7 +74,7 @@ def test_a_close_plan_is_a_warning(
 ) -> None:
     spec = StudySpec.from_dict(tomllib.loads(spec_text(tiny_model, *demo_files)))
     need = plans.make(spec, [Device("cpu", 0)], 10**12).estimate.total
-    monkeypatch.setenv(plans.DEVICE_MEMORY_ENV, str(need / 1.1 / 2**20))
+    monkeypatch.setattr(plans, "device_memory", lambda _devices: int(need / 1.1))
     with caplog.at_level(logging.INFO):
         plan = plans.check(spec, [Device("cpu", 0)])
     assert plan.verdict == "close" and plan.record()["total"] == need

@@ -14,6 +14,7 @@ import torch
 from optuna.trial import TrialState
 
 from tests.conftest import hpsearch, lm_spec_text
+from tests.support.inject import faults_env
 from tests.support.tiny import build_tiny_gpt2
 from tests.test_faults import _assert_recovered, _spawned_workers, _start, _wait_for_report
 
@@ -141,7 +142,7 @@ def test_one_rank_out_of_memory_restarts_the_group_at_half_the_micro_batch(
         return optuna.load_study(study_name=study, storage=url).trials
 
     # Micro-batches of 8: one each per rank and step. The rank cannot hold 8 from step 6 on.
-    failed, retry = start("oom", HPSEARCH_TEST_OOM=f"{rank}:6:4")
+    failed, retry = start("oom", **faults_env(HPSEARCH_FAULT_OOM=f"{rank}:6:4"))
     assert failed.state == TrialState.FAIL and failed.user_attrs["fail_reason"].startswith("oom_restart")
     assert retry.state == TrialState.COMPLETE and retry.params == failed.params
     assert retry.user_attrs["retry_of"] == 0 and retry.user_attrs["retry_count"] == 0

@@ -20,9 +20,6 @@ from hpsearch.trainer.stats import Throughput
 
 log = logging.getLogger(__name__)
 COMPILE_BACKEND_ENV = "HPSEARCH_COMPILE_BACKEND"
-OOM_ENV = "HPSEARCH_TEST_OOM"
-"""Tests only: "RANK:STEP:MICRO": rank RANK runs out of memory in a training step from optimizer step STEP on
-whenever its micro-batch is larger than MICRO, as a device too small for it would (CPU never does)."""
 
 
 def train_step(
@@ -47,7 +44,6 @@ def train_step(
         scale = world.size / data.train.targets([i for b in group for i in b])
         mine = group[world.rank :: world.size]
         try:
-            _injected_out_of_memory(world.rank, step, batches.micro)
             loss = _accumulate(model, data, mine, scale, device, precision, parts.scaler, world)
             break
         except torch.OutOfMemoryError as exc:
@@ -146,15 +142,6 @@ def flops_per_token(model: torch.nn.Module) -> float:
 def _weights(param: torch.Tensor) -> int:
     shape = getattr(getattr(param, "quant_state", None), "shape", None)
     return int(math.prod(shape)) if shape is not None else param.numel()
-
-
-def _injected_out_of_memory(rank: int, step: int, micro: int) -> None:
-    fault = os.environ.get(OOM_ENV)
-    if not fault:
-        return
-    at_rank, from_step, fits = (int(v) for v in fault.split(":"))
-    if rank == at_rank and step >= from_step and micro > fits:
-        raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {OOM_ENV}={fault})")
 
 
 def _release_memory(device: torch.device) -> None:
