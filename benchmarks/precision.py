@@ -137,8 +137,8 @@ def train_trainer(
 
     targs = TrainingArguments(
         output_dir=str(args.work_dir / f"trainer-{lr:g}-{seed}"), per_device_train_batch_size=args.batch_size,
-        num_train_epochs=args.epochs, learning_rate=lr, seed=seed, save_strategy="no", report_to="none", disable_tqdm=True,
-        use_cpu=True, bf16=True,
+        num_train_epochs=args.epochs, learning_rate=lr, seed=seed, save_strategy="no", report_to="none",
+        disable_tqdm=True, use_cpu=True, bf16=True,
     )  # fmt: skip
     trainer = Trainer(
         model_init=lambda: AutoModelForSequenceClassification.from_pretrained(name, num_labels=2),
