@@ -72,3 +72,38 @@ def test_without_loss_scaling_every_step_is_applied() -> None:
     weight.sum().backward()
     assert precision.optimizer_step(optimizer, scheduler, scaler)
     assert scheduler.last_epoch == 1 and torch.allclose(weight.detach(), torch.full((2,), 0.9))
+
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.mark.parametrize(
+    ("requested", "compute", "stored", "adapter", "expected"),
+    [
+        # (regime, trained, frozen, saved as, bytes a trained parameter, compensated)
+        ("auto", "bf16", BF16, False, ("bf16-mixed", FP32, BF16, BF16, 16, False)),
+        ("bf16", "bf16", FP32, False, ("bf16-mixed", FP32, FP32, FP32, 16, False)),
+        # A T4 or V100 (no bf16) on a bf16 checkpoint: fp32 masters take fp16's loss scaling, saved bf16 again.
+        ("fp16", "fp16", BF16, False, ("fp16-mixed", FP32, BF16, BF16, 16, False)),
+        ("auto", "fp32", BF16, False, ("fp32", FP32, FP32, BF16, 16, False)),
+        ("fp32", "fp32", BF16, True, ("fp32", FP32, FP32, BF16, 16, False)),
+        ("bf16-true", "bf16", FP32, False, ("bf16-true", BF16, BF16, FP32, 10, True)),
+        # LoRA: the base stays in its stored 16 bits, the adapter trains in fp32 (bf16-true too: it is tiny).
+        ("bf16", "bf16", BF16, True, ("bf16-mixed", FP32, BF16, BF16, 16, False)),
+        ("bf16-true", "bf16", BF16, True, ("bf16-true", FP32, BF16, BF16, 16, False)),
+    ],
+)
+def test_the_policy_names_every_dtype(
+    requested: str, compute: str, stored: torch.dtype, adapter: bool, expected: tuple[Any, ...]
+) -> None:
+    p = precision.policy(requested, compute, stored, adapter)
+    assert (p.regime, p.trained, p.frozen, p.stored, p.trained_bytes(), p.compensated) == expected
+    assert p.reduce == FP32  # sharded gradients are summed in fp32 in every regime
+
+
+def test_the_stored_dtype_is_the_configs_in_either_transformers_spelling() -> None:
+    assert precision.stored_dtype(SimpleNamespace(dtype="bfloat16")) == BF16
+    assert precision.stored_dtype(SimpleNamespace(dtype=None, torch_dtype="float16")) == FP16
+    assert precision.stored_dtype(SimpleNamespace(dtype=None)) == FP32  # says none: fp32
+    assert precision.load_dtype("auto", adapter=False, stored=BF16) == FP32  # a full fine-tune loads its masters
+    assert precision.load_dtype("auto", adapter=True, stored=BF16) == BF16  # an adapter's base stays bf16
