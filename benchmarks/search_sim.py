@@ -17,7 +17,7 @@ validation every 16):
   differs from its validation score by a trial-specific amount (sd ~0.012);
 - every point scores the same rows, so the loss's noise is mostly which rows those are, a constant of the trial
   (sd 0.01), plus a little that training moves between two points (sd 0.002; measured on SST-2, a learning rate
-  too low to learn moved the loss 0.0001-0.0003 between steps 1 and 5: benchmarks/README.md). ``--loss-noise iid``
+  too low to learn moved the loss 0.0001-0.0003 between steps 1 and 5: benchmarks/history.md). ``--loss-noise iid``
   draws it afresh at every point instead (sd 0.01), the pessimistic bound.
 
 The sampler and pruner are hpsearch's own (``make_sampler``/``make_pruner`` from a spec), with the

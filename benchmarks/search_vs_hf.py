@@ -496,7 +496,7 @@ def pooled(runs: list[list[Side]]) -> None:
     """All seeds together: mean accuracies, summed samples and wall time, the largest disk use.
 
     With a dozen trials, which side's best model scores higher on glue_dev is largely decided by
-    the seed's draws (see benchmarks/README.md); the pooled line is the steadier comparison."""
+    the seed's draws (see benchmarks/history.md); the pooled line is the steadier comparison."""
 
     def pool(sides: list[Side]) -> Side:
         n = len(sides)
