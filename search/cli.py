@@ -212,7 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hpsearch.storage import open as storages, urls
         from hpsearch.storage.errors import StorageError
 
-        if said := storages.damaged(exc):  # a page SQLite reads only now, in the middle of a command
+        # A user error first: its line names the file it is about (a warm start's storage that is not a database
+        # says so, and must not be taken for this command's --storage).
+        if not isinstance(exc, USER_ERRORS) and (said := storages.damaged(exc)):
+            # A page SQLite reads only now, in the middle of a command: the --storage file.
             where = urls.mask(urls.resolve(getattr(args, "storage", None)))
             print(f"hpsearch {args.command}: error: {storages.damaged_message(where, said)}", file=sys.stderr)
             return ExitCode.USAGE
