@@ -9,6 +9,7 @@ from typing import Literal
 from hpsearch.search.errors import SpecError
 from hpsearch.storage import urls
 from hpsearch.storage.errors import StorageUrlError
+from hpsearch.storage.shown import shown
 from hpsearch.trainer.config import MAX_STEPS
 
 MAX_TRIALS = 100_000
@@ -161,7 +162,9 @@ class SearchConfig:
             )
         # Shown beside every figure, and in a one-line log: a short code, not a sentence.
         if len(self.currency) > 8 or not self.currency.isprintable() or " " in self.currency:
-            raise SpecError(f'{where}.currency: {self.currency!r} must be a short code like "CNY", "USD" or "€"')
+            # Quoted and cut: a 10,000-character value is not echoed whole.
+            shown_value = shown(repr(self.currency), 40)
+            raise SpecError(f'{where}.currency: {shown_value} must be a short code like "CNY", "USD" or "€"')
 
     @property
     def objectives(self) -> tuple[str, ...]:

@@ -182,7 +182,9 @@ def fit(spec: StudySpec, label: str, trials: Iterable[FrozenTrial], fixed: dict[
     proposes what is missing) but not given to the sampler, which needs whole points."""
     sign = 1 if spec.direction == "minimize" else -1
     trials = list(trials)
-    unscored = [f"{t.number} ({shown(_value(t), 20)})" for t in trials if not _scored(t)]
+    # A trial with no value is no result (it failed); one whose stored value is not a finite number was written by
+    # hand, and is said.
+    unscored = [f"{t.number} ({shown(_value(t), 20)})" for t in trials if not _scored(t) and _value(t) is not None]
     finished = sorted((t for t in trials if _scored(t)), key=lambda t: (sign * _quality(t), t.number))
     out = Plan(label, len(finished))
     if unscored:
