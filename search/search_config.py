@@ -21,6 +21,9 @@ LIMITS = {
     "gpu_hours": (1_000_000.0, ""),
     "keep_top_k": (MAX_TRIALS, ""),
     "max_disk_gb": (1_000_000.0, " (a petabyte)"),
+    # Money is shown in full beside every figure: a larger number is a typo (1e308 printed 309 digits).
+    "price_per_gpu_hour": (1_000_000.0, " per device hour (a typo beyond that: no device hour costs more)"),
+    "budget": (1_000_000_000_000.0, " (a trillion: beyond that a budget is a typo, and prints as one)"),
     "pruner_startup_trials": (MAX_TRIALS, ""),
     "pruner_warmup_steps": (MAX_STEPS, ""),
     "pruner_min_resource": (MAX_STEPS, ""),
