@@ -79,7 +79,7 @@ def export_best(
                 f"it is not trial {best['number']}'s model, and that model is lost"
             )
         raise ExportError(
-            f"checkpoint {source} is in the folder of study {theirs!r} (from {where}), not of study {study!r}; "
+            f"checkpoint {source} is in the folder of study '{theirs}' (from {where}), not of study {study!r}; "
             f"refusing to export it as trial {best['number']}'s model (someone changed the trial's best_checkpoint)"
         )
     if links := [p for p in source.rglob("*") if p.is_symlink()]:

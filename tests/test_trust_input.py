@@ -167,6 +167,8 @@ def test_a_damaged_stored_spec_leaves_status_best_export_and_reap_reading_and_st
     spec = _spec(tmp_path, tiny_model, demo_files, search="price_per_gpu_hour = 2.0\ncurrency = 'EUR'")
     start_study("s", spec, url, tmp_path)
     _break_stored_spec(db, "s", currency="\x1b[2J\x1b[31mEUR", max_retries="many")
+    with sqlite3.connect(db) as con:  # and a parameter's name, printed by status and best
+        con.execute("UPDATE trial_params SET param_name = ?", (FORGED,))
     warning = "warning: study 's': its stored spec fails its checks (search."
 
     def read(*argv: str, code: int = 0) -> str:
@@ -177,6 +179,7 @@ def test_a_damaged_stored_spec_leaves_status_best_export_and_reap_reading_and_st
 
     status = read("status")
     assert warning in status and "trials: 2/2 finished" in status, status
+    assert shown(FORGED) in status and "\n12:00:00" not in status, status
     assert "EUR" not in status.replace("\\x1b[31mEUR", ""), "the damaged currency is not shown as money"
     assert json.loads(read("status", "--json").split("\nhpsearch status:")[0])["finished"] == 2
     best = read("best")
@@ -194,3 +197,19 @@ def test_a_damaged_stored_spec_leaves_status_best_export_and_reap_reading_and_st
         (line,) = result.stderr.strip().splitlines()
         assert line.startswith("hpsearch start: error: study 's': its stored spec fails its checks"), line
         assert "trials: 2/2 finished" in result.stdout and "best: trial " in result.stdout, result.stdout
+
+
+def test_an_export_refused_for_another_studys_folder_names_that_study(tmp_path: Path) -> None:
+    """Study a's row points at trial-0/best of study b's folder: the refusal names b, whose model it is."""
+    from hpsearch.search.export import ExportError, export_best
+    from hpsearch.storage import rundir
+
+    folder = tmp_path / "runs" / "b"
+    (folder / "trial-0" / "best").mkdir(parents=True)
+    rundir.claim(folder, "b\x1b[2J", "uid-of-b", "sqlite:///b.db")
+    best = {"number": 0, "best_checkpoint": str(folder / "trial-0" / "best")}
+    with pytest.raises(ExportError) as refused:
+        export_best(best, "a", tmp_path / "out", "uid-of-a")
+    said = str(refused.value)
+    assert "is in the folder of study 'b\\x1b[2J' (from sqlite:///b.db), not of study 'a'" in said, said
+    assert not (tmp_path / "out").exists()
