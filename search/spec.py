@@ -30,7 +30,7 @@ from hpsearch.search.space import (
     split_params,
     toml_text,
 )
-from hpsearch.storage import attrs
+from hpsearch.storage import attrs, urls
 from hpsearch.storage.shown import shown
 from hpsearch.trainer.config import (
     AdapterConfig,
@@ -268,6 +268,9 @@ class StudySpec:
         """The spec as one short user attribute per table ("spec: search" = "n_trials = 20, ..."), for the dashboard,
         where the stored spec (``attrs.SPEC``) is one long JSON string."""
         d = self.to_dict()
+        # Shown to anyone who opens the dashboard: a URL as urls.mask prints it (a warm start's holds no password,
+        # search_config.check_warm_start refuses one; this keeps it so should that check ever change).
+        d["search"]["warm_start"] = urls.mask(d["search"]["warm_start"])
         space = d["search"].pop("space")
         d["search"].pop("enqueue", None)
         out = {

@@ -684,6 +684,8 @@ def test_a_stored_spec_that_is_invalid_is_refused_by_worker_and_start(  # type: 
         result = cli(command, "--study", "x", "--storage", url, "--devices", "cpu:1", cwd=tmp_path)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert result.stderr.strip() == (
-            f"hpsearch {command}: error: search.seed: -1 must be between 0 and 4294967295 (2**32 - 1)"
+            f"hpsearch {command}: error: study 'x': its stored spec fails its checks (search.seed: -1 must be "
+            "between 0 and 4294967295 (2**32 - 1)); a database writer changed it and no trial runs on it: restore "
+            "it from a backup, or start a new study"
         )
     assert (tmp_path / "study.db").read_bytes() == before and not (tmp_path / "hpsearch-runs").exists()
