@@ -71,6 +71,8 @@ def plan(spec: StudySpec, name: str, url: str) -> Plan | None:
     with closing(storage):
         try:
             return _read(spec, storage, source_name, label)
+        except (SpecError, StudyNotFoundError):
+            raise  # already one line (whose text, holding names from the rows, is not SQLite's to judge)
         except UNREADABLE as exc:  # a row Optuna's own reader fails on: written by hand, not by Optuna
             raise SpecError(f"{WHERE}: study {label} cannot be read ({_why(exc)}); start from another study") from None
         except Exception as exc:
