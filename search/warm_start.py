@@ -97,7 +97,7 @@ def _read(spec: StudySpec, storage: Storage, source_name: str, label: str) -> Pl
         names = [s.study_name for s in storage.optuna.get_all_studies()]
         listed = ", ".join(shown(n) for n in names[:MAX_LISTED]) + (" ..." if len(names) > MAX_LISTED else "")
         raise StudyNotFoundError(
-            f"{WHERE}: study {shown(source_name)!r} does not exist in {storage.display} (studies there: "
+            f"{WHERE}: study '{shown(source_name)}' does not exist in {storage.display} (studies there: "
             f"{listed or 'none'}); name one of them"
         ) from None
     _check_objective(spec, label, optuna.load_study(study_name=source_name, storage=storage.optuna))
