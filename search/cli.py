@@ -45,6 +45,16 @@ def study_name(value: str) -> str:
     return value
 
 
+def device_list(value: str) -> str:
+    """--devices as typed (devices.py reads it); an empty one is a mistake (an unset variable in a script), not
+    a request for the default, which is what leaving the flag out means."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(
+            f"{value!r} names no device; give GPU indices (0,1) or cpu:N, or leave --devices out for every GPU"
+        )
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hpsearch", description="Hyperparameter search for transformer fine-tunes.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -79,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="the memory a trial needs per device, and what would make it fit")
     pl.add_argument("--study", required=True, type=study_name)
     pl.add_argument("--config", metavar="FILE", type=Path, help="study spec (.toml); default: the study's stored one")
-    pl.add_argument("--devices", help="GPU indices (0,1) or cpu:N, as for start; default: this host's")
+    pl.add_argument(
+        "--devices", type=device_list, help="GPU indices (0,1) or cpu:N, as for start; default: this host's"
+    )
     pl.add_argument(
         "--device-memory", type=float, metavar="GIB", help="plan for devices of this many GiB (not this host's)"
     )
@@ -175,7 +187,9 @@ DEFAULT_OUTPUT_DIR = Path("hpsearch-runs")
 
 
 def _worker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--devices", help="GPU indices (0,1) or cpu:N; default: every GPU, else one CPU worker")
+    p.add_argument(
+        "--devices", type=device_list, help="GPU indices (0,1) or cpu:N; default: every GPU, else one CPU worker"
+    )
     p.add_argument(
         "--output-dir",
         type=Path,
@@ -212,7 +226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hpsearch.storage import open as storages, urls
         from hpsearch.storage.errors import StorageError
 
-        if said := storages.damaged(exc):  # a page SQLite reads only now, in the middle of a command
+        # A user error first: its line names the file it is about (a warm start's storage that is not a database
+        # says so, and must not be taken for this command's --storage).
+        if not isinstance(exc, USER_ERRORS) and (said := storages.damaged(exc)):
+            # A page SQLite reads only now, in the middle of a command: the --storage file.
             where = urls.mask(urls.resolve(getattr(args, "storage", None)))
             print(f"hpsearch {args.command}: error: {storages.damaged_message(where, said)}", file=sys.stderr)
             return ExitCode.USAGE

@@ -15,10 +15,17 @@ from hpsearch.search.spec import StudySpec, load_file
 from hpsearch.storage import urls
 from hpsearch.storage.open import open_storage
 
+MIN_DEVICE_GIB = 0.001
+"""The least --device-memory planned for: about a mebibyte. Below it the plan's whole bytes round to nothing and every
+trial "would fit"."""
+
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    if args.device_memory is not None and not 0 < args.device_memory < 2**20:
-        raise UsageError(f"--device-memory {args.device_memory:g}: must be a number of GiB > 0")
+    if args.device_memory is not None and not MIN_DEVICE_GIB <= args.device_memory < 2**20:
+        raise UsageError(
+            f"--device-memory {args.device_memory:g}: must be a number of GiB from {MIN_DEVICE_GIB:g} (about 1 MiB: "
+            "no device holds a model in less, and the plan counts whole bytes) to below 1048576 (a pebibyte)"
+        )
     spec = resolved(_spec(args), Path("hpsearch-runs"))  # a builtin:// model is built there, as start would
     device_list = devices.group(devices.parse(args.devices), spec.train.devices_per_trial, args.devices)
     memory = int(args.device_memory * 2**30) if args.device_memory is not None else None

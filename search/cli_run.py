@@ -33,7 +33,7 @@ from hpsearch.search.cli import DEFAULT_OUTPUT_DIR
 from hpsearch.search.cli_study import format_status, study_status
 from hpsearch.search.devices import Device, check_precision
 from hpsearch.search.dispatch import Supervisor
-from hpsearch.search.errors import UsageError
+from hpsearch.search.errors import USER_ERRORS, UsageError
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.presets import BUILTIN_DIR, PRESETS, preset_file, resolved, resolved_data
 from hpsearch.search.search_config import MAX_TRIALS
@@ -51,6 +51,23 @@ TOKEN_CACHE = "token-cache"
 
 
 def cmd_start(args: argparse.Namespace) -> int:
+    try:
+        return _start(args)
+    except studies.DamagedSpecError:
+        # Nothing runs on a spec a database writer changed; but the study's trials are what they are, and a start
+        # whose search had ended shows them, as it would have, above the one line that says why it stops here.
+        _summary_of_damaged(args)
+        raise
+
+
+def _summary_of_damaged(args: argparse.Namespace) -> None:
+    with suppress(StorageError, *USER_ERRORS):
+        s = study_status(args.study, urls.resolve(args.storage), best_only=False)
+        if s["finished"] or any(s["states"].values()):
+            print(format_status(s, as_json=False, best_only=False))
+
+
+def _start(args: argparse.Namespace) -> int:
     if args.n_trials is not None and args.n_trials < 1:
         raise UsageError(f"--n-trials {args.n_trials}: must be >= 1")
     if args.n_trials is not None and args.n_trials > MAX_TRIALS:

@@ -24,8 +24,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     url = urls.resolve(args.storage)
     if args.watch is not None and not 0.5 <= args.watch < math.inf:
         raise UsageError(f"--watch {args.watch:g}: must be a number of seconds >= 0.5")
+    said_damaged = False
     while True:
         s = study_status(args.study, url, best_only=False)
+        if not said_damaged:
+            said_damaged = say_damaged(args, s)
         text = format_status(s, as_json=args.json, best_only=False, every=args.all)
         if args.watch is None:
             print(text)
@@ -45,6 +48,7 @@ def cmd_best(args: argparse.Namespace) -> int:
     if args.merge and args.export is None:
         raise UsageError("--merge: goes with --export DIR (the folder the merged model is written to)")
     status = study_status(args.study, urls.resolve(args.storage), best_only=True)
+    say_damaged(args, status)
     if status["best"] is None:
         # Said the same with and without --export: what happened, the best point, the fix.
         print(format_status(status, as_json=args.json, best_only=True))
@@ -67,7 +71,12 @@ def cmd_reap(args: argparse.Namespace) -> int:
     if args.grace is not None and not 0 <= args.grace < math.inf:  # also refuses nan
         raise UsageError(f"--grace {args.grace:g}: must be a number of seconds >= 0")
     with closing(open_storage(urls.resolve(args.storage), create=False)) as storage:
-        retries = studies.stored_spec(storage, args.study).search.max_retries
+        spec, damaged = studies.readable_spec(storage, args.study)
+        if damaged is not None:
+            # Reaping frees the trials of a lost host, which a damaged spec does not change: the retry count is
+            # the stored one where it reads, else the default.
+            print(f"hpsearch reap: warning: {damaged}", file=sys.stderr)
+        retries = spec.search.max_retries
         done = reap.by_hand(storage, args.study, max_retries=retries, grace_s=args.grace)
     for r in done:
         outcome = "retry queued" if r.retried else "out of retries"
@@ -89,9 +98,10 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 def study_status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
     """The study's summary (summary.status), its folder's uid, and unless ``best_only`` its workers."""
     with closing(open_storage(url, create=False, read_only=True)) as storage:
-        spec = studies.stored_spec(storage, name)
+        spec, damaged = studies.readable_spec(storage, name)
         study = optuna.load_study(study_name=name, storage=storage.optuna)
         s = summary.status(study, spec, budget.n_trials(study, spec), storage.display)
+        s["damaged_spec"] = damaged
         s["uid"] = study.user_attrs.get(attrs.UID)  # whose checkpoint folder is whose
         plan = study.user_attrs.get(attrs.MEMORY_PLAN)
         s["memory_plan"] = plan.get("line") if isinstance(plan, dict) else None
@@ -101,6 +111,14 @@ def study_status(name: str, url: str, *, best_only: bool) -> dict[str, Any]:
             s.update(summary.workers(storage.db, name))
             summary.mark_stale(s, liveness.stale_trials(storage.db, name))
     return s
+
+
+def say_damaged(args: argparse.Namespace, s: dict[str, Any]) -> bool:
+    """Say, in one line on stderr (stdout stays the status, or its JSON), that the study's stored spec is damaged and
+    what is shown is what could be read; whether it was."""
+    if s.get("damaged_spec"):
+        print(f"hpsearch {args.command}: warning: {s['damaged_spec']}", file=sys.stderr)
+    return bool(s.get("damaged_spec"))
 
 
 def format_status(s: dict[str, Any], *, as_json: bool, best_only: bool, every: bool = False) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 from hpsearch.search.errors import SpecError
 from hpsearch.storage import attrs, registry, rundir, trialdir
 from hpsearch.storage.retention import is_deleted
+from hpsearch.storage.shown import shown
 from hpsearch.trainer import adapters
 from hpsearch.trainer.checkpoint import META
 from hpsearch.trainer.errors import ModelError
@@ -69,9 +70,17 @@ def export_best(
             f"attribute back to the uid in its {rundir.MARKER}"
         )
     if owner.get("uid") != uid:
+        # Named by the folder's own marker (a file, so input: escaped): the study whose folder it is, which is not
+        # always one of this name (a row may point into any study's folder).
+        theirs, where = shown(owner.get("study", "?")), shown(owner.get("storage", "?"))
+        if theirs == study:
+            raise ExportError(
+                f"checkpoint {source} was overwritten by another study named {study!r} (from {where}); "
+                f"it is not trial {best['number']}'s model, and that model is lost"
+            )
         raise ExportError(
-            f"checkpoint {source} was overwritten by another study named {study!r} (from {owner.get('storage')}); "
-            f"it is not trial {best['number']}'s model, and that model is lost"
+            f"checkpoint {source} is in the folder of study '{theirs}' (from {where}), not of study {study!r}; "
+            f"refusing to export it as trial {best['number']}'s model (someone changed the trial's best_checkpoint)"
         )
     if links := [p for p in source.rglob("*") if p.is_symlink()]:
         # hpsearch writes none: one there was put by someone else, and copying would follow it.

@@ -9,6 +9,7 @@ from typing import Literal
 from hpsearch.search.errors import SpecError
 from hpsearch.storage import urls
 from hpsearch.storage.errors import StorageUrlError
+from hpsearch.storage.shown import shown
 from hpsearch.trainer.config import MAX_STEPS
 
 MAX_TRIALS = 100_000
@@ -20,6 +21,9 @@ LIMITS = {
     "gpu_hours": (1_000_000.0, ""),
     "keep_top_k": (MAX_TRIALS, ""),
     "max_disk_gb": (1_000_000.0, " (a petabyte)"),
+    # Money is shown in full beside every figure: a larger number is a typo (1e308 printed 309 digits).
+    "price_per_gpu_hour": (1_000_000.0, " per device hour (a typo beyond that: no device hour costs more)"),
+    "budget": (1_000_000_000_000.0, " (a trillion: beyond that a budget is a typo, and prints as one)"),
     "pruner_startup_trials": (MAX_TRIALS, ""),
     "pruner_warmup_steps": (MAX_STEPS, ""),
     "pruner_min_resource": (MAX_STEPS, ""),
@@ -161,7 +165,9 @@ class SearchConfig:
             )
         # Shown beside every figure, and in a one-line log: a short code, not a sentence.
         if len(self.currency) > 8 or not self.currency.isprintable() or " " in self.currency:
-            raise SpecError(f'{where}.currency: {self.currency!r} must be a short code like "CNY", "USD" or "€"')
+            # Quoted and cut: a 10,000-character value is not echoed whole.
+            shown_value = shown(repr(self.currency), 40)
+            raise SpecError(f'{where}.currency: {shown_value} must be a short code like "CNY", "USD" or "€"')
 
     @property
     def objectives(self) -> tuple[str, ...]:
@@ -191,13 +197,10 @@ def check_warm_start(value: str, where: str) -> tuple[str | None, str]:
         raise SpecError(f"{where}: {value!r} names no study; {fix}")
     if url is not None:
         try:
-            parsed = urls.parse(url)
+            urls.parse(url)
+            # The spec is stored with the study and shown on the dashboard: no secret belongs in it, in any form
+            # the driver reads (user:password@, ?password=, %70assword=, ?sslpassword=, a ?dsn= conninfo).
+            urls.refuse_secrets(url)
         except StorageUrlError as exc:
             raise SpecError(f"{where}: {exc}") from None
-        if parsed.password is not None:
-            # The spec is stored with the study and shown on the dashboard: no secret belongs in it.
-            raise SpecError(
-                f"{where}: {urls.mask(url)}#{name} holds a password, which would be stored with the study; "
-                "put it in ~/.pgpass or PGPASSWORD and leave it out of the URL"
-            )
     return url, name

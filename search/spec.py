@@ -30,7 +30,8 @@ from hpsearch.search.space import (
     split_params,
     toml_text,
 )
-from hpsearch.storage import attrs
+from hpsearch.storage import attrs, urls
+from hpsearch.storage.shown import shown
 from hpsearch.trainer.config import (
     AdapterConfig,
     ConfigError,
@@ -267,6 +268,9 @@ class StudySpec:
         """The spec as one short user attribute per table ("spec: search" = "n_trials = 20, ..."), for the dashboard,
         where the stored spec (``attrs.SPEC``) is one long JSON string."""
         d = self.to_dict()
+        # Shown to anyone who opens the dashboard: a URL as urls.mask prints it (a warm start's holds no password,
+        # search_config.check_warm_start refuses one; this keeps it so should that check ever change).
+        d["search"]["warm_start"] = urls.mask(d["search"]["warm_start"])
         space = d["search"].pop("space")
         d["search"].pop("enqueue", None)
         out = {
@@ -322,7 +326,8 @@ def _add_lora_learning_rates(
 
 
 def difference(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str | None:
-    """The first key path where two spec dicts differ, with both values."""
+    """The first key path where the stored spec dict ``a`` and the given one ``b`` differ, with both values (a stored
+    spec is a database row: its values are escaped and cut, as is the key path)."""
     for key in sorted(set(a) | set(b)):
         path = f"{prefix}{key}"
         va, vb = a.get(key), b.get(key)
@@ -330,7 +335,7 @@ def difference(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str | 
             if found := difference(va, vb, path + "."):
                 return found
         elif va != vb:
-            return f"{path}: stored {va!r}, given {vb!r}"
+            return f"{shown(path)}: stored {shown(repr(va))}, given {shown(repr(vb))}"
     return None
 
 
@@ -348,8 +353,13 @@ def load_file(path: Path) -> StudySpec:
         raw = tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"spec file {path} is not valid TOML: {exc}") from None
+    except RecursionError:  # a = [[[[... thousands deep: the parser recurses once a level
+        raise SpecError(f"spec file {path} nests arrays or tables too deeply to be a spec") from None
     except UnicodeDecodeError:
         raise SpecError(f"spec file {path} is not UTF-8 text; re-save it as UTF-8") from None
     except OSError as exc:
         raise SpecError(f"spec file {path} cannot be read ({exc.strerror or exc}); fix its permissions") from None
-    return StudySpec.from_dict(raw, base_dir=path.parent.resolve())
+    try:
+        return StudySpec.from_dict(raw, base_dir=path.parent.resolve())
+    except RecursionError:  # a value nested a little less deeply than the parser's limit, printed in a message
+        raise SpecError(f"spec file {path} nests arrays or tables too deeply to be a spec") from None

@@ -7,8 +7,11 @@ from typing import Any
 from hpsearch.search.money import Price
 from hpsearch.search.summary import fmt, reason
 from hpsearch.storage import attrs, registry, retention
+from hpsearch.storage.shown import shown
 from hpsearch.trainer.reading import short
 
+CELL, PATH = 40, 300
+"""Characters of a table cell or a name read from a row, and of a path: beyond that, a row is cut (storage/shown.py)."""
 LATEST_ROWS, BEST_ROWS = 20, 3
 """Rows of a long study's trial table without --all: the latest trials, and the best ones."""
 
@@ -70,13 +73,15 @@ def _format_best(s: dict[str, Any]) -> str:
     lines = [f"best: trial {best['number']}  {metric} {best['value']:.4f} at step {best[attrs.BEST_STEP]}"]
     if best.get("cost") is not None:
         lines[0] += f"  {s['cost_objective']} {fmt(best['cost'])}"
-    lines += [f"  {k} = {fmt(v)}" for k, v in sorted(best["params"].items())]
-    where, size = best[attrs.BEST_CHECKPOINT], best.get(attrs.BEST_CHECKPOINT_MB)
+    # Names, values, paths and hosts are rows: escaped (a newline would forge a line, an escape sequence reach the
+    # terminal) and cut.
+    lines += [f"  {shown(k)} = {shown(fmt(v))}" for k, v in sorted(best["params"].items())]
+    where, size = shown(best[attrs.BEST_CHECKPOINT], PATH), best.get(attrs.BEST_CHECKPOINT_MB)
     shown_size = size is not None and not retention.is_deleted(where)
     lines.append(f"  checkpoint: {where}" + (f" ({size:.1f} MiB)" if shown_size else ""))
     host = best.get(attrs.HOST)
     if host and host != registry.this_host():
-        lines.append(f"  warning: the checkpoint lives on host {host}, not on this host")
+        lines.append(f"  warning: the checkpoint lives on host {shown(host)}, not on this host")
     return "\n".join(lines)
 
 
@@ -111,7 +116,7 @@ def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
     trials = s["trials"]
     if not trials:
         return "no trials yet"
-    shown = trials
+    listed = trials
     if not every and len(trials) > LATEST_ROWS + BEST_ROWS:
         minimize = s["direction"] == "minimize"
         ranked = sorted(
@@ -119,13 +124,13 @@ def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
             key=lambda t: t["value"] if minimize else -t["value"],
         )
         keep = {t["number"] for t in ranked[:BEST_ROWS]} | {t["number"] for t in trials[-LATEST_ROWS:]}
-        shown = [t for t in trials if t["number"] in keep]
+        listed = [t for t in trials if t["number"] in keep]
     names = sorted({k for t in trials for k in t["params"]})
     cost, money = s.get("cost_objective"), s.get("money")
-    header = ["#", "state", s["metric"], *([cost] if cost else []), "step", *names, "time"]
+    header = ["#", "state", s["metric"], *([cost] if cost else []), "step", *(shown(n, CELL) for n in names), "time"]
     header += [*([money["currency"] or "money"] if money else []), "threads", "worker", "reason"]
     rows = [header]
-    for t in shown:
+    for t in listed:
         rows.append(
             [
                 str(t["number"]),
@@ -133,18 +138,18 @@ def format_trials(s: dict[str, Any], *, every: bool = False) -> str:
                 f"{t['value']:.4f}" if t["value"] is not None else "-",
                 *([fmt(t["cost"]) if t["cost"] is not None else "-"] if cost else []),
                 str(t["step"]) if t["step"] is not None else "-",
-                *(fmt(t["params"][n]) if n in t["params"] else "-" for n in names),
+                *(shown(fmt(t["params"][n]), CELL) if n in t["params"] else "-" for n in names),
                 duration(t["duration_s"]),
                 *([Price.number(t["money"]) if t.get("money") is not None else "-"] if money else []),
                 str(t.get(attrs.THREADS) or "-"),
-                t[attrs.WORKER] or "-",
-                short(" ".join(reason(t).split()), 60),  # a traceback's last line may hold newlines
+                shown(t[attrs.WORKER] or "-", CELL),
+                shown(short(" ".join(reason(t).split()), 60)),  # a traceback's last line may hold newlines
             ]
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    if len(shown) < len(trials):
-        hidden = len(trials) - len(shown)
+    if len(listed) < len(trials):
+        hidden = len(trials) - len(listed)
         lines.append(f"({hidden} more trials not shown, only the latest and the best; --all shows every one)")
     return "\n".join(lines)
 
@@ -174,7 +179,8 @@ def format_workers(s: dict[str, Any]) -> str:
                 f" (was on trial {w['current_trial']})" if w["current_trial"] is not None else ""
             )
         lines.append(
-            f"  {w['state']:<8} {w['host']:<20} {w['device']:<8} pid {w['pid']:<7} {doing:<24} "
+            f"  {w['state']:<8} {shown(w['host'], CELL):<20} {shown(w['device'], CELL):<8} "
+            f"pid {w['pid']:<7} {doing:<24} "
             f"trials {w['trials_finished']:<4} {w['device_seconds'] / 3600:.3f} h"
         )
     return "\n".join(lines)

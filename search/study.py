@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import uuid
 import warnings
+from contextlib import suppress
+from typing import Any, TypeVar
 
 import optuna
 import sqlalchemy
@@ -14,16 +16,25 @@ from sqlalchemy.orm import Session
 
 from hpsearch.search import warm_start
 from hpsearch.search.errors import SpecError
+from hpsearch.search.search_config import SearchConfig
+from hpsearch.search.space import Param
 from hpsearch.search.spec import StudySpec, difference
 from hpsearch.storage import attrs, registry, slots
 from hpsearch.storage.open import Storage, require_study
+from hpsearch.storage.shown import shown
 from hpsearch.storage.tables import StudyCreation
+from hpsearch.trainer.config import DataConfig, ModelConfig, TrainConfig, from_dict
 
 log = logging.getLogger(__name__)
 
 
 class SpecMismatchError(SpecError):
     """A study exists with another spec."""
+
+
+class DamagedSpecError(SpecError):
+    """A study's stored spec fails its checks: a database writer changed it (hpsearch stores only checked specs).
+    Nothing runs on it; what only reads a study (status, best, reap) reads it through ``readable_spec``."""
 
 
 def create_or_resume(storage: Storage, name: str, spec: StudySpec, warm: warm_start.Plan | None = None) -> optuna.Study:
@@ -81,7 +92,7 @@ def _unmark(storage: Storage, name: str) -> None:
 
 def _resume(storage: Storage, name: str, spec: StudySpec) -> optuna.Study:
     study = optuna.load_study(study_name=name, storage=storage.optuna)
-    check_same(name, StudySpec.from_dict(study.user_attrs[attrs.SPEC]), spec)
+    check_same(name, checked_spec(name, study.user_attrs[attrs.SPEC]), spec)
     trials = warm_start.ran_here(study.get_trials(deepcopy=False))
     log.info("resuming study %s (%d trials so far)", name, len(trials))
     # Said up front; the workers still start, since a crashed host's claimed trials are theirs.
@@ -134,13 +145,80 @@ def check_same(name: str, stored: StudySpec, given: StudySpec) -> None:
 
 
 def stored_spec(storage: Storage, name: str) -> StudySpec:
+    """The study's stored spec, checked as a spec file is (DamagedSpecError where it fails)."""
+    return checked_spec(name, _stored_raw(storage, name))
+
+
+def readable_spec(storage: Storage, name: str) -> tuple[StudySpec, str | None]:
+    """The study's stored spec for reading the study (status, best, reap): where it fails its checks, what of it can
+    be read (``salvaged``), with the one line that says it is damaged; else the spec and None."""
+    raw = _stored_raw(storage, name)
+    try:
+        return checked_spec(name, raw), None
+    except DamagedSpecError as exc:
+        return salvaged(raw), f"{exc}; shown here: what of it can be read"
+
+
+def _stored_raw(storage: Storage, name: str) -> Any:
     stored_attrs = storage.optuna.get_study_user_attrs(require_study(storage, name))
     if attrs.SPEC not in stored_attrs:
         raise SpecError(
             f"study {name!r} was not created by hpsearch (it has no stored spec); create one with "
             "`hpsearch start --study NAME --config FILE`"
         )
-    return StudySpec.from_dict(stored_attrs[attrs.SPEC])
+    return stored_attrs[attrs.SPEC]
+
+
+UNCHECKABLE = (ValueError, TypeError, LookupError, AttributeError)
+"""What checking a stored spec can raise on a row no hpsearch wrote (SpecError, a ValueError, among them)."""
+
+
+def checked_spec(name: str, raw: Any) -> StudySpec:
+    """``raw`` (a stored spec: a database row, input like any other) as a checked StudySpec, or DamagedSpecError in
+    one line, escaped (the row may hold a newline or an escape sequence) and bounded."""
+    try:
+        return StudySpec.from_dict(raw)
+    except UNCHECKABLE as exc:
+        raise DamagedSpecError(
+            f"study {name!r}: its stored spec fails its checks ({shown(exc, 300)}); a database writer changed it "
+            "and no trial runs on it: restore it from a backup, or start a new study"
+        ) from None
+
+
+def salvaged(raw: Any) -> StudySpec:
+    """What of a damaged stored spec can be read, for reading a study only (never for running one): each key of
+    [train] and [search] that passes its checks beside the ones kept before it, the others at their defaults; the
+    [search.space] parameters that parse; no model, data or adapter (nothing reads them from a finished study)."""
+    tables = raw if isinstance(raw, dict) else {}
+    search_raw = _table(tables, "search")
+    space_raw = search_raw.pop("space", {})
+    search_raw.pop("enqueue", None)
+    space: dict[str, Param] = {}
+    for name, value in space_raw.items() if isinstance(space_raw, dict) else ():
+        with suppress(*UNCHECKABLE):
+            space[str(name)] = Param.parse(str(name), value)
+    train = _salvaged_table(TrainConfig, _table(tables, "train"), "train")
+    return StudySpec(ModelConfig(), DataConfig(), train, _salvaged_table(SearchConfig, search_raw, "search"), space)
+
+
+def _table(tables: dict[str, Any], key: str) -> dict[str, Any]:
+    value = tables.get(key)
+    return dict(value) if isinstance(value, dict) else {}
+
+
+C = TypeVar("C", TrainConfig, SearchConfig)
+
+
+def _salvaged_table(cls: type[C], values: dict[str, Any], where: str) -> C:
+    kept: dict[str, Any] = {}
+    for _ in range(2):  # twice: a key that needs another (a money budget needs a price) passes once that one is in
+        for key, value in values.items():
+            if key in kept:
+                continue
+            with suppress(*UNCHECKABLE):
+                from_dict(cls, {**kept, key: value}, where).validate(where)
+                kept[key] = value
+    return from_dict(cls, kept, where)
 
 
 def check_spec_before_create(storage: Storage, name: str, spec: StudySpec) -> tuple[bool, str | None]:
@@ -159,7 +237,7 @@ def check_spec_before_create(storage: Storage, name: str, spec: StudySpec) -> tu
             return True, None
         stored_attrs = storage.optuna.get_study_user_attrs(study_id)
         stored = stored_attrs[attrs.SPEC]
-    check_same(name, StudySpec.from_dict(stored), spec)
+    check_same(name, checked_spec(name, stored), spec)
     uid = stored_attrs.get(attrs.UID)
     return True, str(uid) if uid else None
 

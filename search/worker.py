@@ -225,7 +225,7 @@ class Worker:
         except SpecError as exc:
             theirs, change = None, f"it is no longer a valid spec: {exc}"
         else:
-            change = difference(self.launched.identity(), theirs.identity())
+            change = difference(theirs.identity(), self.launched.identity())  # stored, then given (launched)
         if change and not self._told_of_change:
             self._told_of_change = True
             log.warning(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from urllib.parse import unquote_plus
 
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
@@ -65,12 +66,66 @@ def sqlite_path(url: str) -> Path | None:
 
 
 def mask(url: str) -> str:
-    """The URL with its passwords (the user info's, libpq's ``?password=`` and ``?sslpassword=``) as ***."""
-    return _SECRET_OPTION.sub(r"\1***", _mask_user_info(url))
+    """The URL with every password form the driver would read (``secrets``) as ***: what may be printed."""
+    scheme, rest = _split_scheme(_mask_user_info(url))
+    if "?" in rest:
+        head, query = rest.split("?", 1)
+        # ";" too: SQLAlchemy splits options at "&" only, but hiding a little more context leaks nothing.
+        parts = re.split(r"([&;])", query)
+        query = "".join(p if p in "&;" or not _secret_option(*_key_value(p)) else _hide(p) for p in parts)
+        rest = f"{head}?{query}"
+    # What no URL parser reads (a libpq "host=h password=pw" string): its password= values, quoted or not.
+    return _CONNINFO_SECRET.sub(r"\1***", scheme + rest)
 
 
-# libpq takes every connection keyword as a URL option; these two carry secrets (passfile and sslkey name files).
-_SECRET_OPTION = re.compile(r"([?&;](?:ssl)?password=)[^&;#]*", re.IGNORECASE)
+def secrets(url: str) -> list[str]:
+    """Every form in which ``url`` hands the driver a password, as the driver reads it: SQLAlchemy's URL parser
+    (user:password@, each ?option with its key and value percent-decoded), then what psycopg2 passes to libpq (an
+    option's value may itself be a conninfo string, ``?dsn=...``, or another URL). Empty: nothing secret."""
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        return ["a password="] if _CONNINFO_SECRET.search(url) else []
+    found = ["user:password@"] if parsed.password is not None else []
+    for key, values in parsed.query.items():
+        for value in (values,) if isinstance(values, str) else values:
+            if _secret_option(key, value):
+                found.append(f"?{key}=")
+    return found
+
+
+def refuse_secrets(url: str) -> None:
+    """Raise StorageUrlError (one line, exit 2) if ``url`` carries any password (``secrets``): for a URL that is
+    stored (a warm start's, in the spec) or shown, where no form of a secret belongs."""
+    if found := secrets(url):
+        raise StorageUrlError(
+            f"{mask(url)} holds a password ({', '.join(dict.fromkeys(found))}), which would be stored "
+            "with the study and shown on the dashboard; put it in ~/.pgpass or PGPASSWORD and leave it out of the URL"
+        )
+
+
+# libpq's connection keywords that carry a secret (passfile and sslkey name files, which may be shown).
+_SECRET_KEYS = ("password", "sslpassword")
+_CONNINFO_SECRET = re.compile(r"((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&;'\\]+)", re.IGNORECASE)
+
+
+def _key_value(part: str) -> tuple[str, str]:
+    key, _, value = part.partition("=")
+    return unquote_plus(key), unquote_plus(value)
+
+
+def _secret_option(key: str, value: str) -> bool:
+    """A URL option the driver takes as a password: its key (any case: a key is compared as typed, and hiding
+    one the driver would refuse costs nothing), or a value that is itself a conninfo or URL holding one."""
+    if key.strip().lower() in _SECRET_KEYS:
+        return True
+    if _CONNINFO_SECRET.search(value):
+        return True
+    return "://" in value and bool(secrets(value))  # a shorter string each time: the recursion ends
+
+
+def _hide(part: str) -> str:
+    return f"{part.partition('=')[0]}=***"
 
 
 def _mask_user_info(url: str) -> str:

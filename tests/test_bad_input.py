@@ -149,6 +149,29 @@ SPEC_CASES = [
         ),
         "search.space: the grid has 500,000 points (1,000 (seed) x 500 (learning_rate))",
     ),
+    # Issue 54: money has upper bounds (1e308 printed 309 digits), a long currency is not echoed whole, and a
+    # spec nested past the parser's recursion is one line, not a RecursionError.
+    (
+        "price_huge",
+        lambda s: s.replace("[search]", "[search]\nprice_per_gpu_hour = 1e308"),
+        "search.price_per_gpu_hour: 1e+308 must be at most 1,000,000 per device hour (a typo beyond that",
+    ),
+    (
+        "budget_huge",
+        lambda s: s.replace("[search]", "[search]\nprice_per_gpu_hour = 2.0\nbudget = 1e308"),
+        "search.budget: 1e+308 must be at most 1,000,000,000,000 (a trillion",
+    ),
+    (
+        "currency_long",
+        lambda s: s.replace("[search]", f"[search]\nprice_per_gpu_hour = 2.0\ncurrency = '{'E' * 10_000}'"),
+        "... (10,002 characters) must be a short code",
+    ),
+    (
+        "currency_escape",
+        lambda s: s.replace("[search]", '[search]\nprice_per_gpu_hour = 2.0\ncurrency = "\\u001b[2J"'),
+        "search.currency: '\\x1b[2J' must be a short code",
+    ),
+    ("deep_toml", lambda s: "a = " + "[" * 5000 + "]" * 5000 + "\n" + s, "nests arrays or tables too deeply"),
     (
         "byte_order_mark",  # a BOM is read past: the error is the spec's own, not "invalid TOML"
         lambda s: "\ufeff" + s.replace("n_trials = 2", "n_trials = 0"),
@@ -183,6 +206,11 @@ DATA_CASES = [
     ),
     ("bad_extension", lambda d: _write(d / "data.parquet", "x"), "unsupported extension"),
     ("ragged_csv", lambda d: _write(d / "r.csv", "text,label\nhello,1,extra\n"), "line 2 has 3 fields"),
+    (
+        "deep_json_line",  # issue 54: a RecursionError traceback before
+        lambda d: _write(d / "deep.jsonl", '{"text": ' + "[" * 100_000 + "]" * 100_000 + ', "label": 1}\n'),
+        "line 1 nests too deeply to be a data row",
+    ),
 ]
 
 
@@ -350,6 +378,13 @@ CLI_CASES = [
     (["worker", "--study", "x", "--storage", "postgresql://u:pw@no-such-host.invalid:5432/db"], "cannot resolve host"),
     (["status", "--study", "x", "--storage", "postgresql://postgres@127.0.0.1:5432/test"], "holds no studies"),
     (["reap", "--study", "x", "--grace", "-5"], "--grace -5: must be a number of seconds >= 0"),
+    # Issue 54: an empty --devices (an unset variable in a script) is not the default, and a device of 1e-300 GiB
+    # does not "fit" every model.
+    (["start", "--study", "x", "--devices", ""], "argument --devices: '' names no device"),
+    (["worker", "--study", "x", "--devices", " "], "argument --devices: ' ' names no device"),
+    (["plan", "--study", "x", "--devices", ""], "argument --devices: '' names no device"),
+    (["plan", "--study", "x", "--device-memory", "1e-300"], "--device-memory 1e-300: must be a number of GiB from"),
+    (["plan", "--study", "x", "--device-memory", "nan"], "--device-memory nan: must be a number of GiB from"),
     (["reap", "--study", "x", "--storage", "postgresql://postgres@127.0.0.1:5432/test"], "holds no studies"),
     (["start"], "the following arguments are required: --study"),
     (["start", "--study", "x", "--bogus"], "unrecognized arguments"),
@@ -649,6 +684,8 @@ def test_a_stored_spec_that_is_invalid_is_refused_by_worker_and_start(  # type: 
         result = cli(command, "--study", "x", "--storage", url, "--devices", "cpu:1", cwd=tmp_path)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert result.stderr.strip() == (
-            f"hpsearch {command}: error: search.seed: -1 must be between 0 and 4294967295 (2**32 - 1)"
+            f"hpsearch {command}: error: study 'x': its stored spec fails its checks (search.seed: -1 must be "
+            "between 0 and 4294967295 (2**32 - 1)); a database writer changed it and no trial runs on it: restore "
+            "it from a backup, or start a new study"
         )
     assert (tmp_path / "study.db").read_bytes() == before and not (tmp_path / "hpsearch-runs").exists()

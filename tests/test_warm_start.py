@@ -168,7 +168,7 @@ def test_bad_warm_starts_exit_2_with_one_line_and_write_nothing(
     _refused(cli, tmp_path, spec("smal"), url, "(studies there: small, accurate)")
     _refused(cli, tmp_path, spec("big"), url, "search.warm_start: 'big' is this study itself")
     _refused(cli, tmp_path, spec(f"{url}#big"), url, "is this study itself")
-    _refused(cli, tmp_path, spec("accurate"), url, "has direction maximize, this one minimize")
+    _refused(cli, tmp_path, spec("accurate"), url, "error: search.warm_start: study accurate has direction maximize")
     _refused(cli, tmp_path, spec("mysql://h/db#small"), url, "search.warm_start: storage URL 'mysql://h/db' uses")
     _refused(cli, tmp_path, spec(f"{url}"), url, "names a storage but no study")
     _refused(cli, tmp_path, spec("postgresql://u:secret@h/db#small"), url, "holds a password")

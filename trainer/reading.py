@@ -213,6 +213,8 @@ def _read_jsonl(raw: str, path: Path) -> Records:
             raise DataError(f"data file {path}: line {line_no} is not valid JSON ({exc.msg})") from None
         except ValueError as exc:  # e.g. an integer longer than Python's int_max_str_digits
             raise DataError(f"data file {path}: line {line_no} cannot be read ({exc})") from None
+        except RecursionError:  # [[[[... thousands deep: the parser recurses once a level
+            raise DataError(f"data file {path}: line {line_no} nests too deeply to be a data row") from None
         if not isinstance(record, dict):
             raise DataError(f"data file {path}: line {line_no} must be a JSON object")
         records.append((line_no, record))
