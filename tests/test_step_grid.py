@@ -21,7 +21,7 @@ from hpsearch.search.spec import StudySpec
 from hpsearch.search.trial_attrs import TrialReporter
 from hpsearch.trainer.evaluate import EarlyPoints, Metrics, point_at
 from hpsearch.trainer.optim import plan_steps
-from tests.conftest import hpsearch, spec_text
+from tests.conftest import Cli, assert_refused, hpsearch, spec_text
 
 EVAL_EVERY = (1, 2, 3, 5)
 LENGTHS = range(1, 11)
@@ -187,3 +187,40 @@ def test_short_runs_end_every_trial_through_hpsearch_start(
     assert all(t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED) for t in trials), [
         (t.number, t.state, t.user_attrs.get("fail_reason")) for t in trials
     ]
+
+
+@pytest.mark.parametrize(
+    ("search", "train", "expected"),
+    [
+        (
+            'pruner = "asha"\npruner_min_resource = 8',
+            "max_steps = 8",
+            "search.pruner_min_resource: 8 is not below train.max_steps (8): the asha pruner could judge a trial only "
+            "at its last step",
+        ),
+        (
+            'pruner = "percentile"\npruner_warmup_steps = 20',
+            "max_steps = 10",
+            "search.pruner_warmup_steps: 20 is not below train.max_steps (10)",
+        ),
+    ],
+)
+def test_a_pruner_that_could_judge_only_the_last_step_is_refused_at_spec_time(
+    cli: Cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], search: str, train: str, expected: str
+) -> None:
+    text = spec_text(tiny_model, *demo_files, extra_train=train).replace('pruner = "median"', search)
+    spec = tmp_path / "spec.toml"
+    spec.write_text(text)
+    assert_refused(cli, spec, tmp_path, expected)
+
+
+def test_a_searched_max_steps_below_the_first_rung_is_refused(
+    cli: Cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
+    space = 'max_steps = { type = "categorical", choices = [4, 20] }'
+    text = spec_text(tiny_model, *demo_files, space=space).replace(
+        'pruner = "median"', 'pruner = "hyperband"\npruner_min_resource = 6'
+    )
+    spec = tmp_path / "spec.toml"
+    spec.write_text(text)
+    assert_refused(cli, spec, tmp_path, "search.space.max_steps: value 4 gives an invalid trial: search.pruner_min")
