@@ -28,7 +28,7 @@ from optuna.storages._rdb.storage import _create_scoped_session
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import select
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from hpsearch.storage.db import DEFAULT_RETRY, RetryPolicy, is_transient, retrying
@@ -194,19 +194,24 @@ class RetryingRDBStorage(optuna.storages.RDBStorage):
         """Optuna's WAITING to RUNNING change (a worker taking a queued trial; of two, one wins), with the winner's
         ``token`` written in the same transaction: a repeat whose first attempt won finds its token and says so,
         where Optuna would answer False and leave the trial running with nobody training it."""
-        with _create_scoped_session(self.scoped_session) as session:
-            trial = models.TrialModel.find_or_raise_by_id(trial_id, session, for_update=True)
-            if tries > 1 and trial.state == TrialState.RUNNING:
-                won = _trial_tagged(session, None, CLAIMED_AS, token, trial_id=trial_id) is not None
-                if won:
-                    log.info("trial %d was claimed by a call whose answer was lost", trial.number)
-                return won
-            self.check_trial_is_updatable(trial_id, trial.state)
-            if trial.state != TrialState.WAITING:
-                return False
-            trial.state = TrialState.RUNNING
-            trial.datetime_start = datetime.now()  # as Optuna's own change does
-            self._set_trial_attr_without_commit(session, models.TrialSystemAttributeModel, trial_id, CLAIMED_AS, token)
+        try:
+            with _create_scoped_session(self.scoped_session) as session:
+                trial = models.TrialModel.find_or_raise_by_id(trial_id, session, for_update=True)
+                if tries > 1 and trial.state == TrialState.RUNNING:
+                    won = _trial_tagged(session, None, CLAIMED_AS, token, trial_id=trial_id) is not None
+                    if won:
+                        log.info("trial %d was claimed by a call whose answer was lost", trial.number)
+                    return won
+                self.check_trial_is_updatable(trial_id, trial.state)
+                if trial.state != TrialState.WAITING:
+                    return False
+                trial.state = TrialState.RUNNING
+                trial.datetime_start = datetime.now()  # as Optuna's own change does
+                self._set_trial_attr_without_commit(
+                    session, models.TrialSystemAttributeModel, trial_id, CLAIMED_AS, token
+                )
+        except IntegrityError:  # as Optuna's own change: another claim wrote first
+            return False
         return True
 
 
