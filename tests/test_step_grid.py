@@ -47,11 +47,13 @@ class _Shape:
     validation: _Validation
 
 
-def _spec(pruner: str, eval_every: int, max_steps: int, factor: int, metric: str) -> StudySpec:
+def _spec(pruner: str, eval_every: int, max_steps: int, factor: int, metric: str, epochs: int = 1) -> StudySpec:
     # Paths are not opened here: the spec is checked, not run.
     where = Path("/nonexistent")
     raw = tomllib.loads(spec_text(where / "model", where / "t.jsonl", where / "d.jsonl", early_points=True))
-    raw["train"].update(eval_every=eval_every, max_steps=max_steps, batch_size=BATCH, micro_batch_size=BATCH, epochs=1)
+    raw["train"].update(
+        eval_every=eval_every, max_steps=max_steps, batch_size=BATCH, micro_batch_size=BATCH, epochs=epochs
+    )
     raw["search"].update(
         pruner=pruner, metric=metric, pruner_reduction_factor=factor, prune_at_chance=2, pruner_startup_trials=1
     )
@@ -61,7 +63,10 @@ def _spec(pruner: str, eval_every: int, max_steps: int, factor: int, metric: str
 def _runs() -> list[tuple[str, int, int, str, int]]:
     """(pruner, eval_every, length, how the length is set, reduction factor): every combination."""
     runs = []
-    for pruner, eval_every, length, route in itertools.product(PRUNERS, EVAL_EVERY, LENGTHS, ("max_steps", "data")):
+    routes = ("max_steps", "data", "epochs")
+    for pruner, eval_every, length, route in itertools.product(PRUNERS, EVAL_EVERY, LENGTHS, routes):
+        if route == "epochs" and length % 2:
+            continue  # two epochs of length / 2 steps each
         # asha/hyperband's early points are eval_every // factor^k: factor 2 places some within 5 steps, 3 fewer.
         for factor in (2, 3) if pruner in ("asha", "hyperband") else (3,):
             runs.append((pruner, eval_every, length, route, factor))
@@ -115,10 +120,13 @@ def test_every_pruner_eval_every_and_run_length_places_points_and_ends_every_tri
     with_early = 0
     for pruner, eval_every, length, route, factor in _runs():
         for metric in ("loss", "accuracy"):
-            spec = _spec(pruner, eval_every, length if route == "max_steps" else 0, factor, metric)
-            rows = 1000 if route == "max_steps" else length * BATCH
+            epochs = 2 if route == "epochs" else 1
+            spec = _spec(pruner, eval_every, length if route == "max_steps" else 0, factor, metric, epochs)
+            # The last epoch's last batch is short (BATCH - 1 rows): plan_steps still counts it as a step.
+            rows = 1000 if route == "max_steps" else length // epochs * BATCH - 1
             shape = _Shape(range(rows), _Validation([0, 1] * 4))
             said = f"{pruner} eval_every {eval_every}, {length} steps from {route}, factor {factor}, {metric}"
+            assert plan_steps(rows, BATCH, epochs, spec.train.max_steps)[0] == length, said
             early = sampling.early_points(spec, spec.train, shape)  # type: ignore[arg-type]
             first = min(eval_every, length)
             # Early points lie below the first full point, and none is a full point itself.
