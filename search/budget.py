@@ -23,9 +23,9 @@ def budget_left(storage: Storage, study: optuna.Study, spec: StudySpec, now: flo
     search, price = spec.search, Price.of_search(spec.search)
     if search.gpu_hours <= 0 and (search.budget <= 0 or price is None):
         return None
-    used = ledger.total(storage.db, study.study_name)
-    if search.gpu_hours > 0 and used >= search.gpu_hours * 3600:
-        return f"device time budget used ({used / 3600:.3f} of {search.gpu_hours:g} GPU hours)"
-    if search.budget > 0 and price is not None and price.of(used) >= search.budget:
-        return f"money budget used ({price.text(price.of(used))} of {price.text(search.budget)})"
+    used = ledger.device_time(storage.db, study.study_name)
+    if search.gpu_hours > 0 and used.seconds >= search.gpu_hours * 3600:
+        return f"device time budget used ({used.text(3)} of gpu_hours = {search.gpu_hours:g})"
+    if search.budget > 0 and price is not None and price.of(used.seconds) >= search.budget:
+        return f"money budget used ({price.text(price.of(used.seconds))} of {price.text(search.budget)})"
     return None

@@ -153,7 +153,7 @@ def _refresh_note(storage: Storage, name: str) -> None:
     except SpecError:
         return  # not an hpsearch study: nothing to summarise, show it as it is
     study = optuna.load_study(study_name=name, storage=storage.optuna)
-    note.update(study, spec, budget.n_trials(study, spec), ledger.total(storage.db, name))
+    note.update(study, spec, budget.n_trials(study, spec), ledger.device_time(storage.db, name))
 
 
 def _bind_error(host: str, port: int, exc: OSError) -> str:

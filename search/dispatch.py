@@ -74,7 +74,7 @@ class Supervisor:
         self.stopping, self.stop_signal = 0, 0
         self.failed_devices: list[str] = []
         self.storage_lost = False  # a worker stopped without reaching the storage: nothing more is asked of it
-        self.progress = progress.for_terminal(study, storage_url, spec, devices)
+        self.progress = progress.for_terminal(study, storage_url, spec)
 
     def run(self) -> int:
         """Run until every worker has finished; 0 if all ended cleanly, 1 if a device gave up."""

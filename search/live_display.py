@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from hpsearch.search.devices import Device
 from hpsearch.search.progress import Progress
 from hpsearch.search.spec import StudySpec
 
@@ -26,10 +25,8 @@ class LiveProgress(Progress):
     would tear them, so they point at a pipe while a child starts, and a thread prints what comes through above the
     status lines, as the parent's own log records (docs/decisions.md, "The live display keeps its own drawing")."""
 
-    def __init__(
-        self, study_name: str, storage_url: str, spec: StudySpec, devices: list[Device], stream: TextIO
-    ) -> None:
-        super().__init__(study_name, storage_url, spec, devices)
+    def __init__(self, study_name: str, storage_url: str, spec: StudySpec, stream: TextIO) -> None:
+        super().__init__(study_name, storage_url, spec)
         self.fd = stream.fileno()
         self._pending: collections.deque[str] = collections.deque()
         self._lock = threading.Lock()

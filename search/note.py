@@ -13,22 +13,21 @@ from optuna.trial import FrozenTrial, TrialState
 from hpsearch.search import summary
 from hpsearch.search.spec import StudySpec
 from hpsearch.search.summary import fmt
-from hpsearch.storage import attrs
+from hpsearch.storage import attrs, ledger
 
 log = logging.getLogger(__name__)
 
 
-def render(study: optuna.Study, spec: StudySpec, n_trials: int, used_s: float) -> str:
+def render(study: optuna.Study, spec: StudySpec, n_trials: int, used: ledger.DeviceTime) -> str:
     """The note's markdown; a pure function of the study's finished trials, its spec and the device time used
-    (the ledger's, storage/ledger.py)."""
+    (the ledger's, storage/ledger.py ``device_time``)."""
     s = summary.status(study, spec, n_trials, "")
     st = s["states"]
     lines = [
         f"## hpsearch study `{study.study_name}`",
         "",
         f"**Budget:** {s['finished']} of {n_trials} trials finished ({st['complete']} complete, "
-        f"{st['pruned']} pruned), {st['fail']} failed; {used_s / 3600:.2f} device-hours "
-        "used.",
+        f"{st['pruned']} pruned), {len(s['failed'])} failed; {used.text()} used.",
         "",
     ]
     lines += _best(s["best"], spec)
@@ -83,11 +82,11 @@ def _space_table(spec: StudySpec) -> list[str]:
     return rows if spec.space else []
 
 
-def update(study: optuna.Study, spec: StudySpec, n_trials: int, used_s: float) -> None:
+def update(study: optuna.Study, spec: StudySpec, n_trials: int, used: ledger.DeviceTime) -> None:
     """Write the note if its text changed."""
     from optuna_dashboard import get_note, save_note
 
-    body = render(study, spec, n_trials, used_s)
+    body = render(study, spec, n_trials, used)
     if get_note(study) != body:
         save_note(study, body)
         log.debug("study note of %s updated", study.study_name)

@@ -21,9 +21,8 @@ from optuna.trial import TrialState
 from sqlalchemy.pool import NullPool
 
 from hpsearch.search import budget, note, objectives, status_text, stop_signals, summary, warm_start
-from hpsearch.search.devices import Device
 from hpsearch.search.spec import StudySpec
-from hpsearch.storage import attrs, ledger, urls
+from hpsearch.storage import ledger, urls
 from hpsearch.storage.db import Database, engine_kwargs
 
 log = logging.getLogger(__name__)
@@ -42,11 +41,11 @@ class Snapshot:
     complete: int = 0
     pruned: int = 0
     failed: int = 0
-    """Failed for good: failures that were handed back for a retry are not counted."""
+    """Failed for good (summary.failed): failures that were handed back for a retry are not counted."""
     running: int = 0
     best_value: float | None = None
     best_number: int | None = None
-    device_seconds: float = 0.0
+    used: ledger.DeviceTime = field(default_factory=ledger.DeviceTime)
     mean_trial_s: float | None = None
     running_elapsed: list[float] = field(default_factory=list)
     finished_numbers: tuple[int, ...] = ()
@@ -68,11 +67,10 @@ class Snapshot:
         return (self.finished_numbers, self.running, self.best_number, self.n_trials)
 
 
-def read(study: optuna.Study, spec: StudySpec, used_s: float, now: dt.datetime | None = None) -> Snapshot:
-    """``used_s``: the study's device time, from the ledger (storage/ledger.py)."""
+def read(study: optuna.Study, spec: StudySpec, used: ledger.DeviceTime, now: dt.datetime | None = None) -> Snapshot:
+    """``used``: the study's device time, from the ledger (storage/ledger.py ``device_time``)."""
     now = now or dt.datetime.now()
     trials = warm_start.ran_here(study.get_trials(deepcopy=False))
-    retried = {t.user_attrs.get(attrs.RETRY_OF) for t in trials}
     best = summary.best_trial(study)
     done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     running = [t for t in trials if t.state == TrialState.RUNNING]
@@ -81,11 +79,11 @@ def read(study: optuna.Study, spec: StudySpec, used_s: float, now: dt.datetime |
         metric=spec.search.quality,
         complete=sum(t.state == TrialState.COMPLETE for t in trials),
         pruned=sum(t.state == TrialState.PRUNED for t in trials),
-        failed=sum(t.state == TrialState.FAIL and t.number not in retried for t in trials),
+        failed=len(summary.failed(trials)),
         running=len(running),
         best_value=objectives.quality(best) if best else None,
         best_number=best.number if best else None,
-        device_seconds=used_s,
+        used=used,
         mean_trial_s=sum(_wall(t, now) for t in done) / len(done) if done else None,
         running_elapsed=[_wall(t, now) for t in running],
         finished_numbers=note.finished_key(trials),
@@ -128,9 +126,9 @@ class Poller(threading.Thread):
     def refresh(self) -> None:
         try:
             study, db = self._open()
-            snap = read(study, self.spec, ledger.total(db, self.study_name))
+            snap = read(study, self.spec, ledger.device_time(db, self.study_name))
             if snap.finished_numbers != self._noted:
-                note.update(study, self.spec, snap.n_trials, snap.device_seconds)
+                note.update(study, self.spec, snap.n_trials, snap.used)
                 self._noted = snap.finished_numbers
         except Exception as exc:
             # Progress is a view: a database hiccup must never stop the search it shows.
@@ -160,10 +158,9 @@ class Poller(threading.Thread):
 class Progress:
     """Plain log lines; the base of the live display. The Supervisor calls start, tick and stop."""
 
-    def __init__(self, study_name: str, storage_url: str, spec: StudySpec, devices: list[Device]) -> None:
+    def __init__(self, study_name: str, storage_url: str, spec: StudySpec) -> None:
         self.study_name = study_name
         self.poller = Poller(study_name, storage_url, spec)  # the supervisor's spec: the one its workers run
-        self.unit = "GPU-h" if any(d.kind == "cuda" for d in devices) else "CPU-h"
         self.started = time.monotonic()
         self._trials: dict[str, tuple[int | None, float]] = {}  # device label -> (trial number, since)
         self._logged_key: tuple[Any, ...] | None = None
@@ -217,7 +214,7 @@ class Progress:
         )
         return (
             f"{s.finished}/{s.n_trials} trials finished, {s.running} running, {s.pruned} pruned, "
-            f"{s.failed} failed, {best}, {s.device_seconds / 3600:.2f} {self.unit} used, "
+            f"{s.failed} failed, {best}, {s.used.text()} used, "
             f"{status_text.duration(time.monotonic() - self.started)} elapsed, {_left(s)}"
         )
 
@@ -229,7 +226,7 @@ class Progress:
         )
 
 
-def for_terminal(study_name: str, storage_url: str, spec: StudySpec, devices: list[Device]) -> Progress:
+def for_terminal(study_name: str, storage_url: str, spec: StudySpec) -> Progress:
     """A live display when stderr is a terminal, plain log lines otherwise."""
     terminal = False
     with suppress(AttributeError, ValueError):
@@ -237,8 +234,8 @@ def for_terminal(study_name: str, storage_url: str, spec: StudySpec, devices: li
     if terminal:
         from hpsearch.search.live_display import LiveProgress
 
-        return LiveProgress(study_name, storage_url, spec, devices, sys.stderr)
-    return Progress(study_name, storage_url, spec, devices)
+        return LiveProgress(study_name, storage_url, spec, sys.stderr)
+    return Progress(study_name, storage_url, spec)
 
 
 def _left(s: Snapshot) -> str:

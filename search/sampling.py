@@ -120,10 +120,11 @@ def early_points(spec: StudySpec, cfg: TrainConfig, data: Prepared) -> EarlyPoin
     else:
         candidates = sorted({first // 4, first // 2} - {0})
     rows = min(s.early_point_rows or n_validation, n_validation)
+    # Each candidate with the point after it (the next candidate, or the first full point): as many as there are
+    # candidates, none at all where the first full point comes at step 1 or 2 (a short run, eval_every 1).
+    following = [*candidates, first][1:]
     kept = [
-        step
-        for step, following in zip(candidates, [*candidates[1:], first], strict=True)
-        if rows / 3 < (following - step) * cfg.batch_size
+        step for step, after in zip(candidates, following, strict=True) if rows / 3 < (after - step) * cfg.batch_size
     ]
     if len(kept) < 2:  # one point alone never cuts: it has no earlier one to be flat against
         return EarlyPoints()

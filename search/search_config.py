@@ -10,7 +10,7 @@ from hpsearch.search.errors import SpecError
 from hpsearch.storage import urls
 from hpsearch.storage.errors import StorageUrlError
 from hpsearch.storage.shown import shown
-from hpsearch.trainer.config import MAX_STEPS
+from hpsearch.trainer.config import MAX_STEPS, TrainConfig
 
 MAX_TRIALS = 100_000
 """Far beyond any search that ends (at a minute a trial, ten weeks on one device); a larger number is a typo
@@ -168,6 +168,24 @@ class SearchConfig:
             # Quoted and cut: a 10,000-character value is not echoed whole.
             shown_value = shown(repr(self.currency), 40)
             raise SpecError(f'{where}.currency: {shown_value} must be a short code like "CNY", "USD" or "€"')
+
+    def check_steps(self, train: TrainConfig, where: str = "search") -> None:
+        """Refuse a pruner that could judge a trial only at its last step, where stopping it saves nothing: its
+        first rung (asha/hyperband) or warm-up (median/percentile) at or beyond ``train.max_steps``. Every other
+        combination of eval_every, max_steps, epochs and early points works for any length of run: points below
+        the first full one are dropped where they do not fit (sampling.early_points), and a run shorter than
+        eval_every validates at its last step (trainer/evaluate.py point_at)."""
+        most = train.max_steps
+        if not most or self.pruner == "none":
+            return
+        name = "pruner_min_resource" if self.pruner in ("asha", "hyperband") else "pruner_warmup_steps"
+        if getattr(self, name) >= most:
+            zero = " (0 = the first validation point)" if name == "pruner_min_resource" else ""
+            raise SpecError(
+                f"{where}.{name}: {getattr(self, name)} is not below train.max_steps ({most}): the {self.pruner} "
+                f"pruner could judge a trial only at its last step, where stopping it saves nothing; lower it{zero}, "
+                'or set pruner = "none"'
+            )
 
     @property
     def objectives(self) -> tuple[str, ...]:

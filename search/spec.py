@@ -134,6 +134,7 @@ class StudySpec:
             raise SpecError(str(exc)) from None
         self._validate_adapter()
         self.search.validate()
+        self.search.check_steps(self.train)
         self._validate_sampler()
         if self.model.task == "causal-lm" and self.search.quality != "loss":
             raise SpecError(
@@ -188,9 +189,11 @@ class StudySpec:
         trial."""
         try:
             train_values, adapter_values = split_params(values)
-            from_dict(TrainConfig, {**asdict(self.train), **train_values}, "train").validate()
+            train = from_dict(TrainConfig, {**asdict(self.train), **train_values}, "train")
+            train.validate()
             from_dict(AdapterConfig, {**asdict(self.adapter), **adapter_values}, "adapter").validate()
-        except ConfigError as exc:
+            self.search.check_steps(train)
+        except ConfigError as exc:  # SpecError among them
             raise SpecError(f"{where} gives an invalid trial: {exc}") from None
 
     def _validate_adapter(self) -> None:

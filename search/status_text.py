@@ -6,7 +6,7 @@ from typing import Any
 
 from hpsearch.search.money import Price
 from hpsearch.search.summary import fmt, reason
-from hpsearch.storage import attrs, registry, retention
+from hpsearch.storage import attrs, ledger, registry, retention
 from hpsearch.storage.shown import shown
 from hpsearch.trainer.reading import short
 
@@ -32,7 +32,7 @@ def format_status(s: dict[str, Any]) -> str:
     lines = [
         f"study {s['study']}  ({s['storage']})",
         f"trials: {s['finished']}/{s['n_trials']} finished  complete {st['complete']}  pruned {st['pruned']}  "
-        f"failed {st['fail']}  running {st['running']}  waiting {st['waiting']}",
+        f"failed {len(s['failed'])}  running {st['running']}  waiting {st['waiting']}",
     ]
     if s.get("memory_plan"):
         lines.append(s["memory_plan"])
@@ -103,7 +103,7 @@ def _price(s: dict[str, Any]) -> Price:
 def _format_money(s: dict[str, Any]) -> str:
     """What the study cost so far, and its best trial."""
     m, price = s["money"], _price(s)
-    hours = f"{m['device_hours']:.4f} device-hours at {price.text(m['price_per_gpu_hour'])} an hour"
+    hours = f"{m['device_time']} at {price.text(m['price_per_gpu_hour'])} a device-hour"
     line = f"spent: {price.text(m['spent'])} so far ({hours})"
     if s["best"] is not None and s["best"].get("money") is not None:
         line += f"; the best trial {price.text(s['best']['money'])}"
@@ -164,7 +164,7 @@ def duration(seconds: float | None) -> str:
 
 def format_workers(s: dict[str, Any]) -> str:
     by = s["workers_by_state"]
-    lines = [f"workers: {by['live']} live, {by['lost']} lost, {by['finished']} finished  {_hours(s)}"]
+    lines = [f"workers: {by['live']} live, {by['lost']} lost, {by['finished']} finished  {s['device_time']}"]
     hosts = sorted({w["host"] for w in s["workers"] if w["state"] != "finished"})
     if hosts:
         lines[0] += f"  on {len(hosts)} host{'s' if len(hosts) != 1 else ''}"
@@ -181,17 +181,9 @@ def format_workers(s: dict[str, Any]) -> str:
         lines.append(
             f"  {w['state']:<8} {shown(w['host'], CELL):<20} {shown(w['device'], CELL):<8} "
             f"pid {w['pid']:<7} {doing:<24} "
-            f"trials {w['trials_finished']:<4} {w['device_seconds'] / 3600:.3f} h"
+            f"trials {w['trials_finished']:<4} {w['device_seconds'] / 3600:.3f} {ledger.unit(w['device'])}"
         )
     return "\n".join(lines)
-
-
-def _hours(s: dict[str, Any]) -> str:
-    """GPU-hours where a GPU worked on the study (the CPU's beside them); a study run on CPUs alone is billed in
-    CPU-hours, and "GPU-hours 0.000" there reads like nothing ran."""
-    if any(w["device"].startswith("cuda") for w in s["workers"]):
-        return f"GPU-hours {s['gpu_hours']:.3f}  (all devices {s['device_hours']:.3f} h)"
-    return f"CPU-hours {s['device_hours']:.3f}"
 
 
 def _age(seconds: float) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -53,6 +54,14 @@ def best_trial(study: optuna.Study) -> FrozenTrial | None:
     return min(complete, key=key)
 
 
+def failed(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+    """The trials that failed for good: failed, and not handed back for a retry (a trial stopped or crashed and
+    queued again was stopped, not broken: its retry is counted in its own state). The one failed count: `status`,
+    the live line, the study note and the end of `start` show these."""
+    retried = {t.user_attrs.get(attrs.RETRY_OF) for t in trials}
+    return [t for t in trials if t.state == TrialState.FAIL and t.number not in retried]
+
+
 def trial_dict(trial: FrozenTrial, now: dt.datetime | None = None) -> dict[str, Any]:
     start, end = trial.datetime_start, trial.datetime_complete or now or dt.datetime.now()
     return {
@@ -82,6 +91,7 @@ def status(study: optuna.Study, spec: StudySpec, n_trials: int, storage_display:
         "n_trials": n_trials,
         "finished": states["complete"] + states["pruned"],
         "states": {s.name.lower(): states[s.name.lower()] for s in TrialState},
+        "failed": [t.number for t in failed(trials)],  # for good; states["fail"] counts the handed-back too
         "best": trial_dict(best) if best else None,
         "front": [trial_dict(t) for t in objectives.front(study)],
         "trials": [trial_dict(t, now) for t in trials],
@@ -96,9 +106,9 @@ def add_money(db: Database, study: str, spec: StudySpec, s: dict[str, Any]) -> N
     if price is None:
         s["money"] = None
         return
-    used, each = ledger.total(db, study), ledger.by_trial(db, study)
-    s["money"] = {"spent": price.of(used), "currency": price.currency, "price_per_gpu_hour": price.per_hour}
-    s["money"]["device_hours"] = used / 3600
+    used, each = ledger.device_time(db, study), ledger.by_trial(db, study)
+    s["money"] = {"spent": price.of(used.seconds), "currency": price.currency, "price_per_gpu_hour": price.per_hour}
+    s["money"]["device_time"] = used.text(4)
     for trial in [*s["trials"], *s["front"], *([s["best"]] if s["best"] else [])]:
         trial["money"] = price.of(each.get(trial["number"], 0.0))
 
@@ -122,14 +132,14 @@ def why_no_best(study: optuna.Study, spec: StudySpec) -> list[str]:
     point any of them reached, and what to change. Empty while no trial has ended."""
     trials = study.get_trials(deepcopy=False)
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
-    failed = [t for t in trials if t.state == TrialState.FAIL]
-    if not pruned and not failed:
+    broken = failed(trials)
+    if not pruned and not broken:
         return []
     causes = Counter(reason(trial_dict(t)) for t in pruned)
     said = ", ".join(f"{n} {cause}" for cause, n in causes.most_common())
     lines = [f"no trial completed: {len(pruned)} pruned ({said})" if pruned else "no trial completed"]
-    if failed:
-        lines[0] += f", {len(failed)} failed"
+    if broken:
+        lines[0] += f", {len(broken)} failed"
     points = [
         (t, step, v) for t in trials for step, v in objectives.points(t).items() if v is not None and math.isfinite(v)
     ]
@@ -178,17 +188,17 @@ def _fixes(causes: Counter[str], spec: StudySpec) -> list[str]:
 
 def failed_only(s: dict[str, Any]) -> str | None:
     """The most common failure reason when the study has failed trials and no other; None otherwise."""
-    st = s["states"]
-    if not st["fail"] or st["complete"] or st["pruned"] or st["running"] or st["waiting"]:
+    st, broken = s["states"], set(s["failed"])
+    if not broken or st["complete"] or st["pruned"] or st["running"] or st["waiting"]:
         return None
-    cause, count = Counter(reason(t) for t in s["trials"] if t["state"] == "FAIL").most_common(1)[0]
-    return f"every trial failed ({st['fail']}); {count} with: {cause}"
+    cause, count = Counter(reason(t) for t in s["trials"] if t["number"] in broken).most_common(1)[0]
+    return f"every trial failed ({len(broken)}); {count} with: {cause}"
 
 
 def search_over(s: dict[str, Any]) -> bool:
     """No trial runs or waits, and the budget is used (or the rest failed)."""
     st = s["states"]
-    return not st["running"] and not st["waiting"] and s["finished"] + st["fail"] >= s["n_trials"]
+    return not st["running"] and not st["waiting"] and s["finished"] + len(s["failed"]) >= s["n_trials"]
 
 
 def ended_without_best(s: dict[str, Any]) -> bool:
@@ -219,12 +229,13 @@ def fmt(v: Any) -> str:
 
 def workers(db: Database, study: str) -> dict[str, Any]:
     """What `status` shows about the workers of ``study`` (who runs what, where, how long), as plain data."""
-    found = liveness.list_workers(db, study)
+    found, used = liveness.list_workers(db, study), ledger.device_time(db, study)
     return {
         "workers": [asdict(w) for w in found],
         "workers_by_state": {state: sum(w.state == state for w in found) for state in ("live", "lost", "finished")},
-        "gpu_hours": liveness.device_hours(found, gpu_only=True),
-        "device_hours": liveness.device_hours(found, gpu_only=False),
+        # The study's device time (storage/ledger.py device_time): hours by unit, and as every view shows it.
+        "device_hours": {unit: seconds / 3600 for unit, seconds in used.by_unit.items()},
+        "device_time": used.text(3),
     }
 
 

@@ -1,11 +1,12 @@
 """The device-time ledger: an ``Attempt`` row per attempt of a trial, opened when a worker's registry row takes
 the trial and closed when it gives the trial up, both by the database clock (hosts' clocks drift). Every
 device-time figure (the gpu_hours budget, `status` and its worker rows, the live display, the study note, a
-trial's ``device_seconds`` attribute) is a sum of ``attempt_seconds`` over these rows."""
+trial's ``device_seconds`` attribute) is a sum of ``attempt_seconds`` over these rows; the study's is
+``device_time``, shown by device kind in the one unit each kind has (``unit``: GPU-h, CPU-h)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy
@@ -71,12 +72,47 @@ def spent(s: Session, db: Database, study: str, trial: int | None = None) -> lis
     return found
 
 
-def total(db: Database, study: str) -> float:
-    """The study's device time so far, running attempts included: what the gpu_hours budget counts. None is on
-    record in a storage an older hpsearch made and nothing has opened for a search since (the dashboard's)."""
+GPU_HOURS, CPU_HOURS = "GPU-h", "CPU-h"
+
+
+def unit(device: str) -> str:
+    """The unit a worker's device time is counted in, by its device label: GPU-h for a CUDA device or group
+    ("cuda:0", "cuda:0+1"), CPU-h for the CPU. A study's figures are shown in these units, and only these."""
+    return GPU_HOURS if device.startswith("cuda") else CPU_HOURS
+
+
+@dataclass(frozen=True)
+class DeviceTime:
+    """Device time by unit (GPU-h, CPU-h): seconds of wall time times the devices held, per ``unit``. The gpu_hours
+    budget and the money figures count ``seconds``, every kind together: an hour of a device is an hour of
+    budget, whichever the kind; the text says which kinds they were."""
+
+    by_unit: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.by_unit.values())
+
+    def text(self, digits: int = 2) -> str:
+        """``0.12 GPU-h``, ``0.12 GPU-h + 0.03 CPU-h``; ``0.00 device-h`` before any attempt opened."""
+        shown = [f"{s / 3600:.{digits}f} {u}" for u, s in sorted(self.by_unit.items(), key=lambda x: x[0] != GPU_HOURS)]
+        return " + ".join(shown) or f"{0:.{digits}f} device-h"
+
+    @classmethod
+    def of(cls, rows: list[Spent]) -> DeviceTime:
+        by_unit: dict[str, float] = {}
+        for x in rows:
+            by_unit[unit(x.device)] = by_unit.get(unit(x.device), 0.0) + x.seconds
+        return cls(by_unit)
+
+
+def device_time(db: Database, study: str) -> DeviceTime:
+    """The study's device time so far, running attempts included: the one figure the gpu_hours budget, the money
+    budget, the live line, `status` and the study note show. None is on record in a storage an older hpsearch made
+    and nothing has opened for a search since (the dashboard's)."""
     if not sqlalchemy.inspect(db.engine).has_table(Attempt.__tablename__):
-        return 0.0
-    return sum(x.seconds for x in db.run(lambda s: spent(s, db, study), what="read the device-time ledger"))
+        return DeviceTime()
+    return DeviceTime.of(db.run(lambda s: spent(s, db, study), what="read the device-time ledger"))
 
 
 def by_trial(db: Database, study: str) -> dict[int, float]:

@@ -226,7 +226,3 @@ def _view(r: WorkerRecord, now: float, seconds: float) -> WorkerView:
         trials_finished=r.trials_finished,
         device_seconds=seconds,
     )
-
-
-def device_hours(workers: list[WorkerView], *, gpu_only: bool = True) -> float:
-    return sum(w.device_seconds for w in workers if w.device.startswith("cuda") or not gpu_only) / 3600.0

@@ -117,8 +117,8 @@ def test_three_hosts_share_one_study_exactly(tmp_path: Path, tiny_model: Path, p
     status = hpsearch("status", "--study", "shared", "--storage", pg_url, "--json", cwd=tmp_path)
     data = json.loads(status.stdout)
     assert data["workers_by_state"] == {"live": 0, "lost": 0, "finished": 3}
-    assert data["gpu_hours"] == 0.0  # CPU workers: device time, not GPU time
-    assert data["device_hours"] == pytest.approx(sum(w.device_seconds for w in workers) / 3600)
+    # CPU workers: CPU-h, and no GPU-h at all.
+    assert data["device_hours"] == {"CPU-h": pytest.approx(sum(w.device_seconds for w in workers) / 3600)}
     text = hpsearch("status", "--study", "shared", "--storage", pg_url, cwd=tmp_path).stdout
     assert "workers: 0 live, 0 lost, 3 finished" in text
     for host in HOSTS:

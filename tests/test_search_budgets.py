@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -43,10 +44,12 @@ def test_enqueued_trial_runs_first_and_gpu_hours_stop_new_trials(
     assert trials[0].user_attrs["device_seconds"] > 0
     storage = open_storage(f"sqlite:///{tmp_path / 'db.sqlite'}", create=False)
     try:  # the budget's figure is the ledger's, which the trial's attribute copies
-        assert ledger.total(storage.db, "b") == pytest.approx(trials[0].user_attrs["device_seconds"], abs=1e-3)
+        used = ledger.device_time(storage.db, "b")
+        assert used.seconds == pytest.approx(trials[0].user_attrs["device_seconds"], abs=1e-3)
+        assert set(used.by_unit) == {"CPU-h"}
     finally:
         storage.close()
-    assert "device time budget used" in result.stderr
+    assert re.search(r"device time budget used \(0\.\d{3} CPU-h of gpu_hours = 1e-06\)", result.stderr)
 
 
 def test_timeout_stops_new_trials(tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> None:

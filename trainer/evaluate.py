@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -67,6 +67,15 @@ class EarlyPoints:
         if not 0 < self.rows < len(validation):
             return validation
         return validation.subset(sorted(random.Random(self.seed).sample(range(len(validation)), self.rows)))
+
+
+def point_at(step: int, total_steps: int, eval_every: int, early: EarlyPoints) -> Literal["full", "early"] | None:
+    """What the loop does after optimizer step ``step`` (1 = the first) of ``total_steps``: a full validation point
+    every ``eval_every`` steps and at the last step, so a run shorter than ``eval_every`` still has one; an early
+    point at the search's early steps that are not full ones; else nothing. The one rule of where points go."""
+    if step % eval_every == 0 or step == total_steps:
+        return "full"
+    return "early" if step in early.steps else None
 
 
 def macro_f1(confusion: torch.Tensor) -> float:

@@ -21,7 +21,7 @@ from hpsearch.trainer.curves import Curves
 from hpsearch.trainer.distributed import World, parameter_digest
 from hpsearch.trainer.encoding import Prepared
 from hpsearch.trainer.errors import RankOutOfMemory
-from hpsearch.trainer.evaluate import EarlyPoints, Metrics, Point
+from hpsearch.trainer.evaluate import EarlyPoints, Metrics, Point, point_at
 from hpsearch.trainer.model import enable_gradient_checkpointing
 from hpsearch.trainer.optim import build_optimizer, build_scheduler, plan_steps
 from hpsearch.trainer.report import FailReason, Reporter, StateSavingReporter, Status, TrainResult
@@ -119,9 +119,10 @@ def _train(loop: Loop, state: TrainState, started: float) -> TrainResult:
         loop.running_steps += 1
         state.step += 1
         stopping = run.world.from_main(run.should_stop())  # rank 0's stop request ends every rank here
-        if state.step % run.cfg.eval_every == 0 or state.step == loop.total_steps or stopping:
+        point = point_at(state.step, loop.total_steps, run.cfg.eval_every, run.early)
+        if point == "full" or stopping:
             result = validation_point(loop, state, stopping)
-        elif state.step in run.early.steps:
+        elif point == "early":
             result = early_point(loop, state)
     return _finish(loop, state, result or TrainResult(Status.COMPLETE), first_step)
 
