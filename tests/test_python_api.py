@@ -132,8 +132,11 @@ def test_a_search_started_without_waiting_outlives_its_process(
 
     model = AutoModelForSequenceClassification.from_pretrained(b["checkpoint"])
     assert model.config.num_labels == 2
-    log = (runs / "api" / "search.log").read_text()
-    assert "ended with exit code 0" in log and "study api: 2 trials" in log
+    log = runs / "api" / "search.log"
+    deadline = time.monotonic() + 60  # the supervisor prints its summary after the last trial is recorded
+    while "ended with exit code" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "ended with exit code 0" in log.read_text() and "study api: 2 trials" in log.read_text()
 
     # The same study, from this process: the model and tokenizer ready to predict, a plot, `list`.
     import torch
