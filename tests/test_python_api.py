@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from typing import Any
 import optuna
 import pytest
 
+from hpsearch.storage import urls
 from tests.conftest import hpsearch, spec_text
 
 if sys.version_info >= (3, 11):
@@ -30,6 +32,30 @@ def _python(code: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedP
     return subprocess.run(
         [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def _ends_with_the_test(request: pytest.FixtureRequest, pid: int | None) -> None:
+    """A detached search this test started ends with it, passed or failed (its storage is dropped): SIGTERM to its
+    session (the keeper leads it), SIGKILL to what is left after 30 s."""
+    if pid is None:
+        return
+    group = os.getsid(pid)
+
+    def end() -> None:
+        for sig, pause in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 0.0)):
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                return
+            deadline = time.monotonic() + pause
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(group, 0)
+                except ProcessLookupError:
+                    return
+                time.sleep(0.5)
+
+    request.addfinalizer(end)
 
 
 def _spec(tiny_model: Path, demo_files: tuple[Path, Path], **kw: Any) -> dict[str, Any]:
@@ -87,7 +113,7 @@ def test_what_the_detached_cli_refuses_is_raised_in_the_caller(
 
 @pytest.mark.slow
 def test_a_search_started_without_waiting_outlives_its_process(
-    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], storage_url: str
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], storage_url: str, request: pytest.FixtureRequest
 ) -> None:
     """Process A starts the search with wait=False and exits; process B loads it, waits, reads the trials and the
     best checkpoint; the test loads that checkpoint with plain from_pretrained."""
@@ -102,10 +128,11 @@ def test_a_search_started_without_waiting_outlives_its_process(
     )
     assert started.returncode == 0, started.stderr[-3000:]
     a = json.loads(started.stdout.strip().splitlines()[-1])
+    _ends_with_the_test(request, a["pid"])
     # A has exited; the search it started runs on, in a session of its own.
     assert Path(a["log"]) == runs / "api" / "search.log"
     assert os.getsid(a["pid"]) != a["sid"]
-    early = optuna.load_study(study_name="api", storage=storage_url)
+    early = optuna.load_study(study_name="api", storage=urls.normalize(storage_url))
     assert len([t for t in early.trials if t.state.is_finished()]) < 2, "start(wait=False) waited for the trials"
 
     waited = _python(
@@ -162,7 +189,9 @@ def test_a_search_started_without_waiting_outlives_its_process(
 
 
 @pytest.mark.slow
-def test_stop_hands_back_the_running_trial(tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]) -> None:
+def test_stop_hands_back_the_running_trial(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], request: pytest.FixtureRequest
+) -> None:
     import hpsearch as api
     from hpsearch.search.api_search import _runs_study
 
@@ -170,6 +199,7 @@ def test_stop_hands_back_the_running_trial(tmp_path: Path, tiny_model: Path, dem
     spec = _spec(tiny_model, demo_files, n_trials=3, extra_train="max_steps = 400\nresume_every_minutes = 0")
     spec["train"]["epochs"] = 40
     search = api.start("long", spec, storage=url, devices="cpu:1", output_dir=tmp_path / "runs", wait=False)
+    _ends_with_the_test(request, search._pid)
     deadline = time.monotonic() + 240
     while search.status().states["running"] == 0:
         assert time.monotonic() < deadline, "no trial started"
