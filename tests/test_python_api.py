@@ -224,3 +224,86 @@ def test_plan_is_the_cli_plan_as_data(tiny_model: Path, demo_files: tuple[Path, 
     assert plan.verdict == "fits" and plan.memory == 2**30
     with pytest.raises(api.InputError, match="--device-memory"):
         api.plan(_spec(tiny_model, demo_files), device_memory_gib=-1)
+
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "docs" / "notebook.ipynb"
+
+
+def _execute(nb: Any, cwd: Path) -> Any:
+    """Run ``nb`` in a real Jupyter kernel (ipykernel, through nbclient) in ``cwd``; its kernel is shut down at the
+    end, as closing a notebook does. A failing cell raises with its traceback."""
+    from nbclient import NotebookClient
+
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    return nb
+
+
+def _notebook_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, spec: Path, study: str) -> str:
+    """The worked notebook's settings (its first cell reads them): a tiny model instead of the bert-lr preset."""
+    url = f"sqlite:///{tmp_path / 'notebook.db'}"
+    for key, value in {
+        "HPSEARCH_NOTEBOOK_CONFIG": str(spec),
+        "HPSEARCH_NOTEBOOK_STUDY": study,
+        "HPSEARCH_STORAGE": url,
+        "HPSEARCH_NOTEBOOK_DEVICES": "cpu:1",
+        "HF_HUB_OFFLINE": "1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    return url
+
+
+def _text(cell: Any) -> str:
+    return "\n".join(
+        str(o.get("text", "")) + str(o.get("data", {}).get("text/plain", "")) for o in cell.get("outputs", [])
+    )
+
+
+@pytest.mark.slow
+def test_the_worked_notebook_runs_in_a_real_kernel(
+    tmp_path: Path, spec_file: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    import nbformat
+
+    url = _notebook_env(monkeypatch, tmp_path, spec_file, "nb")
+    nb = _execute(nbformat.read(NOTEBOOK, as_version=4), tmp_path)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert "search.log" in _text(code[1])  # start(wait=False) returned the search and its log
+    study = optuna.load_study(study_name="nb", storage=urls.normalize(url))
+    assert len([t for t in study.trials if t.state.is_finished()]) == 2, "the notebook's wait() returned early"
+    table = next(c for c in code if "search.trials()" in c.source)
+    assert "<table" in str(table.outputs[0]["data"]["text/html"]) and "params_learning_rate" in _text(table)
+    plot = next(c for c in code if "search.plot(" in c.source)
+    assert any("application/vnd.plotly.v1+json" in o.get("data", {}) for o in plot.outputs)
+    predicted = _text(code[-1])
+    assert "a gripping, beautifully acted film" in predicted and "a tedious mess from start to finish" in predicted
+
+
+@pytest.mark.slow
+def test_a_new_kernel_finds_the_search_the_shut_down_kernel_started(
+    tmp_path: Path, spec_file: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """Kernel 1 starts the search (wait=False) and is shut down mid-search; kernel 2 loads it and waits: every
+    trial finished."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    url = _notebook_env(monkeypatch, tmp_path, spec_file, "kernels")
+    first = nbformat.read(NOTEBOOK, as_version=4)
+    starting = [c for c in first.cells if c.cell_type == "code"][:2]
+    starting.append(new_code_cell("print('PID', search._pid)"))
+    ran = _execute(new_notebook(cells=starting, metadata=first.metadata), tmp_path)
+    pid = int(_text(ran.cells[-1]).split("PID")[1].split()[0])
+    _ends_with_the_test(request, pid)
+    # Kernel 1 is shut down; its search is not over, and runs on.
+    study = optuna.load_study(study_name="kernels", storage=urls.normalize(url))
+    assert len([t for t in study.trials if t.state.is_finished()]) < 2
+    os.kill(pid, 0)
+    waiting = new_code_cell(
+        "import hpsearch, os\n"
+        "st = hpsearch.load('kernels', os.environ['HPSEARCH_STORAGE']).wait()\n"
+        "print('OVER', st.over, st.finished + st.states['fail'], st.best.checkpoint is not None)"
+    )
+    ran = _execute(new_notebook(cells=[waiting], metadata=first.metadata), tmp_path)
+    assert "OVER True 2 True" in _text(ran.cells[0])
+    finished = optuna.load_study(study_name="kernels", storage=urls.normalize(url))
+    assert len([t for t in finished.trials if t.state.is_finished()]) == 2
