@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hpsearch.search import summary
-from hpsearch.search.api_errors import InputError, SearchError, raised_as_hpsearch_errors
+from hpsearch.search.api_errors import HpsearchError, InputError, SearchError, raised_as_hpsearch_errors
 from hpsearch.search.cli import DEFAULT_OUTPUT_DIR, study_name
 from hpsearch.search.cli_list import StudyRow, list_studies
 from hpsearch.search.cli_study import format_status, study_status
@@ -376,7 +376,8 @@ def start(
         try:
             search.wait()
         except KeyboardInterrupt:
-            search.stop()  # what Ctrl-C does to `hpsearch start` in a terminal
+            with suppress(HpsearchError):  # it ended meanwhile: nothing to stop, and the interrupt is what to say
+                search.stop()  # what Ctrl-C does to `hpsearch start` in a terminal
             raise
     return search
 
