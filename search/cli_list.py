@@ -64,21 +64,20 @@ def _row(storage: Storage, name: str) -> StudyRow:
 
 
 def format_rows(rows: list[StudyRow], storage_display: str) -> str:
+    """A table: study, trials ended of the budget, by state, best value, live workers (columns as wide as needed)."""
     if not rows:
         return f"no studies in {storage_display}; create one with `hpsearch start --study NAME`"
-    width = max(len("study"), *(len(r.name) for r in rows))
-    lines = [f"{'study':<{width}}  {'trials':<44}  {'best':<22}  live workers"]
+    table = [("study", "ended", "complete", "pruned", "failed", "running", "waiting", "best", "live workers")]
     for r in rows:
         st = r.states
-        budget_text = (
-            f"{st['complete'] + st['pruned'] + st['fail']} of {r.n_trials}" if r.n_trials else "not hpsearch's"
-        )
-        trials = (
-            f"{budget_text}: {st['complete']} complete, {st['pruned']} pruned, {st['fail']} failed, {st['running']} run"
-        )
+        ended = st["complete"] + st["pruned"] + st["fail"]
+        # A study hpsearch did not create has no budget: its trials are counted, against nothing.
+        of = f"{ended} of {r.n_trials}" if r.n_trials is not None else f"{ended} (not hpsearch's)"
         best = f"{r.metric or 'value'} {summary.fmt(r.best_value)}" if r.best_value is not None else "-"
-        lines.append(f"{r.name:<{width}}  {trials:<44}  {best:<22}  {r.live_workers}")
-    return "\n".join(lines)
+        counts = (st["complete"], st["pruned"], st["fail"], st["running"], st["waiting"])
+        table.append((r.name, of, *map(str, counts), best, str(r.live_workers)))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in table)
 
 
 def cmd_list(args: argparse.Namespace) -> int:

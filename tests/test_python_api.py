@@ -307,3 +307,26 @@ def test_a_new_kernel_finds_the_search_the_shut_down_kernel_started(
     assert "OVER True 2 True" in _text(ran.cells[0])
     finished = optuna.load_study(study_name="kernels", storage=urls.normalize(url))
     assert len([t for t in finished.trials if t.state.is_finished()]) == 2
+
+
+def test_list_shows_a_study_hpsearch_did_not_create(tmp_path: Path) -> None:
+    """A plain Optuna study beside ours (same database): listed with its trials and best value, without a budget
+    and without a worker registry to read."""
+    import hpsearch as api
+
+    url = f"sqlite:///{tmp_path / 'plain.db'}"
+    study = optuna.create_study(study_name="plain", storage=url)
+    study.optimize(lambda t: (t.suggest_float("x", 0, 1) - 0.25) ** 2, n_trials=3)
+    (row,) = api.studies(url)
+    assert (row.name, row.n_trials, row.metric, row.live_workers) == ("plain", None, None, 0)
+    assert row.states["complete"] == 3 and row.best_value == pytest.approx(study.best_value)
+    listed = hpsearch("list", "--storage", url, cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.splitlines()[1].split()[:3] == ["plain", "3", "(not"]
+    as_json = json.loads(hpsearch("list", "--json", "--storage", url, cwd=tmp_path).stdout)
+    assert as_json[0]["name"] == "plain" and as_json[0]["states"]["complete"] == 3
+    missing = f"sqlite:///{tmp_path / 'missing.db'}"
+    with pytest.raises(api.InputError, match="no study storage"):
+        api.studies(missing)
+    cli = hpsearch("list", "--storage", missing, cwd=tmp_path)
+    assert cli.returncode == 2 and cli.stderr.startswith("hpsearch list: error: no study storage")
