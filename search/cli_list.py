@@ -67,7 +67,9 @@ def format_rows(rows: list[StudyRow], storage_display: str) -> str:
     """A table: study, trials ended of the budget, by state, best value, live workers (columns as wide as needed)."""
     if not rows:
         return f"no studies in {storage_display}; create one with `hpsearch start --study NAME`"
-    table = [("study", "ended", "complete", "pruned", "failed", "running", "waiting", "best", "live workers")]
+    table: list[tuple[str, ...]] = [
+        ("study", "ended", "complete", "pruned", "failed", "running", "waiting", "best", "live workers")
+    ]
     for r in rows:
         st = r.states
         ended = st["complete"] + st["pruned"] + st["fail"]
