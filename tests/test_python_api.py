@@ -206,10 +206,11 @@ def test_stop_hands_back_the_running_trial(
         time.sleep(1)
     pid = search._pid
     assert pid is not None and _runs_study(pid, "long")
-    # Another process's Search finds the running search through the worker registry, and stops it.
+    # A Search that did not start it (as load() in a new kernel) finds it through the worker registry, and stops it.
     stopped = api.load("long", url).stop(wait=True, timeout=200)
     assert not _runs_study(pid, "long")
-    assert stopped.states["running"] == 0 and not stopped.over
+    # The running trial was handed back: a retry waits to resume it from its saved state.
+    assert stopped.states["running"] == 0 and stopped.states["waiting"] == 1 and not stopped.over
     assert "ended with exit code 143" in (tmp_path / "runs" / "long" / "search.log").read_text()
     with pytest.raises(api.SearchError, match="no hpsearch process"):
         search.stop()
