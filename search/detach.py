@@ -78,6 +78,9 @@ def launch(cli_args: Sequence[str], study_dir: Path, env: dict[str, str]) -> Lau
     report = json.loads(said)
     if report.get("exit_code") is not None:
         keeper.wait()  # it ended with the CLI: reap it
+    else:
+        # The keeper is this process's child: reaped when it ends (a notebook's kernel lives on), not left a zombie.
+        threading.Thread(target=keeper.wait, name="hpsearch-keeper-reaper", daemon=True).start()
     return Launched(
         report.get("pid"),
         Path(report["log"]) if report.get("log") else None,
