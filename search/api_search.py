@@ -27,7 +27,7 @@ from hpsearch.search.cli import DEFAULT_OUTPUT_DIR, study_name
 from hpsearch.search.cli_list import StudyRow, list_studies
 from hpsearch.search.cli_study import format_status, study_status
 from hpsearch.search.exit_codes import ExitCode
-from hpsearch.search.presets import preset_file
+from hpsearch.search.presets import PRESETS, preset_file
 from hpsearch.search.space import toml_text
 from hpsearch.search.spec import StudySpec, load_file
 from hpsearch.storage import attrs, registry, urls
@@ -417,8 +417,14 @@ def _config_args(study: str, config: str | os.PathLike[str] | Mapping[str, Any] 
 
 def _spec_path(config: str | os.PathLike[str]) -> Path:
     path = Path(config)
-    preset = preset_file(str(config)) if not path.exists() else None
-    return preset if preset is not None else path.resolve()
+    if path.exists():
+        return path.resolve()
+    preset = preset_file(str(config))
+    if preset is not None:
+        return preset
+    if path.suffix or len(path.parts) > 1:  # meant as a file: load_file says what is wrong with it
+        return path.resolve()
+    raise InputError(f"config {str(config)!r}: no such spec file here, nor a preset ({', '.join(PRESETS)})")
 
 
 def spec_of(config: str | os.PathLike[str] | Mapping[str, Any]) -> StudySpec:

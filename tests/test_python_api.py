@@ -223,6 +223,10 @@ def test_plan_is_the_cli_plan_as_data(tiny_model: Path, demo_files: tuple[Path, 
     e = plan.estimate
     assert e.total == e.weights + e.gradients + e.optimizer + e.casts + e.gathered + e.activations > 0
     assert plan.verdict == "fits" and plan.memory == 2**30
+    with pytest.raises(api.InputError, match=r"'bert-lx': no such spec file here, nor a preset \(bert-lr, "):
+        api.plan("bert-lx")
+    with pytest.raises(api.InputError, match=r"spec file .*missing.toml does not exist"):
+        api.plan(Path("missing.toml"))
     with pytest.raises(api.InputError, match="--device-memory"):
         api.plan(_spec(tiny_model, demo_files), device_memory_gib=-1)
 
