@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hpsearch.search.api_errors import HpsearchError, InputError, SearchError
-    from hpsearch.search.api_search import Best, Search, Status, load, plan, start, studies
+    from hpsearch.search.api_search import Best, Search, Status
+    from hpsearch.search.api_start import load, plan, start, studies
     from hpsearch.search.cli_list import StudyRow
 
 try:
@@ -27,10 +28,10 @@ _HOMES = {
     "Best": "api_search",
     "Search": "api_search",
     "Status": "api_search",
-    "load": "api_search",
-    "plan": "api_search",
-    "start": "api_search",
-    "studies": "api_search",
+    "load": "api_start",
+    "plan": "api_start",
+    "start": "api_start",
+    "studies": "api_start",
     "StudyRow": "cli_list",
 }
 """Each public name and its module under hpsearch.search."""
