@@ -28,6 +28,7 @@ cmd_start, cmd_worker = _command("cli_run", "start"), _command("cli_run", "worke
 cmd_status, cmd_best = _command("cli_study", "status"), _command("cli_study", "best")
 cmd_reap, cmd_dashboard = _command("cli_study", "reap"), _command("cli_study", "dashboard")
 cmd_plan = _command("cli_plan", "plan")
+cmd_list = _command("cli_list", "list")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,6 +59,7 @@ def device_list(value: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hpsearch", description="Hyperparameter search for transformer fine-tunes.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"hpsearch {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     def storage_arg(p: argparse.ArgumentParser) -> None:
@@ -147,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     storage_arg(best)
     best.set_defaults(func=cmd_best)
 
+    ls = sub.add_parser("list", help="every study in the storage: trials by state, best value, live workers")
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    storage_arg(ls)
+    ls.set_defaults(func=cmd_list)
+
     dash = sub.add_parser("dashboard", help="serve optuna-dashboard on the study's storage")
     dash.add_argument("--study", help="open this study's page (default: the list of studies)")
     storage_arg(dash)
@@ -186,6 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
 DEFAULT_OUTPUT_DIR = Path("hpsearch-runs")
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject's), read from its metadata: no import of the package."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hpsearch")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--devices", type=device_list, help="GPU indices (0,1) or cpu:N; default: every GPU, else one CPU worker"
@@ -222,23 +239,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return ExitCode.signalled(signal.SIGINT)
     except Exception as exc:
-        from hpsearch.search.errors import USER_ERRORS
-        from hpsearch.storage import open as storages, urls
-        from hpsearch.storage.errors import StorageError
+        from hpsearch.search.api_errors import one_line  # the rule the Python API's errors follow too
 
-        # A user error first: its line names the file it is about (a warm start's storage that is not a database
-        # says so, and must not be taken for this command's --storage).
-        if not isinstance(exc, USER_ERRORS) and (said := storages.damaged(exc)):
-            # A page SQLite reads only now, in the middle of a command: the --storage file.
-            where = urls.mask(urls.resolve(getattr(args, "storage", None)))
-            print(f"hpsearch {args.command}: error: {storages.damaged_message(where, said)}", file=sys.stderr)
-            return ExitCode.USAGE
-        if not isinstance(exc, (*USER_ERRORS, StorageError)):
+        said = one_line(exc, getattr(args, "storage", None))
+        if said is None:
             raise
-        # A storage error is not the input's fault (the server went away, a disk filled): one
-        # line too, no traceback, and an exit code that does not blame the input.
-        print(f"hpsearch {args.command}: error: {exc}", file=sys.stderr)
-        return ExitCode.USAGE if isinstance(exc, USER_ERRORS) else ExitCode.FAILED
+        print(f"hpsearch {args.command}: error: {said[0]}", file=sys.stderr)
+        return said[1]
 
 
 def run() -> NoReturn:

@@ -21,15 +21,7 @@ trial "would fit"."""
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    if args.device_memory is not None and not MIN_DEVICE_GIB <= args.device_memory < 2**20:
-        raise UsageError(
-            f"--device-memory {args.device_memory:g}: must be a number of GiB from {MIN_DEVICE_GIB:g} (about 1 MiB: "
-            "no device holds a model in less, and the plan counts whole bytes) to below 1048576 (a pebibyte)"
-        )
-    spec = resolved(_spec(args), Path("hpsearch-runs"))  # a builtin:// model is built there, as start would
-    device_list = devices.group(devices.parse(args.devices), spec.train.devices_per_trial, args.devices)
-    memory = int(args.device_memory * 2**30) if args.device_memory is not None else None
-    plan = plans.make(spec, device_list, memory, every_fix=True)
+    plan = plan_for(_spec(args), args.devices, args.device_memory)
     print(plan.line())
     heads = ("weights", "gradients", "optimizer", "16-bit copy", "gathered", "activations", "total")
     print(f"  {'per device':<44}" + "".join(f"{h:>12}" for h in heads))
@@ -40,6 +32,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     plans.refuse(plan)
     return 0
+
+
+def plan_for(spec: StudySpec, devices_text: str | None, device_memory_gib: float | None) -> plans.Plan:
+    """The memory plan of ``spec`` on ``devices_text`` (``--devices``: this host's by default), or on devices of
+    ``device_memory_gib`` GiB, with every change tried: `hpsearch plan` prints it, ``hpsearch.plan`` returns it."""
+    if device_memory_gib is not None and not MIN_DEVICE_GIB <= device_memory_gib < 2**20:
+        raise UsageError(
+            f"--device-memory {device_memory_gib:g}: must be a number of GiB from {MIN_DEVICE_GIB:g} (about 1 MiB: "
+            "no device holds a model in less, and the plan counts whole bytes) to below 1048576 (a pebibyte)"
+        )
+    spec = resolved(spec, Path("hpsearch-runs"))  # a builtin:// model is built there, as start would
+    device_list = devices.group(devices.parse(devices_text), spec.train.devices_per_trial, devices_text)
+    memory = int(device_memory_gib * 2**30) if device_memory_gib is not None else None
+    return plans.make(spec, device_list, memory, every_fix=True)
 
 
 def _spec(args: argparse.Namespace) -> StudySpec:

@@ -31,6 +31,7 @@ from hpsearch.search import (
 )
 from hpsearch.search.cli import DEFAULT_OUTPUT_DIR
 from hpsearch.search.cli_study import format_status, study_status
+from hpsearch.search.detach import checks_passed
 from hpsearch.search.devices import Device, check_precision
 from hpsearch.search.dispatch import Supervisor
 from hpsearch.search.errors import USER_ERRORS, UsageError
@@ -106,6 +107,7 @@ def _start(args: argparse.Namespace) -> int:
         rundir.claim(study_dir, args.study, studies.ensure_uid(study), storage.display)
         used = _budget_used(storage, study, spec)
     inputs.keep()
+    checks_passed()  # a caller that detached this search (hpsearch.start(wait=False)) may return now
     if used is not None:
         return _nothing_to_run(args, url, used)
     on = ", ".join(d.label for d in device_list)

@@ -32,6 +32,59 @@ def export_best(
 ) -> Path:
     """Copy the best trial's checkpoint (``summary.trial_dict``) to ``target``. A checkpoint in a folder marked
     with another ``uid`` than the study's (a study of the same name elsewhere wrote over it) is refused."""
+    source, folder = checked_checkpoint(best, study, uid)
+    is_adapter = (source / adapters.ADAPTER_CONFIG).exists()  # an adapter's config.json is in its base's folder
+    assert best is not None  # checked_checkpoint refused None
+    if merge and not is_adapter:
+        raise ExportError(
+            f"--merge: trial {best['number']}'s checkpoint {source} is a full model, not an adapter; "
+            "there is nothing to merge: export it without --merge"
+        )
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ExportError(f"--export {target}: exists and is not an empty folder; choose a new folder")
+    if target.resolve().is_relative_to(source.resolve().parent):
+        # Inside the trial's folder, retention would delete the export with the checkpoint.
+        raise ExportError(f"--export {target}: inside trial {best['number']}'s own folder; choose a folder outside it")
+    # Copy into a sibling, then rename: an interrupted export never looks complete.
+    tmp = target.parent / f".{target.name}.exporting"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        # Held against retention: a better trial finishing now must not delete what is copied.
+        with folder.reading():
+            if not source.is_dir():
+                raise ExportError(
+                    f"trial {best['number']}'s checkpoint was deleted by retention as the export began (a better "
+                    "trial finished); run `hpsearch best --export` again for the new best"
+                )
+            if merge:
+                _merge(source, tmp)
+            else:
+                shutil.copytree(source, tmp)
+        record = {
+            "study": study,
+            "trial": best["number"],
+            "value": best["value"],
+            attrs.BEST_STEP: best.get(attrs.BEST_STEP),
+            "params": best.get("params", {}),
+        }
+        (tmp / "hpsearch_best.json").write_text(json.dumps(record, indent=2, sort_keys=True))
+        _follow_umask(tmp)
+        if target.exists():
+            target.rmdir()
+        tmp.rename(target)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(
+            f"--export {target}: cannot write there ({exc.strerror or exc}); choose a folder you can write to"
+        ) from None
+    log.info("exported trial %d of %s to %s", best["number"], study, target)
+    return target
+
+
+def checked_checkpoint(best: dict[str, Any] | None, study: str, uid: str | None) -> tuple[Path, trialdir.TrialDir]:
+    """The best trial's checkpoint folder and its trial folder, once shown to be what hpsearch wrote for this study
+    (``uid``) on this host: a row's path is read, loaded or copied only then (export, ``Search.load_best``)."""
     if best is None:
         raise ExportError(f"study {study!r} has no complete trial yet; nothing to export")
     source_text = best.get(attrs.BEST_CHECKPOINT)
@@ -86,57 +139,13 @@ def export_best(
         # hpsearch writes none: one there was put by someone else, and copying would follow it.
         raise ExportError(f"checkpoint {source} holds a symbolic link ({links[0]}); refusing to export it")
     is_adapter = (source / adapters.ADAPTER_CONFIG).exists()  # an adapter's config.json is in its base's folder
-    if merge and not is_adapter:
-        raise ExportError(
-            f"--merge: trial {best['number']}'s checkpoint {source} is a full model, not an adapter; "
-            "there is nothing to merge: export it without --merge"
-        )
     if not is_adapter and not (source / "config.json").exists():
         raise ExportError(f"checkpoint {source} is incomplete (no config.json)")
     try:
         check_weights(source, f"checkpoint {source} of trial {best['number']}")
     except ModelError as exc:
         raise ExportError(f"{exc}; this copy of trial {best['number']}'s model is lost") from None
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ExportError(f"--export {target}: exists and is not an empty folder; choose a new folder")
-    if target.resolve().is_relative_to(source.resolve().parent):
-        # Inside the trial's folder, retention would delete the export with the checkpoint.
-        raise ExportError(f"--export {target}: inside trial {best['number']}'s own folder; choose a folder outside it")
-    # Copy into a sibling, then rename: an interrupted export never looks complete.
-    tmp = target.parent / f".{target.name}.exporting"
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        # Held against retention: a better trial finishing now must not delete what is copied.
-        with folder.reading():
-            if not source.is_dir():
-                raise ExportError(
-                    f"trial {best['number']}'s checkpoint was deleted by retention as the export began (a better "
-                    "trial finished); run `hpsearch best --export` again for the new best"
-                )
-            if merge:
-                _merge(source, tmp)
-            else:
-                shutil.copytree(source, tmp)
-        record = {
-            "study": study,
-            "trial": best["number"],
-            "value": best["value"],
-            attrs.BEST_STEP: best.get(attrs.BEST_STEP),
-            "params": best.get("params", {}),
-        }
-        (tmp / "hpsearch_best.json").write_text(json.dumps(record, indent=2, sort_keys=True))
-        _follow_umask(tmp)
-        if target.exists():
-            target.rmdir()
-        tmp.rename(target)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(
-            f"--export {target}: cannot write there ({exc.strerror or exc}); choose a folder you can write to"
-        ) from None
-    log.info("exported trial %d of %s to %s", best["number"], study, target)
-    return target
+    return source, folder
 
 
 def _follow_umask(folder: Path) -> None:
