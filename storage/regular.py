@@ -107,7 +107,7 @@ def read_text(path: Path, limit: int, *, follow: bool = False, encoding: str = "
     return read_bytes(path, limit, follow=follow).decode(encoding)
 
 
-def create_private(path: Path, mode: int) -> IO[Any]:
+def create_new(path: Path, mode: int) -> IO[Any]:
     """A new file to write at ``path`` (none may be there: a temporary name of the caller's), created with
     ``mode`` (less the umask) rather than the umask's default: for what holds data-derived content."""
     check_unmoved(path)

@@ -225,7 +225,7 @@ def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
     scaler = sharding.grad_scaler(precision, device) if sharded else prec.grad_scaler(precision, device)
     scheduler = build_scheduler(optimizer, cfg, total_steps)
     parts = Trainable(run.model, optimizer, scheduler, scaler, run.files, vars(cfg), world)
-    state = parts.restore(run.resume_from, run.metric, micro)
+    state = parts.restore(run.resume_from, run.metric, micro, total_steps)
     if state.resumed_from is not None and world.is_main:
         reporter.resumed(state.resumed_from)
         if state.best is not None and state.best_values is not None:
