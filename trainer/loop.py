@@ -263,7 +263,8 @@ def _save_best(loop: Loop, metrics: Metrics, step: int) -> None:
         # A collective: every rank sends its shards; they reach rank 0's host memory one block at a time.
         weights = sharding.full_state(run.model, trained_only=adapters.is_adapter(run.model))
     if run.world.is_main:
-        path = ckpt.save_best(run.model, run.tokenizer, run.files.best, _meta(run, metrics, step), weights)
+        meta, mode = _meta(run, metrics, step), run.data.mode  # the label names in config.json are the data's
+        path = ckpt.save_best(run.model, run.tokenizer, run.files.best, meta, weights, mode)
         loop.reporter.best_saved(path.resolve(), step, metrics.values())
 
 
