@@ -320,3 +320,110 @@ def test_files_holding_the_data_are_no_more_readable_than_the_data(
         os.chmod(f, 0o644)
     shared = prepare(DataConfig(train=str(train), validation=str(dev)), tok, 32, None)
     assert shared.mode == 0o644 and prepared.mode == 0o600
+
+
+# -- sharded state over two real gloo ranks ----------------------------------------------------------------------
+
+
+def _sharded_rank(rank: int, port: int, model_dir: str, files: tuple[str, str], out: str, resume: str | None) -> None:
+    """One rank of a two-rank sharded run (as test_sharded_training.py's), resuming from ``resume``; records how it
+    ended and the warnings it logged."""
+    from hpsearch.search.trial_attrs import NullReporter
+    from hpsearch.trainer import distributed, sharding
+    from hpsearch.trainer.loop import Run, fit
+    from hpsearch.trainer.model import PretrainedCache
+    from tests.support.tiny import files_in
+
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger().addHandler(handler)
+    world = distributed.join(rank, 2, port, torch.device("cpu"))
+    try:
+        tokenizer = load_tokenizer(model_dir)
+        data = prepare(DataConfig(train=files[0], validation=files[1]), tokenizer, 48, None, task="causal-lm")
+        cfg = TrainConfig(
+            learning_rate=3e-3, batch_size=16, micro_batch_size=4, max_steps=4, eval_every=2, precision="fp32",
+            seed=3, resume_every_minutes=0, sharding="fsdp", devices_per_trial=2,
+        )  # fmt: skip
+        if rank > 0:
+            model = sharding.empty_model(model_dir, None, None)
+        else:
+            model = PretrainedCache().trial_model(model_dir, None, cfg.seed, None, private=True)
+        run = Run(model=model, tokenizer=tokenizer, data=data, cfg=cfg, metric="loss", device=torch.device("cpu"),
+                  files=files_in(Path(out)), resume_from=Path(resume) if resume else None)  # fmt: skip
+        run.world = world
+        reporter = NullReporter()
+        try:
+            result = fit(run, reporter)
+            ended = {"status": str(result.status), "steps": result.steps, "points": sorted(reporter.values)}
+        except Exception as exc:
+            ended = {"error": type(exc).__name__}
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps({**ended, "warnings": warnings}))
+    finally:
+        world.close()
+    distributed.end_process(0)
+
+
+def _two_sharded_ranks(
+    model_dir: Path, files: tuple[Path, Path], out: Path, resume: Path | None
+) -> list[dict[str, Any]]:
+    from hpsearch.trainer import distributed
+
+    store = distributed.main_store(2)
+    ctx = torch.multiprocessing.get_context("spawn")
+    args = (store.port, str(model_dir), (str(files[0]), str(files[1])), str(out), str(resume) if resume else None)
+    ranks = [ctx.Process(target=_sharded_rank, args=(r, *args)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(240)
+    assert [p.exitcode for p in ranks] == [0, 0], "a rank aborted, or hangs"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_a_tampered_sharded_state_aborts_no_rank_and_is_not_resumed_twice(
+    tmp_path: Path, tiny_gpt2: Path, lm_files: tuple[Path, Path]
+) -> None:
+    import pickle
+
+    first = tmp_path / "first"
+    assert [r["status"] for r in _two_sharded_ranks(tiny_gpt2, lm_files, first, None)] == ["complete"] * 2
+    assert (first / "resume" / "shards" / ".metadata").is_file()  # the state of step 2 (of 4)
+
+    def variant(name: str) -> Path:
+        out = tmp_path / name
+        out.mkdir()
+        shutil.copytree(first / "resume", out / "resume")
+        return out / "resume" / "shards"
+
+    # 0. Untampered: resumed at step 2 by every rank (its one point is step 4's).
+    variant("good")
+    ranks = _two_sharded_ranks(tiny_gpt2, lm_files, tmp_path / "good", tmp_path / "good" / "resume" / "state.pt")
+    assert [(r["status"], r["steps"]) for r in ranks] == [("complete", 4)] * 2 and ranks[0]["points"] == [4], ranks
+    # 1. An index whose first tensor lies far past the end of its file.
+    shards = variant("offsets")
+    index = pickle.loads((shards / ".metadata").read_bytes())
+    info = next(iter(index.storage_data.values()))
+    info.offset = 10**12
+    (shards / ".metadata").write_bytes(pickle.dumps(index))
+    # 2. A shard file that is a FIFO.
+    shards = variant("fifo")
+    [part, *_] = sorted(shards.glob("*.distcp"))
+    part.unlink()
+    os.mkfifo(part)
+    for name in ("offsets", "fifo"):
+        ranks = _two_sharded_ranks(tiny_gpt2, lm_files, tmp_path / name, tmp_path / name / "resume" / "state.pt")
+        # Every rank trained from step 0 (its step-2 point is its own), after one warning.
+        assert [(r["status"], r["steps"]) for r in ranks] == [("complete", 4)] * 2, ranks
+        assert all(sum("discarded; training from step 0" in w for w in r["warnings"]) == 1 for r in ranks), ranks
+        assert ranks[0]["points"] == [2, 4]
+
+    # 3. Shard bytes damaged inside their bounds: found only as torch reads them, on every rank at once (no rank
+    # waits or aborts); the state is discarded, so the retry cannot resume into the same failure.
+    shards = variant("bytes")
+    for part in shards.glob("*.distcp"):
+        part.write_bytes(b"\0" * part.stat().st_size)
+    ranks = _two_sharded_ranks(tiny_gpt2, lm_files, tmp_path / "bytes", tmp_path / "bytes" / "resume" / "state.pt")
+    assert [r.get("error") for r in ranks] == ["DamagedState"] * 2, ranks
+    assert not (tmp_path / "bytes" / "resume" / "state.pt").exists() and not shards.exists()

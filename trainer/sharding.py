@@ -204,13 +204,21 @@ def load_shards(
     """Put back what :func:`save_shards` wrote, each rank reading the slices its own shards need (a collective).
     Raises ``UnsafeCheckpoint`` for a folder whose index names anything but tensors or plain metadata."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     options = StateDictOptions(ignore_frozen_params=trained_only)
     # Templates of the right shapes and sharding (the optimizer's moments are made first if it has not stepped).
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     target: dict[str, Any] = {"model": model_state, "optimizer": optim_state["state"]}
-    dcp.load(target, storage_reader=_SafeReader(folder))
+    try:
+        dcp.load(target, storage_reader=_SafeReader(folder))
+    except CheckpointException as exc:
+        # One rank's failure is every rank's (torch gathers them), but as a BaseException, which no handler of an
+        # ordinary error would see: an ordinary one, raised by every rank alike (trainer/state.py DamagedState).
+        first = next(iter(exc.failures.values()), None)
+        said = str(first).splitlines()[0] if first is not None and str(first) else type(first).__name__
+        raise RuntimeError(f"ranks {sorted(exc.failures)} could not read their shards ({said})") from None
     optim = {"state": target["optimizer"], "param_groups": param_groups}
     set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=optim, options=options)
 
@@ -286,7 +294,7 @@ def _check_index(folder: Path, metadata: Any) -> str | None:
                 sizes[name] = os.fstat(fd).st_size
             finally:
                 os.close(fd)
-        if not (_count(offset) and _count(length) and offset + length <= sizes[name]):
+        if not (_count(offset, zero=True) and _count(length) and offset + length <= sizes[name]):
             return f"{name}: bytes {offset!r} + {length!r} lie outside its {sizes[name]:,} bytes"
     for fqn, item in metadata.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):
