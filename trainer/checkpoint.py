@@ -135,7 +135,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def _atomic_dir(target: Path, write: Callable[[Path], object]) -> None:
     """Write into a sibling temp folder, then swap it in: a crash never leaves half a checkpoint."""
-    tmp = temp_dir(target)
+    try:
+        tmp = temp_dir(target)
+    except OSError as exc:  # a full disk, or a folder on the way swapped for a link (storage/regular.py)
+        raise save_failed(target, exc) from exc
     try:
         write(tmp)
         swap_in(tmp, target)
