@@ -286,7 +286,7 @@ def _check_inputs(spec: StudySpec, output_dir: Path, study: str, device_list: li
             raise UsageError(f"search.space.precision: choice {choice!r}: {exc}") from None
     # Tokenised now: what only tokenising finds (a causal-LM prompt that leaves no token to train on) is reported
     # here. Into the workers' own cache once the study exists (Inputs.keep), where they find it.
-    cache = output_dir / TOKEN_CACHE
+    cache = output_dir.resolve() / TOKEN_CACHE  # as the workers name it: built from the folder resolved at start
     prepared = prepare(spec.data, tokenizer, spec.model.max_length, cache, spec.model.task, splits, write=False)
     for line in left_out(prepared, spec.data, spec.model.max_length):
         log.warning("%s", line)

@@ -9,19 +9,21 @@ import json
 import os
 from pathlib import Path
 
+from hpsearch.storage import regular
 from hpsearch.storage.errors import StudyFolderError
 
 MARKER = ".hpsearch-study.json"
+MAX_MARKER_BYTES = 2**16  # a marker is three short strings
 
 
 def owner(study_dir: Path) -> dict[str, str] | None:
     """The marker's contents (``uid``, ``study``, ``storage``), or None where there is none."""
     try:
-        data = json.loads((study_dir / MARKER).read_text())
+        data = json.loads(regular.read_text(study_dir / MARKER, MAX_MARKER_BYTES))
     except (FileNotFoundError, NotADirectoryError):  # a file where the folder goes: --output-dir's check says so
         return None
     except (OSError, ValueError):
-        data = None  # unreadable: owned by nobody we know
+        data = None  # unreadable (a FIFO, a link put there among them): owned by nobody we know
     return data if isinstance(data, dict) else {"uid": "", "study": "?", "storage": "?"}
 
 
@@ -53,9 +55,12 @@ def claim(study_dir: Path, study: str, uid: str, storage: str) -> None:
     """Mark ``study_dir`` as the study's (after :func:`check` passed); idempotent."""
     if owner(study_dir) is not None:
         return
+    regular.check_unmoved(study_dir / MARKER)
     study_dir.mkdir(parents=True, exist_ok=True)
     tmp = study_dir / f"{MARKER}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"uid": uid, "study": study, "storage": storage}, indent=2) + "\n")
+    tmp.unlink(missing_ok=True)  # left by a start of this pid that died here; never written through
+    with regular.create_new(tmp, 0o644) as f:
+        f.write(json.dumps({"uid": uid, "study": study, "storage": storage}, indent=2) + "\n")
     os.replace(tmp, study_dir / MARKER)  # atomic: a reader sees no marker or a whole one
 
 

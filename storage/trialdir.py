@@ -14,10 +14,13 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
+
+from hpsearch.storage import regular
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +80,9 @@ class TrialDir:
         return cls(root, int(number)) if folder_name.startswith(PREFIX) and number.isdigit() else None
 
     def make(self) -> Path:
-        """Create the folder (or find it) for this trial to write in; refuse one that is a link, or in one."""
-        if not self.root.is_symlink():  # else nothing is made through it: refused below
+        """Create the folder (or find it) for this trial to write in; refuse one that is a link, or in one (or in an
+        output folder swapped for a link since it was resolved at start)."""
+        if not self.root.is_symlink() and regular.unmoved(self.path):  # else nothing is made through it: refused
             self.root.mkdir(parents=True, exist_ok=True)
             with contextlib.suppress(FileExistsError):  # a file or a dangling link in its place: refused below
                 self.path.mkdir(exist_ok=True)
@@ -92,26 +96,35 @@ class TrialDir:
 
     def is_real(self) -> bool:
         """Whether the folder is a plain directory of ``root``, and ``root`` one of its parent (neither is a link to
-        elsewhere: a study folder made a link would take retention's deletions out of the runs folder)."""
+        elsewhere: a study folder made a link would take retention's deletions out of the runs folder), reached
+        through no link: ``root`` is the output folder as resolved at start, and one swapped for a link since (the
+        output folder itself, or a folder above) is refused (storage/regular.py ``unmoved``)."""
         try:
-            links = self.root.is_symlink() or self.path.is_symlink()
+            links = self.root.is_symlink() or self.path.is_symlink() or not regular.unmoved(self.path)
             return not links and self.path.is_dir() and self.path.resolve() == self._real()
         except OSError:
             return False
 
     def open_log(self) -> TextIO:
-        """The trial's ``train.log``, opened to append; a link in its place is replaced (with a warning), never
-        written through."""
+        """The trial's ``train.log``, opened to append; a link, FIFO, socket or device in its place is replaced
+        (with a warning), never written through nor waited on."""
         self.unlink_link(self.log)
-        # O_NOFOLLOW: a link put there after the check is refused, not followed.
-        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        return os.fdopen(fd, "a", encoding="utf-8")
+        # Put there after the check: refused (storage/regular.py), not followed, and the open does not block.
+        return regular.open_file(self.log, "a", 0o644, encoding="utf-8")
 
     def unlink_link(self, path: Path) -> None:
-        """Take away a link someone put where this trial writes a file or folder of its own (its log, its curves)."""
-        if path.is_symlink():
-            log.warning("replacing %s: it is a link (to %s), and hpsearch writes through none", path, os.readlink(path))
-            path.unlink()
+        """Take away a link someone put where this trial writes a file or folder of its own (its log, its curves),
+        or a FIFO, socket or device (opening one would hang, or write to the device). Only inside this trial's own
+        folder, reached through no link."""
+        try:
+            mode = path.lstat().st_mode
+        except OSError:
+            return  # nothing there
+        if stat.S_ISREG(mode) or stat.S_ISDIR(mode) or not self.is_real():
+            return
+        what = f"a link (to {os.readlink(path)})" if stat.S_ISLNK(mode) else regular.kind(mode)
+        log.warning("replacing %s: it is %s, and hpsearch writes only regular files, through no link", path, what)
+        path.unlink()
 
     def holds(self, path: Path) -> bool:
         """Whether ``path`` lies inside this trial's folder once every link is resolved, and is no link itself.
@@ -168,8 +181,8 @@ class TrialDir:
             yield False
             return
         try:
-            # O_NOFOLLOW: a lock file replaced by a link is not opened (nor created) through it.
-            fd = os.open(self.path / _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            # A lock file replaced by a link is not opened (nor created) through it; a FIFO is not waited on.
+            fd = regular.open_fd(self.path / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError:
             yield False
             return

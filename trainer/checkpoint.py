@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 
+from hpsearch.storage import regular
 from hpsearch.trainer.errors import is_disk_full
 from hpsearch.trainer.model import unwrap
 from hpsearch.trainer.report import FailReason
 
 log = logging.getLogger(__name__)
 META = "hpsearch.json"  # beside the best model: the study, trial, step, validation metrics and training config
+MAX_RECORD_BYTES = 2**20  # a meta or out-of-memory record of ours is a few hundred bytes: a larger one is not ours
 
 
 @dataclass(frozen=True)
@@ -51,12 +53,14 @@ def save_best(
     meta: dict[str, Any],
     state_dict: dict[str, torch.Tensor] | None = None,
     dtype: torch.dtype | None = None,
+    mode: int | None = None,
 ) -> Path:
     """Save model + tokenizer to ``target``, loadable with ``from_pretrained``; replaces the previous best.
     ``state_dict``: the weights to write, when the model's own are shards (trainer/sharding.py ``full_state``).
     ``dtype``: the checkpoint's own dtype (trainer/precision.py ``Policy.stored``): fp32 masters of a bf16 model
     are saved in bf16, so the best folder is as big as the model it came from. An adapter folder keeps its fp32
-    adapter (peft's own default; a few MB)."""
+    adapter (peft's own default; a few MB). ``mode``: the files' permissions, no wider than the data's (its label
+    names are in config.json; encoding.py ``Prepared.mode``); None leaves the umask's."""
 
     def write(tmp: Path) -> None:
         plain = unwrap(model)
@@ -71,6 +75,10 @@ def save_best(
             _name_dtype(tmp, dtype)
         tokenizer.save_pretrained(tmp)
         (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        if mode is not None:
+            for file in tmp.rglob("*"):
+                if file.is_file() and not file.is_symlink():
+                    file.chmod(mode)
 
     _atomic_dir(target, write)
     return target
@@ -131,8 +139,8 @@ def _name_unsharded_class(model: torch.nn.Module, folder: Path) -> None:
 def best_meta(best: Path) -> dict[str, Any] | None:
     """The meta of the best model in ``best``, or None if there is none (or it is unreadable)."""
     try:
-        meta = json.loads((best / META).read_text())
-    except (OSError, ValueError):
+        meta = json.loads(regular.read_text(best / META, MAX_RECORD_BYTES))
+    except (OSError, ValueError):  # NotRegularFile among them: a FIFO or link put there is no meta of ours
         return None
     return meta if isinstance(meta, dict) else None
 
@@ -150,8 +158,11 @@ def save_resume(path: Path, state: dict[str, Any], *, atomic: bool = True) -> Pa
 
 def load_resume(path: Path) -> dict[str, Any]:
     """The state :func:`save_resume` wrote: ``weights_only``, never a pickle (a shared runs folder may hold a
-    file someone else wrote; see docs/decisions.md, "No pickle from disk")."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    file someone else wrote; see docs/decisions.md, "No pickle from disk"), and only from a regular file reached
+    through no link (storage/regular.py: a FIFO there would hang the worker). Its values are the caller's to check
+    (trainer/state.py ``check_saved``)."""
+    with regular.open_file(path, "rb") as f:
+        return torch.load(f, map_location="cpu", weights_only=True)
 
 
 def rng_state() -> dict[str, Any]:
@@ -170,7 +181,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def _atomic_dir(target: Path, write: Callable[[Path], object]) -> None:
     """Write into a sibling temp folder, then swap it in: a crash never leaves half a checkpoint."""
-    tmp = temp_dir(target)
+    try:
+        tmp = temp_dir(target)
+    except OSError as exc:  # a full disk, or a folder on the way swapped for a link (storage/regular.py)
+        raise save_failed(target, exc) from exc
     try:
         write(tmp)
         swap_in(tmp, target)
@@ -180,7 +194,9 @@ def _atomic_dir(target: Path, write: Callable[[Path], object]) -> None:
 
 
 def temp_dir(target: Path) -> Path:
-    """A new, empty sibling of ``target`` to write a checkpoint into (the ranks of a sharded trial share one)."""
+    """A new, empty sibling of ``target`` to write a checkpoint into (the ranks of a sharded trial share one);
+    refused (NotRegularFile) where a folder on the way became a link since the output folder was resolved."""
+    regular.check_unmoved(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -189,6 +205,7 @@ def temp_dir(target: Path) -> Path:
 
 def swap_in(tmp: Path, target: Path) -> None:
     """Replace ``target`` with the complete ``tmp``: two renames, so a reader sees the old folder or the new one."""
+    regular.check_unmoved(target)  # the old one is deleted: never through a folder swapped for a link
     old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
     if target.exists():
         os.replace(target, old)
@@ -204,17 +221,21 @@ def save_failed(target: Path, exc: BaseException) -> CheckpointError:
 
 
 def record_out_of_memory(path: Path, micro: int, step: int, rank: int) -> None:
-    """Write that ``rank`` ran out of memory at ``micro`` (JSON, replaced atomically: two ranks may both write)."""
+    """Write that ``rank`` ran out of memory at ``micro`` (JSON, replaced atomically: two ranks may both write; the
+    rename replaces whatever was planted at ``path``, a FIFO or a link, rather than writing through it)."""
+    regular.check_unmoved(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    tmp.write_text(json.dumps({"micro_batch_size": micro, "step": step, "rank": rank}))
+    with regular.create_new(tmp, 0o644) as f:
+        f.write(json.dumps({"micro_batch_size": micro, "step": step, "rank": rank}))
     os.replace(tmp, path)
 
 
 def out_of_memory_at(path: Path) -> int | None:
-    """The micro-batch a previous attempt ran out of memory at, if one recorded it (JSON: nothing is unpickled)."""
+    """The micro-batch a previous attempt ran out of memory at, if one recorded it (JSON: nothing is unpickled; a
+    FIFO, link or oversized file there is ignored with a warning, never waited on)."""
     try:
-        micro = json.loads(path.read_text()).get("micro_batch_size")
+        micro = json.loads(regular.read_text(path, MAX_RECORD_BYTES)).get("micro_batch_size")
     except FileNotFoundError:
         return None
     except (OSError, ValueError, AttributeError) as exc:

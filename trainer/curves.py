@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from hpsearch.storage import regular
 from hpsearch.trainer.stats import Throughput, peak_memory_mb
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class Curves:
         if not enabled:
             return
         try:
+            regular.check_unmoved(folder)  # never into an output folder swapped for a link since start
             folder.mkdir(parents=True, exist_ok=True)
             from tensorboardX import SummaryWriter
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpsearch.storage import regular
 from hpsearch.trainer.batching import CAUSAL_LM, CLASSIFICATION, Encoded
 from hpsearch.trainer.chat import ChatRows, encode_chat, read_chat_rows
 from hpsearch.trainer.config import DataConfig
@@ -62,6 +63,20 @@ class Prepared:
     labels: LabelMap | None
     pad_id: int
     task: str = CLASSIFICATION
+    mode: int | None = None
+    """The permissions for files that hold what the data says (the token cache, a best model's label names): no
+    wider than the data files' own (:func:`data_mode`); None: the umask's."""
+
+
+def data_mode(cfg: DataConfig) -> int:
+    """The mode of files derived from ``cfg``'s data: what both data files allow others (read and write bits only),
+    and always their owner's read and write; 0600 where a file cannot be looked at. A root-only users.csv must not
+    turn into a world-readable token cache or config.json of label names."""
+    try:
+        shared = os.stat(cfg.train).st_mode & os.stat(cfg.validation).st_mode
+    except OSError:
+        return 0o600
+    return 0o600 | (shared & 0o066)
 
 
 def prepare(
@@ -79,30 +94,33 @@ def prepare(
     ``write=False`` reads a cached copy but writes none (a `start` whose other checks may still fail: :func:`keep`
     writes it once the study exists). A file that loses too many rows to ``max_length`` is refused (check_dropped),
     read from the cache or not: the share allowed is no part of the cache's key."""
-    if cache_dir is not None and cache_dir.is_symlink():
-        # A shared runs folder is input: a link there would have the cache written (and read) elsewhere.
-        log.warning("not using the token cache %s: it is a link, and hpsearch writes through none", cache_dir)
+    if cache_dir is not None and (cache_dir.is_symlink() or not regular.unmoved(cache_dir)):
+        # A shared runs folder is input: a link there (or on the way there: an output folder swapped for one) would
+        # have the cache written (and read) elsewhere.
+        log.warning(
+            "not using the token cache %s: it is (or lies behind) a link, and hpsearch writes through none", cache_dir
+        )
         cache_dir = None
+    mode = data_mode(cfg)
     if cache_dir is None:
-        return _tokenise(cfg, tokenizer, max_length, task, splits)
+        return dataclasses.replace(_tokenise(cfg, tokenizer, max_length, task, splits), mode=mode)
     path = _cache_file(cfg, tokenizer, max_length, task, cache_dir)
     cached = _load(path, cfg, max_length)
-    if cached is not None:
-        return cached
-    if not write:
-        return _tokenise(cfg, tokenizer, max_length, task, splits)
-    # Several workers starting at once: one tokenises under an exclusive lock, the others wait and read its file.
-    with _exclusive(path.with_suffix(".lock")):
-        cached = _load(path, cfg, max_length)
-        if cached is None:
-            cached = _tokenise(cfg, tokenizer, max_length, task, splits)
-            _write_atomic(path, cached)
-    return cached
+    if cached is None and not write:
+        cached = _tokenise(cfg, tokenizer, max_length, task, splits)
+    if cached is None:
+        # Several workers starting at once: one tokenises under an exclusive lock, the others wait and read its file.
+        with _exclusive(path.with_suffix(".lock")):
+            cached = _load(path, cfg, max_length)
+            if cached is None:
+                cached = dataclasses.replace(_tokenise(cfg, tokenizer, max_length, task, splits), mode=mode)
+                _write_atomic(path, cached)
+    return dataclasses.replace(cached, mode=mode)
 
 
 def keep(prepared: Prepared, cfg: DataConfig, tokenizer: Any, max_length: int, cache_dir: Path) -> None:
     """Write what ``prepare(..., write=False)`` tokenised into ``cache_dir``, unless a copy is there already."""
-    if cache_dir.is_symlink():
+    if cache_dir.is_symlink() or not regular.unmoved(cache_dir):
         return  # prepare() said so
     path = _cache_file(cfg, tokenizer, max_length, prepared.task, cache_dir)
     if not path.exists():
@@ -136,13 +154,14 @@ def _load(path: Path, cfg: DataConfig, max_length: int) -> Prepared | None:
     """The cached tokens, or None (none yet, or unreadable: then tokenised again), checked as freshly tokenised ones
     are (check_dropped). JSON, never pickle: the folder may sit on a shared disk (docs/decisions.md, "No pickle from
     disk")."""
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
     try:
-        with path.open("rb") as f:
+        # A regular file reached through no link: a FIFO there would hang every worker at its start.
+        with regular.open_file(path, "rb") as f:
             cached = _from_json(json.load(f))
-    except (OSError, ValueError, TypeError, KeyError):
-        log.warning("token cache %s is unreadable; tokenising again", path)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        log.warning("token cache %s is unreadable (%s); tokenising again", path, exc)
         return None
     log.info("token cache hit: %s", path)
     check_dropped(cached, cfg, max_length)
@@ -200,8 +219,8 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
     """An advisory lock between processes on this host."""
     try:
         lock_path.parent.mkdir(parents=True, exist_ok=True)
-        # O_NOFOLLOW: a lock file replaced by a link is not created (or opened) through it.
-        handle = os.fdopen(os.open(lock_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644), "a")
+        # Not through a link, and no FIFO (whose open would wait for a reader): storage/regular.py.
+        handle = regular.open_file(lock_path, "a", 0o644)
     except OSError as exc:
         log.warning("cannot create lock %s (%s); tokenising without it", lock_path, exc)
         yield
@@ -280,7 +299,7 @@ def _cache_key(cfg: DataConfig, tokenizer: Any, max_length: int, task: str) -> s
     columns += "" if cfg.header else "|no header"  # the first row is an example too
     h = hashlib.sha256(f"v{CACHE_VERSION}|{task}|{max_length}|{columns}".encode())
     for name in (cfg.train, cfg.validation):
-        with open(name, "rb") as f:
+        with regular.open_file(Path(name), "rb", follow=True) as f:  # a FIFO named as data is refused, not read
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
     h.update(_tokenizer_identity(tokenizer).encode())
@@ -303,10 +322,13 @@ def _tokenizer_identity(tokenizer: Any) -> str:
 
 def _write_atomic(path: Path, value: Prepared) -> None:
     # Every writer renames a complete private file into place: a reader sees nothing or a whole cache, never a torn one.
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # The rename replaces whatever was planted at ``path`` (a FIFO, a link) instead of writing through it; the new
+    # file has the data's mode (the tokens and label names are the data's).
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     try:
-        with tmp.open("w") as f:
+        regular.check_unmoved(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with regular.create_new(tmp, value.mode if value.mode is not None else 0o600) as f:
             json.dump(_to_json(value), f, separators=(",", ":"))
         os.replace(tmp, path)
     except OSError as exc:

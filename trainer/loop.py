@@ -230,7 +230,7 @@ def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
     scaler = sharding.grad_scaler(precision, device) if sharded else prec.grad_scaler(precision, device)
     scheduler = build_scheduler(optimizer, cfg, total_steps)
     parts = Trainable(run.model, optimizer, scheduler, scaler, run.files, vars(cfg), world)
-    state = parts.restore(run.resume_from, run.metric, micro)
+    state = parts.restore(run.resume_from, run.metric, micro, total_steps)
     if state.resumed_from is not None and world.is_main:
         reporter.resumed(state.resumed_from)
         if state.best is not None and state.best_values is not None:
@@ -286,8 +286,8 @@ def _save_best(loop: Loop, metrics: Metrics, step: int) -> None:
         # A collective: every rank sends its shards; they reach rank 0's host memory one block at a time.
         weights = sharding.full_state(run.model, trained_only=adapters.is_adapter(run.model))
     if run.world.is_main:
-        meta = _meta(run, metrics, step)
-        path = ckpt.save_best(run.model, run.tokenizer, run.files.best, meta, weights, loop.policy.stored)
+        meta, mode = _meta(run, metrics, step), run.data.mode  # the label names in config.json are the data's
+        path = ckpt.save_best(run.model, run.tokenizer, run.files.best, meta, weights, loop.policy.stored, mode)
         loop.reporter.best_saved(path.resolve(), step, metrics.values())
 
 

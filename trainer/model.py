@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -13,7 +14,8 @@ from urllib.parse import urlsplit
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from hpsearch.trainer import precision as prec
+from hpsearch.storage import regular
+from hpsearch.trainer import model_check, precision as prec
 from hpsearch.trainer.config import AdapterConfig, ConfigError
 from hpsearch.trainer.errors import ModelError
 
@@ -32,21 +34,45 @@ transformers would otherwise offer to run, on an interactive terminal after one 
 CUSTOM_CODE_FILES = ("config.json", "tokenizer_config.json")
 
 
+MAX_CONFIG_BYTES = 64 * 2**20
+"""A config.json or tokenizer_config.json larger than this is no model's (the largest, with a chat template, are
+a few hundred kB)."""
+
+
 def refuse_custom_code(name: str) -> None:
     """A local model folder whose config asks for its own code (``auto_map``) is refused in one line, before any
-    load: with ``trust_remote_code=False`` transformers would refuse it too, in a longer message."""
+    load: with ``trust_remote_code=False`` transformers would refuse it too, in a longer message. So is a folder
+    holding a FIFO, device or socket, which any load would hang on (:func:`refuse_special_files`)."""
     folder = _local_path(name)
     if folder is None:
         return
+    refuse_special_files(folder, name)
     for file in CUSTOM_CODE_FILES:
         try:
-            config = json.loads((folder / file).read_text(encoding="utf-8"))
+            config = json.loads(regular.read_text(folder / file, MAX_CONFIG_BYTES, follow=True))
         except (OSError, ValueError):
             continue  # absent or unreadable: the load that needs it says so
         if isinstance(config, dict) and "auto_map" in config:
             raise ModelError(
                 f"model.name: folder {name} needs its own Python code ({file} has an auto_map), which hpsearch "
                 "never runs; use a model whose architecture transformers ships"
+            )
+
+
+def refuse_special_files(folder: Path, name: str) -> None:
+    """Every entry of a model folder is a file or a folder (links followed: a hub cache's snapshot is links into
+    its blobs): a FIFO as its config.json would hang transformers' read, and `start` or `plan` with it, for good."""
+    if not folder.is_dir():
+        return
+    for entry in os.scandir(folder):
+        try:
+            mode = entry.stat().st_mode  # follows a link, as transformers' open does
+        except OSError:
+            continue  # a dangling link: the load that needs it says so
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise ModelError(
+                f"model.name: folder {name}: {entry.name} is {regular.kind(mode)}, not a file; a model folder holds "
+                "only files and folders: replace it with the real file"
             )
 
 
@@ -84,12 +110,19 @@ def check_reachable(name: str, timeout_s: float = 5.0) -> None:
 def from_pretrained(auto: Any, name: str) -> Any:
     """``auto.from_pretrained(name)`` (AutoTokenizer, AutoConfig) as every load of ours: quiet, running no code of
     the folder's, and a failure said in one line."""
+    from transformers import PretrainedConfig
+
     _quiet_transformers()
     refuse_custom_code(name)
     try:
-        return auto.from_pretrained(name, **NO_REMOTE_CODE)
+        loaded = auto.from_pretrained(name, **NO_REMOTE_CODE)
     except Exception as exc:  # a broken tokenizer.json raises KeyError, TypeError, ...: all the folder's fault
         raise ModelError(_explain(name, exc)) from None
+    if isinstance(loaded, PretrainedConfig):
+        # Every config hpsearch reads is checked as it is read, before anything is built from it: check_model's
+        # (start, worker) and the memory plan's meta model (memory.py meta_model: plan, start, worker).
+        model_check.check_config(loaded, name)
+    return loaded
 
 
 def load_tokenizer(name: str) -> Any:
@@ -118,7 +151,8 @@ WEIGHT_FILES = (
 def check_model(name: str, max_length: int) -> None:
     """What every trial's model load needs, checked without reading the weights: a config
     transformers knows, room for ``max_length`` positions and, for a local folder, a weights
-    file. Otherwise every trial would fail on it in turn."""
+    file. Otherwise every trial would fail on it in turn. The config's sizes are checked as it is read
+    (:func:`from_pretrained`, trainer/model_check.py)."""
     from transformers import AutoConfig
 
     config = from_pretrained(AutoConfig, name)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from hpsearch.storage import regular
+
 SUFFIXES = (".jsonl", ".csv", ".tsv")
 
 
@@ -190,7 +192,11 @@ def read_records(path: Path, header: bool = True) -> Records:
     if suffix not in SUFFIXES:
         raise DataError(f"data file {path}: unsupported extension {suffix!r}; use .jsonl, .csv or .tsv")
     try:
-        raw = path.read_text(encoding="utf-8-sig")
+        # Opened without blocking and checked to be a regular file: a FIFO named as data would hang `start`.
+        with regular.open_file(path, "r", follow=True, encoding="utf-8-sig") as f:
+            raw = f.read()
+    except regular.NotRegularFile as exc:
+        raise DataError(f"data file {exc}; point [data] at a .jsonl, .csv or .tsv file") from None
     except UnicodeDecodeError as exc:
         raise DataError(
             f"data file {path} is not UTF-8 (bad byte at offset {exc.start}); re-save it as UTF-8"

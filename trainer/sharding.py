@@ -11,13 +11,18 @@ as one Hugging Face folder; the resumable state stays sharded, each rank writing
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import os
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hpsearch.storage import regular
 from hpsearch.trainer.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -200,13 +205,21 @@ def load_shards(
     """Put back what :func:`save_shards` wrote, each rank reading the slices its own shards need (a collective).
     Raises ``UnsafeCheckpoint`` for a folder whose index names anything but tensors or plain metadata."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     options = StateDictOptions(ignore_frozen_params=trained_only)
     # Templates of the right shapes and sharding (the optimizer's moments are made first if it has not stepped).
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     target: dict[str, Any] = {"model": model_state, "optimizer": optim_state["state"]}
-    dcp.load(target, storage_reader=_SafeReader(folder))
+    try:
+        dcp.load(target, storage_reader=_SafeReader(folder))
+    except CheckpointException as exc:
+        # One rank's failure is every rank's (torch gathers them), but as a BaseException, which no handler of an
+        # ordinary error would see: an ordinary one, raised by every rank alike (trainer/state.py DamagedState).
+        first = next(iter(exc.failures.values()), None)
+        said = str(first).splitlines()[0] if first is not None and str(first) else type(first).__name__
+        raise RuntimeError(f"ranks {sorted(exc.failures)} could not read their shards ({said})") from None
     optim = {"state": target["optimizer"], "param_groups": param_groups}
     set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=optim, options=options)
 
@@ -250,9 +263,85 @@ class _IndexUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+MAX_INDEX_BYTES = 256 * 2**20
+"""The index of a sharded state lists each tensor's chunks: a few MB for the largest models, never this much."""
+MAX_DIMS = 8
+
+
+def check_shards(folder: Path) -> str | None:
+    """Why the sharded part of a resumable state in ``folder`` cannot be read, or None. Every rank calls it before
+    the collective load (trainer/state.py): an index or shard file that is not one, or whose numbers point outside
+    the files, is found here, where each rank can say so, not inside torch's reader, where one rank's failure would
+    leave the others waiting in a collective (or abort them)."""
+    try:
+        metadata = _SafeReader(folder).read_metadata()
+        return _check_index(folder, metadata)
+    except Exception as exc:  # a garbled pickle raises anything: all of it means "not usable"
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _check_index(folder: Path, metadata: Any) -> str | None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        return "the index lists no files"
+    sizes: dict[str, int] = {}
+    for info in storage.values():
+        name, offset, length = str(info.relative_path), info.offset, info.length
+        if name not in sizes:
+            fd = regular.open_fd(folder / name)  # a regular file of the folder, reached through no link
+            try:
+                sizes[name] = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+        if not (_count(offset, zero=True) and _count(length) and offset + length <= sizes[name]):
+            return f"{name}: bytes {offset!r} + {length!r} lie outside its {sizes[name]:,} bytes"
+    for fqn, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            return f"{fqn!r} is not a tensor"
+        shape = list(item.size)
+        if len(shape) > MAX_DIMS or not all(_count(n, zero=True) for n in shape):
+            return f"{fqn!r} has the shape {shape!r}"
+        for chunk in item.chunks:
+            offsets, lengths = list(chunk.offsets), list(chunk.sizes)
+            inside = len(offsets) == len(lengths) == len(shape) and all(
+                _count(o, zero=True) and _count(n, zero=True) and o + n <= d
+                for o, n, d in zip(offsets, lengths, shape, strict=True)
+            )
+            if not inside:
+                return f"a chunk of {fqn!r} ({offsets} + {lengths}) lies outside its shape {shape}"
+            where = storage.get(MetadataIndex(fqn, chunk.offsets))
+            if where is None:
+                return f"a chunk of {fqn!r} is in no file"
+            numel = 1
+            for n in lengths:
+                numel *= n
+            if where.length < numel * item.properties.dtype.itemsize:
+                return f"a chunk of {fqn!r} needs {numel:,} values, more than its {where.length:,} bytes hold"
+    return None
+
+
+def _count(value: Any, *, zero: bool = False) -> bool:
+    """A non-negative integer (positive unless ``zero``), not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= (0 if zero else 1)
+
+
 def _SafeReader(folder: Path) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystem
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+
+    class RegularFiles(FileSystem):
+        """torch's file access, opening only regular files through no link (storage/regular.py): a FIFO put in
+        place of a shard must not hang a rank inside the collective load."""
+
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            if mode != "rb":
+                raise UnsafeCheckpoint(f"the sharded state's reader opens nothing to write ({path})")
+            with regular.open_file(Path(path), "rb") as stream:
+                yield stream
 
     class SafeReader(FileSystemReader):
         """torch's reader, but its index is read with the restricted unpickler above, and an index that lists
@@ -260,11 +349,12 @@ def _SafeReader(folder: Path) -> Any:
 
         def __init__(self, folder: Path) -> None:
             super().__init__(str(folder))
+            self.fs = RegularFiles()
             self.folder = folder
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            with (self.folder / ".metadata").open("rb") as f:
-                metadata = _IndexUnpickler(f).load()
+            index = regular.read_bytes(self.folder / ".metadata", MAX_INDEX_BYTES)
+            metadata = _IndexUnpickler(io.BytesIO(index)).load()
             items = getattr(metadata, "state_dict_metadata", None)
             if not isinstance(items, dict):
                 raise UnsafeCheckpoint("the sharded state's index is not one torch.distributed.checkpoint wrote")
