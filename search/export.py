@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpsearch.search.errors import SpecError
-from hpsearch.storage import attrs, registry, rundir, trialdir
+from hpsearch.storage import attrs, registry, regular, rundir, trialdir
 from hpsearch.storage.retention import is_deleted
 from hpsearch.storage.shown import shown
 from hpsearch.trainer import adapters
@@ -138,6 +138,9 @@ def checked_checkpoint(best: dict[str, Any] | None, study: str, uid: str | None)
     if links := [p for p in source.rglob("*") if p.is_symlink()]:
         # hpsearch writes none: one there was put by someone else, and copying would follow it.
         raise ExportError(f"checkpoint {source} holds a symbolic link ({links[0]}); refusing to export it")
+    if odd := [p for p in source.rglob("*") if not (p.is_file() or p.is_dir())]:
+        # A FIFO, socket or device: reading or copying it would wait forever (hpsearch writes only plain files).
+        raise ExportError(f"checkpoint {source} holds {odd[0]}, which is not a regular file; refusing to export it")
     is_adapter = (source / adapters.ADAPTER_CONFIG).exists()  # an adapter's config.json is in its base's folder
     if not is_adapter and not (source / "config.json").exists():
         raise ExportError(f"checkpoint {source} is incomplete (no config.json)")
@@ -161,7 +164,7 @@ def _follow_umask(folder: Path) -> None:
 
 def _merge(source: Path, tmp: Path) -> None:
     """The adapter of ``source`` merged into its base, written to ``tmp`` with the tokenizer and meta."""
-    meta = json.loads((source / META).read_text()) if (source / META).exists() else {}
+    meta = json.loads(regular.read_text(source / META, 1 << 20)) if (source / META).exists() else {}
     labels = meta.get("id2label") if isinstance(meta, dict) else None
     id2label = {int(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else None
     try:

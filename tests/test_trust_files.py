@@ -427,3 +427,23 @@ def test_a_tampered_sharded_state_aborts_no_rank_and_is_not_resumed_twice(
     ranks = _two_sharded_ranks(tiny_gpt2, lm_files, tmp_path / "bytes", tmp_path / "bytes" / "resume" / "state.pt")
     assert [r.get("error") for r in ranks] == ["DamagedState"] * 2, ranks
     assert not (tmp_path / "bytes" / "resume" / "state.pt").exists() and not shards.exists()
+
+
+def test_a_fifo_planted_in_the_best_checkpoint_does_not_hang_its_export(
+    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
+    """`best --export` copies the best folder: a FIFO planted there would block the copy forever."""
+    from tests.conftest import one_trial
+
+    spec = tmp_path / "spec.toml"
+    spec.write_text(spec_text(tiny_model, *demo_files, n_trials=1))
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    trial = one_trial("fifo", spec, url, tmp_path)
+    best = Path(trial.user_attrs["best_checkpoint"])
+    os.mkfifo(best / "planted")
+    args = ("best", "--study", "fifo", "--storage", url, "--export", str(tmp_path / "out"))
+    result = hpsearch(*args, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "is not a regular file; refusing to export it" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+    assert (best / "model.safetensors").is_file(), "the checkpoint itself is left as it was"
