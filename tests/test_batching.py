@@ -74,7 +74,7 @@ def test_dealt_micro_batches_pad_as_little_as_wide_windows(per_step: int) -> Non
 @pytest.mark.parametrize("n", [4096, 1000, 37, 3])
 def test_dealt_steps_hold_every_example_once_and_only_the_last_step_is_short(n: int) -> None:
     """As many micro-batches and steps as an ungrouped epoch (the loop's steps per epoch assume it), each row once;
-    the micro-batches of a window short of whole steps (the epoch's end) make one short step, the last."""
+    what is short of a whole step at the epoch's end makes one short step, the last."""
     lengths = _lengths(n)
     dealt = micro_batches(lengths, 8, seed=1, epoch=0, group_by_length=True, batch_size=32)
     plain = micro_batches(lengths, 8, seed=1, epoch=0, group_by_length=False, batch_size=32)
@@ -82,10 +82,10 @@ def test_dealt_steps_hold_every_example_once_and_only_the_last_step_is_short(n: 
     assert len(dealt) == len(plain) == -(-n // 8)
     steps = _steps(dealt, 4)
     assert len(steps) == -(-n // 32)
-    # Every step but the last holds 32 rows, save the one holding the epoch's partial micro-batch (if n % 8).
-    partial = [k for k in range(len(steps)) if any(len(b) < 8 for b in dealt[4 * k : 4 * k + 4])]
-    assert len(partial) == (1 if n % 8 else 0)
-    assert all(len(s) == 32 for k, s in enumerate(steps[:-1]) if k not in partial)
+    # Every step but the last holds 32 rows: the epoch's partial micro-batch (rows short of 8) is in its last step,
+    # where a halving after running out of memory, which may cut it into fewer pieces, shifts no later step.
+    assert all(len(s) == 32 for s in steps[:-1])
+    assert all(len(b) == 8 for b in dealt[: 4 * (len(steps) - 1)])
 
 
 def test_dealt_steps_are_deterministic_in_seed_and_epoch_and_differ_between_them() -> None:
@@ -109,3 +109,29 @@ def test_one_micro_batch_a_step_keeps_the_four_step_windows() -> None:
     narrow = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) <= 1 for b in one)
     assert narrow < len(one) / 4
     assert 1.4 < _padding(lengths, one) < 2.0  # 4-step windows' padding; dealt 32s would pad ~1.05
+
+
+@pytest.mark.parametrize("n", [1001, 1000])
+def test_a_halving_after_running_out_of_memory_keeps_every_dealt_step(n: int) -> None:
+    """Batches.halve cuts each drawn micro-batch of 8 into pieces of 4, and the epoch's partial one (1 row, or 0)
+    into one piece: each step still trains on the same rows as it would have unhalved, the steps after the
+    partial micro-batch included."""
+    from hpsearch.trainer.batching import Batches, Encoded
+    from hpsearch.trainer.config import TrainConfig
+    from hpsearch.trainer.distributed import World
+    from hpsearch.trainer.encoding import Prepared
+
+    train = Encoded([[1] * length for length in _lengths(n)], [0] * n)
+    data = Prepared(train, train, None, 0)
+    cfg = TrainConfig(batch_size=32, micro_batch_size=8, seed=2)
+    steps = -(-n // 32)
+
+    def rows(batches: Batches) -> list[list[int]]:
+        return [sorted(i for b in batches.of_step(k) for i in b) for k in range(steps)]
+
+    whole = Batches(data, cfg, 8, World(), steps, drawn=8)
+    expected = rows(whole)
+    halved = Batches(data, cfg, 8, World(), steps, drawn=8)
+    halved.of_step(0)  # the epoch drawn at 8, as a run that ran out of memory in its first step had it
+    halved.halve()
+    assert halved.micro == 4 and rows(halved) == expected

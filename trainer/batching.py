@@ -124,18 +124,23 @@ def _dealt(order: list[int], lengths: Sequence[int], micro: int, per_step: int, 
     """Steps of ``per_step`` narrow micro-batches that together span the lengths: each shuffled window of about
     DEAL_WINDOW_MICRO_BATCHES micro-batches (whole steps) is sorted by length and cut, its micro-batches split into
     ``per_step`` consecutive strata (the longest first), and each step takes one micro-batch of every stratum,
-    drawn at random within it: a step is a length-stratified sample of its window, as wide as a random step, while
-    every pass pads only to its own narrow band. The steps are then shuffled over the epoch; a window's micro-
-    batches short of a whole step (the epoch's end) make its last, short step."""
+    drawn at random within it: a step is a length-stratified sample of its window, nearly as wide as a random
+    step, while every pass pads only to its own narrow band. The steps are then shuffled over the epoch; what is
+    short of a whole step at the epoch's end makes its last step."""
     window_steps = max(1, DEAL_WINDOW_MICRO_BATCHES // per_step)
     window = window_steps * per_step * micro
     steps: list[list[list[int]]] = []
     rest: list[list[int]] = []
     for start in range(0, len(order), window):
         batches = _cut(sorted(order[start : start + window], key=lengths.__getitem__, reverse=True), micro)
-        if len(batches) % per_step:  # only the epoch's last window: its spare micro-batches, drawn from all of it
+        # Only the epoch's last window can be short. Its partial micro-batch goes to the epoch's last step: cut
+        # smaller after running out of memory (Batches.halve) it may give fewer pieces than a full one, and that
+        # must shift no later step's boundary. So do its spare micro-batches, drawn from all of the window.
+        if len(batches[-1]) < micro:
+            rest = [batches.pop()]
+        if len(batches) % per_step:
             spare = set(rng.sample(range(len(batches)), len(batches) % per_step))
-            rest = [b for i, b in enumerate(batches) if i in spare]
+            rest = [b for i, b in enumerate(batches) if i in spare] + rest
             batches = [b for i, b in enumerate(batches) if i not in spare]
         count = len(batches) // per_step
         strata = [batches[k * count : (k + 1) * count] for k in range(per_step)]
