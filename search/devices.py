@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import glob
+import math
 import multiprocessing as mp
 import os
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
@@ -159,12 +162,23 @@ def group(devices: list[Device], per_trial: int, flag: str | None) -> list[Devic
     ]
 
 
-def threads_per_worker(devices: list[Device]) -> int | None:
-    """CPU ranks split the cores this process may run on that other work leaves free, or take ``OMP_NUM_THREADS``
-    each when the user set it; GPU workers: torch's. Torch's own default is every core of the machine for each
-    process: two workers, or one beside another busy job, then run more threads than cores, and an OpenMP thread
-    waiting for a busy core stalls every operation (15 steps of the bert-lr demo took 61-67 s so, 5 s with one
-    thread on 2 cores). Too few threads costs at most their share; too many cost 12x: so a busy core is left out."""
+BusyNow = Callable[[frozenset[int]], float]
+"""How many CPUs' worth of work is running now on these CPU ids (0.0 to their count): what ``threads_per_worker``
+leaves alone. The default samples /proc/stat; the supervisor could pass a longer sample, a test a known machine."""
+
+PROC_STAT = Path("/proc/stat")
+SAMPLE_SECONDS = 0.3
+"""How long ``sample_busy`` watches the CPUs: ~30 kernel ticks at 100 Hz, enough to tell a busy core (a training
+process keeps one ~100% busy) from an idle one, short enough not to slow `start`."""
+
+
+def threads_per_worker(devices: list[Device], busy_now: BusyNow | None = None) -> int | None:
+    """CPU ranks split the cores this process may run on that other work leaves free now, or take
+    ``OMP_NUM_THREADS`` each when the user set it; GPU workers: torch's. Torch's own default is every core of the
+    machine for each process: two workers, or one beside another busy job, then run more threads than cores, and
+    an OpenMP thread waiting for a busy core stalls every operation (15 steps of the bert-lr demo took 61-67 s so,
+    5 s with one thread on 2 cores). Too few threads costs at most their share; too many cost 12x: so a busy core
+    is left out. ``busy_now``: what counts as busy (default ``sample_busy``, a short sample of /proc/stat)."""
     cpu = sum(d.count for d in devices if d.kind == "cpu")  # a device group runs one rank per device
     if not cpu:
         return None
@@ -172,25 +186,69 @@ def threads_per_worker(devices: list[Device]) -> int | None:
     if omp.isdigit() and int(omp) > 0:
         return int(omp)
     usable = usable_cpus()
-    return max(1, (usable - busy_cpus(usable)) // cpu)
+    busy = busy_cpus(len(usable), (busy_now or sample_busy)(usable))
+    return max(1, (len(usable) - busy) // cpu)
 
 
-def usable_cpus() -> int:
+def usable_cpus() -> frozenset[int]:
     """The CPUs this process may run on: its affinity mask (taskset, a container's cpuset), not the machine's."""
     try:
-        return len(os.sched_getaffinity(0))
+        return frozenset(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return frozenset(range(os.cpu_count() or 1))
 
 
-def busy_cpus(usable: int) -> int:
-    """CPUs other work keeps busy, as the last minute's load average says (read before any worker starts, so it
-    is not ours; a search that just ended still counts for a minute), at most all but one."""
+def busy_cpus(usable: int, busy: float) -> int:
+    """CPUs to leave to other work that keeps ``busy`` CPUs' worth busy, at most all but one. A CPU more than a
+    quarter busy counts whole: a thread that shares a core waits on it, and every operation waits for its slowest
+    thread (too many threads cost 12x, one too few its share)."""
+    return min(usable - 1, max(0, math.ceil(busy - 0.25)))
+
+
+def sample_busy(cpus: frozenset[int], seconds: float = SAMPLE_SECONDS) -> float:
+    """CPUs' worth of time that work kept ``cpus`` busy over the next ``seconds``, from two reads of /proc/stat
+    (this process sleeps between them, so it is not counted). Not the load average, which still counts for a
+    minute a job that has just ended: a worker started after it on an idle machine would train on too few
+    cores. Where /proc/stat is not (not Linux), the load average it is."""
     try:
-        load = os.getloadavg()[0]
+        before = cpu_times(PROC_STAT.read_text())
+        time.sleep(seconds)
+        after = cpu_times(PROC_STAT.read_text())
+    except OSError:
+        return _load_average()
+    seen = cpus & before.keys() & after.keys()
+    if not seen:  # a mask of CPUs /proc/stat does not list (an odd container): say what the kernel's load says
+        return _load_average()
+    busy = 0.0
+    for i in seen:
+        worked, elapsed = after[i][0] - before[i][0], after[i][1] - before[i][1]
+        busy += worked / elapsed if elapsed > 0 else 0.0
+    return busy
+
+
+def cpu_times(stat: str) -> dict[int, tuple[int, int]]:
+    """Each CPU's (busy, total) time in ticks since boot, from /proc/stat's ``cpuN`` lines (proc(5)): user, nice,
+    system, idle, iowait, irq, softirq, steal. Idle and iowait are free (a core waiting on I/O runs a thread
+    at once); steal is not (the hypervisor gave the core to someone else); guest and guest_nice are already in
+    user and nice. Older kernels print fewer fields: the missing ones are 0."""
+    times: dict[int, tuple[int, int]] = {}
+    for line in stat.splitlines():
+        name, _, rest = line.partition(" ")
+        if not (name.startswith("cpu") and name[3:].isdigit()):
+            continue  # the "cpu" total, interrupts, context switches...
+        fields = [int(f) for f in rest.split()[:8]]
+        fields += [0] * (8 - len(fields))
+        free = fields[3] + fields[4]
+        total = sum(fields)
+        times[int(name[3:])] = (total - free, total)
+    return times
+
+
+def _load_average() -> float:
+    try:
+        return os.getloadavg()[0]
     except OSError:  # unavailable
-        return 0
-    return min(usable - 1, max(0, round(load)))
+        return 0.0
 
 
 def torch_device(kind: str) -> Any:

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -116,20 +117,73 @@ def test_a_host_without_nvidia_gpus_trains_on_the_cpu(monkeypatch: pytest.Monkey
 
 
 @pytest.mark.parametrize(
-    "cpus,workers,load,expected",
+    "cpus,workers,busy,expected",
     [(8, 1, 0.0, 8), (8, 2, 0.2, 4), (8, 3, 0.0, 2), (1, 2, 0.0, 1), (2, 4, 0.0, 1), (2, 1, 1.1, 1), (8, 2, 4.0, 2)],
     ids=lambda v: str(v),
 )
 def test_cpu_workers_split_the_cpus_they_may_run_on_that_other_work_leaves_free(
-    monkeypatch: pytest.MonkeyPatch, cpus: int, workers: int, load: float, expected: int
+    monkeypatch: pytest.MonkeyPatch, cpus: int, workers: int, busy: float, expected: int
 ) -> None:
     """The affinity mask, not the machine's CPU count (under taskset or a cpuset the two differ), less the CPUs
     another busy job holds: the issue's 2-core machine with one busy process trains on one thread."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
-    assert devices.threads_per_worker([Device("cpu", i) for i in range(workers)]) == expected
+    asked: list[frozenset[int]] = []
+
+    def busy_now(ids: frozenset[int]) -> float:
+        asked.append(ids)
+        return busy
+
+    assert devices.threads_per_worker([Device("cpu", i) for i in range(workers)], busy_now) == expected
+    assert asked == [frozenset(range(cpus))]  # what is busy is asked of the CPUs we may run on, once
+
+
+def test_a_machine_busy_for_the_last_minute_and_idle_now_gives_every_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 60: the 1-minute load average still counts a job that has just ended, and a worker started after it
+    on an idle 2-core machine trained on one core. What is busy now decides; a job busy now keeps its core."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.0, 1.5, 0.8))  # the job that just ended
+    one_worker = [Device("cpu", 0)]
+    assert devices.threads_per_worker(one_worker, lambda ids: 0.02) == 2  # idle now (a daemon's tick)
+    assert devices.threads_per_worker(one_worker, lambda ids: 0.97) == 1  # one core busy now: left alone
+    assert devices.threads_per_worker(one_worker, lambda ids: 0.4) == 1  # a core shared 40% of the time too
+    assert devices.threads_per_worker(one_worker, lambda ids: 1.9) == 1  # at least one thread, whatever runs
+
+
+def test_the_cpu_times_of_the_real_proc_stat(tmp_path: Path) -> None:
+    """/proc/stat as this kernel writes it: a line per CPU we may run on, busy within total, and the format's
+    details (the "cpu" total line skipped, iowait free, steal busy, guest not counted twice, short old lines)."""
+    stat = Path("/proc/stat")
+    if not stat.exists():
+        pytest.skip("no /proc/stat (not Linux)")
+    times = devices.cpu_times(stat.read_text())
+    assert os.sched_getaffinity(0) <= times.keys()
+    assert all(0 <= busy <= total and total > 0 for busy, total in times.values())
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    written = "cpu  9 9 9 9 9 9 9 9 9 9\ncpu0 10 1 4 100 20 2 3 5 7 0\ncpu12 1 0 1 8\nintr 5 0 0\n"
+    assert devices.cpu_times(written) == {0: (25, 145), 12: (2, 10)}
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="no /proc/stat (not Linux)")
+def test_a_core_kept_busy_now_is_sampled_busy() -> None:
+    """A real process spinning on one of our CPUs: the sample sees that CPU (nearly) all busy, whatever else the
+    machine runs (other work on it only adds), and the sample takes about the time it says."""
+    cpu = min(os.sched_getaffinity(0))
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", "while True: pass"], preexec_fn=lambda: os.sched_setaffinity(0, {cpu})
+    )
+    try:
+        time.sleep(0.3)  # past its start-up
+        began = time.perf_counter()
+        busy = devices.sample_busy(frozenset({cpu}))
+        took = time.perf_counter() - began
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert busy > 0.8
+    assert devices.SAMPLE_SECONDS <= took < devices.SAMPLE_SECONDS + 0.5
 
 
 def test_a_user_set_omp_num_threads_wins(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -77,30 +77,80 @@ class Encoded:
 
 
 GROUP_WINDOW_STEPS = 4
-"""group_by_length sorts by length within windows of this many optimizer steps' examples. Wide windows (50
-micro-batches, transformers' choice) pad least but make each step one narrow band of lengths, and a band's labels
-are not the data's (SST-2: 64% positive among the shortest quarter, 48% among the longest): at 50 micro-batches of
-32, one per step, held-out accuracy fell 3 points against 4 steps (docs/decisions.md, "Length grouping within four
-steps")."""
+"""group_by_length with one micro-batch a step: sort by length within windows of this many steps' examples. Wide
+windows (50 micro-batches, transformers' choice) pad least but make each step one narrow band of lengths, and a
+band's labels are not the data's (SST-2: 64% positive among the shortest quarter, 48% among the longest): at 50
+micro-batches of 32, one per step, held-out accuracy fell 3 points against 4 steps (docs/decisions.md, "Length
+grouping within four steps")."""
+
+DEAL_WINDOW_MICRO_BATCHES = 64
+"""group_by_length with several micro-batches a step (accumulation, or one a rank): sort within windows of this
+many micro-batches (rounded to whole steps), cut them, and deal them so that each step takes one from every part
+of the window's length range (``_dealt``). Narrow micro-batches pad as little as transformers' 50-batch windows,
+and a step still spans the lengths (and labels) a random step does (docs/decisions.md, "Length grouping:
+dealt micro-batches")."""
 
 
 def micro_batches(
     lengths: Sequence[int], micro_batch_size: int, *, seed: int, epoch: int, group_by_length: bool, batch_size: int
 ) -> list[list[int]]:
-    """The epoch's micro-batches as index lists, deterministic in (seed, epoch). ``group_by_length``: shuffled
-    windows of GROUP_WINDOW_STEPS steps of ``batch_size`` examples, sorted by length inside each, then the
-    micro-batches shuffled (docs/speed.md)."""
+    """The epoch's micro-batches as index lists, ``batch_size // micro_batch_size`` a step in order (the last step
+    may be short), deterministic in (seed, epoch). ``group_by_length`` (docs/speed.md): with one micro-batch a
+    step, shuffled windows of GROUP_WINDOW_STEPS steps sorted by length inside, then the micro-batches shuffled;
+    with several, ``_dealt``."""
     rng = random.Random(seed * 100_003 + epoch)
     order = list(range(len(lengths)))
     rng.shuffle(order)
+    per_step = max(1, batch_size // micro_batch_size)
+    if group_by_length and per_step > 1:
+        return _dealt(order, lengths, micro_batch_size, per_step, rng)
     if group_by_length:
+        # A step is one micro-batch, so a narrow micro-batch would be a narrow step: sort only within a few
+        # steps, so that each is a quarter of a random window's lengths (GROUP_WINDOW_STEPS).
         mega = batch_size * GROUP_WINDOW_STEPS
         chunks = [order[start : start + mega] for start in range(0, len(order), mega)]
         order = [i for chunk in chunks for i in sorted(chunk, key=lengths.__getitem__, reverse=True)]
-    batches = [order[i : i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+    batches = _cut(order, micro_batch_size)
     if group_by_length:
         rng.shuffle(batches)
     return batches
+
+
+def _cut(order: list[int], size: int) -> list[list[int]]:
+    return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def _dealt(order: list[int], lengths: Sequence[int], micro: int, per_step: int, rng: random.Random) -> list[list[int]]:
+    """Steps of ``per_step`` narrow micro-batches that together span the lengths: each shuffled window of about
+    DEAL_WINDOW_MICRO_BATCHES micro-batches (whole steps) is sorted by length and cut, its micro-batches split into
+    ``per_step`` consecutive strata (the longest first), and each step takes one micro-batch of every stratum,
+    drawn at random within it: a step is a length-stratified sample of its window, nearly as wide as a random
+    step, while every pass pads only to its own narrow band. The steps are then shuffled over the epoch; what is
+    short of a whole step at the epoch's end makes its last step."""
+    window_steps = max(1, DEAL_WINDOW_MICRO_BATCHES // per_step)
+    window = window_steps * per_step * micro
+    steps: list[list[list[int]]] = []
+    rest: list[list[int]] = []
+    for start in range(0, len(order), window):
+        batches = _cut(sorted(order[start : start + window], key=lengths.__getitem__, reverse=True), micro)
+        # Only the epoch's last window can be short. Its partial micro-batch goes to the epoch's last step: cut
+        # smaller after running out of memory (Batches.halve) it may give fewer pieces than a full one, and that
+        # must shift no later step's boundary. So do its spare micro-batches, drawn from all of the window.
+        if len(batches[-1]) < micro:
+            rest = [batches.pop()]
+        if len(batches) % per_step:
+            spare = set(rng.sample(range(len(batches)), len(batches) % per_step))
+            rest = [b for i, b in enumerate(batches) if i in spare] + rest
+            batches = [b for i, b in enumerate(batches) if i not in spare]
+        count = len(batches) // per_step
+        strata = [batches[k * count : (k + 1) * count] for k in range(per_step)]
+        for stratum in strata:
+            rng.shuffle(stratum)
+        for step in zip(*strata, strict=True):
+            # Which pass (and which rank) takes the longest band varies from step to step.
+            steps.append(rng.sample(step, len(step)))
+    rng.shuffle(steps)
+    return [b for step in steps for b in step] + rest
 
 
 def even_shards(batches: list[list[int]], n: int) -> list[list[int]]:
