@@ -21,6 +21,7 @@ trial "would fit"."""
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    check_device_memory(args.device_memory)  # a bad argument is said before the spec or the storage is read
     plan = plan_for(_spec(args), args.devices, args.device_memory)
     print(plan.line())
     heads = ("weights", "gradients", "optimizer", "16-bit copy", "gathered", "activations", "total")
@@ -34,14 +35,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_device_memory(gib: float | None) -> None:
+    """--device-memory (``hpsearch.plan``'s device_memory) in its range, before anything is read for the plan."""
+    if gib is not None and not MIN_DEVICE_GIB <= gib < 2**20:
+        raise UsageError(
+            f"--device-memory {gib:g}: must be a number of GiB from {MIN_DEVICE_GIB:g} (about 1 MiB: "
+            "no device holds a model in less, and the plan counts whole bytes) to below 1048576 (a pebibyte)"
+        )
+
+
 def plan_for(spec: StudySpec, devices_text: str | None, device_memory_gib: float | None) -> plans.Plan:
     """The memory plan of ``spec`` on ``devices_text`` (``--devices``: this host's by default), or on devices of
     ``device_memory_gib`` GiB, with every change tried: `hpsearch plan` prints it, ``hpsearch.plan`` returns it."""
-    if device_memory_gib is not None and not MIN_DEVICE_GIB <= device_memory_gib < 2**20:
-        raise UsageError(
-            f"--device-memory {device_memory_gib:g}: must be a number of GiB from {MIN_DEVICE_GIB:g} (about 1 MiB: "
-            "no device holds a model in less, and the plan counts whole bytes) to below 1048576 (a pebibyte)"
-        )
+    check_device_memory(device_memory_gib)
     spec = resolved(spec, Path("hpsearch-runs"))  # a builtin:// model is built there, as start would
     device_list = devices.group(devices.parse(devices_text), spec.train.devices_per_trial, devices_text)
     memory = int(device_memory_gib * 2**30) if device_memory_gib is not None else None

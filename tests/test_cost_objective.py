@@ -55,13 +55,14 @@ def test_a_two_objective_search_prunes_on_quality_shows_its_front_and_its_cost(
     storage = open_storage(url, create=False)
     try:
         each = ledger.by_trial(storage.db, "c")
-        used = ledger.total(storage.db, "c")
+        device_time = ledger.device_time(storage.db, "c")
+        used = device_time.seconds
         spent = storage.db.run(lambda s: ledger.spent(s, storage.db, "c"), what="read the ledger")
         stored = studies.stored_spec(storage, "c")
         # The dashboard's note and the live display read a two-objective study too.
-        assert "loss (minimize) and gpu_hours (minimize)" in note.render(study, stored, 6, used)
+        assert "loss (minimize) and gpu_hours (minimize)" in note.render(study, stored, 6, device_time)
         best_quality = min(t.values[0] for t in study.best_trials)
-        assert progress.read(study, stored, used).best_value == best_quality
+        assert progress.read(study, stored, device_time).best_value == best_quality
     finally:
         storage.close()
     for t in complete:
@@ -197,7 +198,7 @@ def test_a_money_budget_stops_new_trials(
     storage = open_storage(storage_url, create=False)
     try:  # the study's money is the ledger's device time x the price, exactly, by either database's clock
         (trial,) = optuna.load_study(study_name="m", storage=storage.optuna).trials
-        assert shown["money"]["spent"] == ledger.total(storage.db, "m") / 3600 * 1.98 >= 0.000001
+        assert shown["money"]["spent"] == ledger.device_time(storage.db, "m").seconds / 3600 * 1.98 >= 0.000001
         assert shown["trials"][0]["money"] == ledger.by_trial(storage.db, "m")[trial.number] / 3600 * 1.98
     finally:
         storage.close()

@@ -59,7 +59,7 @@ def test_two_adapter_trials_leave_the_one_base_bit_identical(
     cache = PretrainedCache()
     cfg = TrainConfig(learning_rate=5e-3, batch_size=32, micro_batch_size=16, max_steps=4, eval_every=2)
     cfg.precision = "fp32"
-    base = cache._base(str(tiny_model), 2)
+    base = cache._base(str(tiny_model), 2, torch.float32)
     before = base_digest(base)
     losses = []
     for trial in range(2):
@@ -81,7 +81,7 @@ def test_two_adapter_trials_leave_the_one_base_bit_identical(
         assert result.attrs["trainable_parameters"] == adapters.trainable_parameters(model)
         losses.append(result.best_value)
         cache.release(model)
-        assert base is cache._base(str(tiny_model), 2), "one base per process, never a copy"
+        assert base is cache._base(str(tiny_model), 2, torch.float32), "one base per process, never a copy"
         assert not adapters.is_adapter(base) and not any("lora_" in n for n, _ in base.named_parameters())
         assert base_digest(base) == before, f"trial {trial} changed the frozen base"
         assert getattr(base, "_require_grads_hook", None) is None
@@ -406,7 +406,7 @@ def test_a_lora_model_draws_its_dropout_masks_with_the_cheaper_dropout(tiny_mode
     from hpsearch.trainer.config import AdapterConfig
 
     cache = PretrainedCache()
-    base = cache._base(str(tiny_model), 2)
+    base = cache._base(str(tiny_model), 2, torch.float32)
     model = attach(base, AdapterConfig(method="lora", r=4, alpha=8, dropout=0.1), "classification", 0)
     drops = [m for m in model.modules() if isinstance(m, MaskDropout)]
     assert drops and all(d.p == pytest.approx(0.1, abs=1e-5) for d in drops)

@@ -365,7 +365,7 @@ def test_a_sharded_trial_takes_the_cached_weights_without_a_copy(tiny_gpt2: Path
     from transformers import AutoModelForCausalLM
 
     cache, name = PretrainedCache(), str(tiny_gpt2)
-    kept = cache._base(name, 0)  # warm, as after a worker's first trial
+    kept = cache._base(name, 0, torch.float32)  # warm, as after a worker's first trial
     taken = cache.trial_model(name, None, 0, private=True)
     assert taken is kept, "a sharded trial takes the cached model itself, no copy"
     with torch.no_grad():
@@ -374,7 +374,7 @@ def test_a_sharded_trial_takes_the_cached_weights_without_a_copy(tiny_gpt2: Path
     again = cache.trial_model(name, None, 0, private=True)
     pristine = AutoModelForCausalLM.from_pretrained(tiny_gpt2).state_dict()
     assert again is not taken and all(torch.equal(v, pristine[k]) for k, v in again.state_dict().items())
-    assert cache.fresh_causal_lm(name) is not cache._base(name, 0), "other trials still get a copy"
+    assert cache.fresh_causal_lm(name) is not cache._base(name, 0, torch.float32), "other trials still get a copy"
 
 
 # -- kernels ------------------------------------------------------------------------------
