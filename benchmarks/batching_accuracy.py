@@ -61,6 +61,7 @@ n_trials = {len(args.train_seeds)}
 sampler = "grid"
 pruner = "none"
 metric = "accuracy"
+keep_top_k = {len(args.train_seeds)}
 [search.space]
 seed = {{ type = "categorical", choices = {args.train_seeds} }}
 """)
