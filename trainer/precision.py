@@ -39,15 +39,6 @@ class Policy:
     reduce: torch.dtype = torch.float32  # gradients summed across ranks (sharded trials) in fp32: no lost bits
     compensated: bool = False  # bf16-true: the optimizer keeps a bf16 Kahan compensation per trained parameter
 
-    @property
-    def load(self) -> torch.dtype:
-        """The dtype a full fine-tune's weights are loaded in (explicitly: never the config's by accident)."""
-        return self.trained
-
-    @property
-    def masters_fp32(self) -> bool:
-        return self.trained == torch.float32
-
     def trained_bytes(self) -> int:
         """Bytes per trained parameter for its weight, gradient and optimizer state (AdamW's two moments, and
         bf16-true's compensation buffer)."""
