@@ -32,6 +32,7 @@ from hpsearch.storage.db import (
 )
 from hpsearch.storage.errors import StorageError, StorageUrlError, StudyNotFoundError
 from hpsearch.storage.retrying import RetryingRDBStorage
+from hpsearch.storage.shown import shown
 from hpsearch.storage.tables import Base
 
 log = logging.getLogger(__name__)
@@ -271,9 +272,11 @@ def require_study(storage: Storage, name: str) -> int:
     try:
         return storage.optuna.get_study_id_from_name(name)
     except KeyError:
-        names = [s.study_name for s in storage.optuna.get_all_studies()]
-        known = f" (studies there: {', '.join(names)})" if names else " (it holds no studies)"
+        # Names are rows: escaped and bounded, as any stored text that reaches a terminal (storage/shown.py).
+        names = [shown(s.study_name) for s in storage.optuna.get_all_studies()]
+        listed = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+        known = f" (studies there: {listed})" if names else " (it holds no studies)"
         raise StudyNotFoundError(
-            f"study {name!r} does not exist in {urls.mask(storage.url)}{known}; "
+            f"study '{shown(name)}' does not exist in {urls.mask(storage.url)}{known}; "
             "create it with `hpsearch start --study NAME`"
         ) from None

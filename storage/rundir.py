@@ -11,6 +11,7 @@ from pathlib import Path
 
 from hpsearch.storage import regular
 from hpsearch.storage.errors import StudyFolderError
+from hpsearch.storage.shown import shown
 
 MARKER = ".hpsearch-study.json"
 MAX_MARKER_BYTES = 2**16  # a marker is three short strings
@@ -34,13 +35,14 @@ def check(study_dir: Path, study: str, uid: str | None, *, exists: bool, storage
     if study_dir.is_symlink():
         # Retention deletes trial-N/best inside it: through a link, that would be outside the runs folder.
         raise StudyFolderError(
-            f"{study_dir} is a link (to {os.readlink(study_dir)}); hpsearch writes a study's checkpoints only into "
-            "a real folder: remove the link, or pass the folder it points into as --output-dir"
+            f"{study_dir} is a link (to {shown(os.readlink(study_dir))}); hpsearch writes a study's checkpoints only "
+            "into a real folder: remove the link, or pass the folder it points into as --output-dir"
         )
     marker = owner(study_dir)
     if marker is not None:
         if uid is None or marker.get("uid") != uid:
-            owner_storage = marker.get("storage", "?")
+            # The marker is a file in a shared folder: what it says is printed escaped and bounded.
+            owner_storage = shown(marker.get("storage", "?"))
             if owner_storage == storage:
                 owner_storage = f"{storage}, since deleted or created again"
             raise StudyFolderError(_taken(study_dir, study, owner_storage))

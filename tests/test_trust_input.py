@@ -213,3 +213,36 @@ def test_an_export_refused_for_another_studys_folder_names_that_study(tmp_path: 
     said = str(refused.value)
     assert "is in the folder of study 'b\\x1b[2J' (from sqlite:///b.db), not of study 'a'" in said, said
     assert not (tmp_path / "out").exists()
+
+
+def test_a_marker_and_study_names_read_back_are_printed_escaped_and_bounded(tmp_path: Path, storage_url: str) -> None:
+    """A runs folder's marker and a storage's study names are rows others wrote: the refusals that quote them print
+    them on one line, escape sequences written out, a long name cut."""
+    import json
+
+    import optuna
+
+    from hpsearch.storage import rundir
+    from hpsearch.storage.errors import StudyFolderError, StudyNotFoundError
+    from hpsearch.storage.open import open_storage, require_study
+
+    folder = tmp_path / "runs" / "s"
+    folder.mkdir(parents=True)
+    marker = {"uid": "other", "study": "s", "storage": "sqlite:///x.db\n\x1b[2Jforged line" + "x" * 500}
+    (folder / rundir.MARKER).write_text(json.dumps(marker))
+    with pytest.raises(StudyFolderError) as taken:
+        rundir.check(folder, "s", "mine", exists=True, storage="sqlite:///mine.db")
+    said = str(taken.value)
+    assert "\n" not in said and "\x1b" not in said and "\\x1b[2Jforged" in said and len(said) < 400, said
+
+    storage = open_storage(storage_url, create=True)
+    try:
+        for name in ["evil\x1b]0;pwned\x07", "y" * 300]:
+            optuna.create_study(study_name=name, storage=storage.optuna)
+        with pytest.raises(StudyNotFoundError) as missing:
+            require_study(storage, "ghost\x1b[2J")
+    finally:
+        storage.close()
+    said = str(missing.value)
+    assert "\x1b" not in said and "\x07" not in said and "evil\\x1b]0;pwned\\x07" in said, said
+    assert "ghost\\x1b[2J" in said and "y" * 300 not in said, said
