@@ -113,3 +113,34 @@ def create_new(path: Path, mode: int) -> IO[Any]:
     check_unmoved(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     return os.fdopen(fd, "w", encoding="utf-8")
+
+
+def remove(path: Path) -> bool:
+    """Delete ``path`` (a file, or a folder and all it holds) with every folder on the way to it opened without
+    following a link, one relative to the other: a folder swapped for a link between a caller's checks and this
+    deletion (the output folder, a study or trial folder) stops it, rather than taking it into the link's target.
+    True if something was deleted; links met inside a deleted folder are unlinked, not followed (``shutil.rmtree``
+    with ``dir_fd`` is the descriptor-based walk)."""
+    import shutil
+
+    *folders, name = Path(os.path.abspath(path)).parts
+    at = os.open(folders[0], os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for folder in folders[1:]:
+            try:
+                inner = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=at)
+            except OSError:
+                return False  # a link (ELOOP / ENOTDIR) or gone: nothing is deleted through it
+            os.close(at)
+            at = inner
+        try:
+            mode = os.stat(name, dir_fd=at, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            return False
+        if stat.S_ISDIR(mode):
+            shutil.rmtree(name, ignore_errors=True, dir_fd=at)
+        else:
+            os.unlink(name, dir_fd=at)
+        return True
+    finally:
+        os.close(at)

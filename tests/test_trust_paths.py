@@ -293,3 +293,38 @@ def test_a_sqlite_file_on_a_network_file_system_is_warned_of_and_kept_out_of_wal
         open_storage(f"sqlite:///{db}", create=True).close()
     assert "network file system (fuse.juicefs)" in caplog.text
     assert sqlite3.connect(db).execute("PRAGMA journal_mode").fetchone()[0] != "wal"
+
+
+def test_a_study_folder_swapped_for_a_link_after_the_check_stops_the_deletion(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention checks that a trial's `best` lies in the runs folder, then deletes it. A study folder swapped for a
+    link to another tree in between (the check passed on the real folder) must not take the deletion there: every
+    folder on the way is opened without following links."""
+    from hpsearch.storage import regular
+    from hpsearch.storage.trialdir import TrialDir
+
+    root = tmp_path / "runs" / "s"
+    folder = TrialDir(root, 0)
+    folder.make()
+    (folder.best).mkdir()
+    (folder.best / "model.safetensors").write_bytes(b"w")
+    victim = tmp_path / "elsewhere"
+    (victim / "trial-0" / "best").mkdir(parents=True)
+    (victim / "trial-0" / "best" / "precious").write_text("keep")
+
+    def swapped_after_the_check(path: Path) -> bool:
+        root.rename(tmp_path / "runs" / "s-moved")
+        root.symlink_to(victim)  # the study folder is now a link to the victim's tree
+        return True
+
+    monkeypatch.setattr(TrialDir, "holds", lambda self, path: swapped_after_the_check(path))
+    folder.remove(folder.best)
+    assert (victim / "trial-0" / "best" / "precious").read_text() == "keep"
+    # Without a link on the way, it deletes: a file, and a folder with a link inside (unlinked, not followed).
+    real = tmp_path / "runs" / "s-moved" / "trial-0" / "best"
+    (real / "outside").symlink_to(victim)
+    assert regular.remove(real) and not real.exists() and (victim / "trial-0" / "best" / "precious").exists()
+    (tmp_path / "f").write_text("x")
+    assert regular.remove(tmp_path / "f") and not (tmp_path / "f").exists()
+    assert not regular.remove(tmp_path / "f")

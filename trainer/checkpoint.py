@@ -210,7 +210,7 @@ def swap_in(tmp: Path, target: Path) -> None:
     if target.exists():
         os.replace(target, old)
     os.replace(tmp, target)
-    shutil.rmtree(old, ignore_errors=True)
+    regular.remove(old)  # through no folder that became a link after the check above
 
 
 def save_failed(target: Path, exc: BaseException) -> CheckpointError:

@@ -173,10 +173,9 @@ class Trainable:
         next save writes a new one. Never through a folder swapped for a link (storage/regular.py)."""
         if not self.world.is_main or not regular.unmoved(path):
             return
-        with contextlib.suppress(OSError):
-            path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):  # rmtree refuses a link in the shards' place, and follows none inside
-            shutil.rmtree(path.parent / sharding.SHARDS)
+        for gone in (path, path.parent / sharding.SHARDS):
+            with contextlib.suppress(OSError):  # opens no folder on the way through a link, follows none inside
+                regular.remove(gone)
 
 
 class DamagedState(RuntimeError):
