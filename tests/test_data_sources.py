@@ -152,13 +152,37 @@ def test_bad_sources_are_one_line(tmp_path: Path, name: str, make: Any, expected
     assert str(bad) in str(exc.value) and "\n" not in str(exc.value)
 
 
-def test_bad_source_exits_2_in_one_line(cli: Cli, tmp_path: Path, tiny_model: Path) -> None:
-    bad = tmp_path / "train.feather"
-    bad.write_bytes(b"x")
+def _saved_one(folder: Path) -> None:
+    import datasets
+
+    datasets.Dataset.from_list(_rows(8, 16)).save_to_disk(str(folder))
+
+
+CLI_REFUSALS = [
+    # (what [data] says, given a folder to build it in; the line expected)
+    (lambda d: (d / "t.feather").write_bytes(b"x") and 'train = "t.feather"\nvalidation = "dev.jsonl"',
+     "unsupported format '.feather'; hpsearch reads .jsonl, .json, .csv, .tsv, .parquet or .arrow (each optionally "
+     ".gz), a `datasets` save_to_disk folder or a hub dataset id (data.dataset); a Feather (v2) file is an Arrow file"),
+    (lambda d: (d / "t.parquet").write_bytes(b"PAR1 broken") and 'train = "t.parquet"\nvalidation = "dev.jsonl"',
+     "cannot be read as Parquet"),
+    (lambda d: _saved_one(d / "one") or 'train = "one"\nvalidation = "dev.jsonl"',
+     "is a `datasets` save_to_disk folder; set data.dataset ="),
+    (lambda d: _saved_one(d / "one") or 'dataset = "one"',
+     "is one Dataset, without splits, so it holds no validation rows; set data.validation_fraction"),
+    (lambda d: 'train = "dev.jsonl"\nvalidation = "dev.jsonl"\nvalidation_fraction = 0.2',
+     "data.validation_fraction: 0.2 holds out training rows for validation, but data.validation names a file too"),
+    (lambda d: 'train = "dev.jsonl"\nvalidation_fraction = 0.01', "validation_fraction 0.01 of its 8 rows leaves no"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "expected"), CLI_REFUSALS)
+def test_bad_source_exits_2_in_one_line(cli: Cli, tmp_path: Path, tiny_model: Path, make: Any, expected: str) -> None:
     dev = _write(tmp_path / "dev.jsonl", _rows(8, 6))
+    data = make(tmp_path)
     spec = tmp_path / "spec.toml"
-    spec.write_text(spec_text(tiny_model, bad, dev, n_trials=1))
-    assert_refused(cli, spec, tmp_path, "unsupported format '.feather'; hpsearch reads .jsonl, .json, .csv, .tsv")
+    text = spec_text(tiny_model, dev, dev, n_trials=1)
+    spec.write_text(text.replace(f'train = "{dev}"\nvalidation = "{dev}"', data))
+    assert_refused(cli, spec, tmp_path, expected)
 
 
 # ---- `datasets` folders and the hub ---------------------------------------------------------------------------------
