@@ -1,13 +1,15 @@
 """The validation rows held out of the training rows (``data.validation_fraction``): the same rows on every worker of
-every host, as a function of the rows, the fraction and ``data.split_seed`` alone (the spec that holds them is stored
-with the study)."""
+every host, as a function of the rows (in file order), the fraction and ``data.split_seed`` alone (the spec that
+holds them is stored with the study)."""
 
 from __future__ import annotations
 
-import hashlib
+import heapq
 import math
+import random
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from hpsearch.trainer.reading import Column, DataError, Records, as_int
 
@@ -17,14 +19,22 @@ def hold_out(records: Records, fraction: float, seed: int, label: Column | None,
     (classification) the share is taken from every class alike (stratified), and a class keeps at least one training
     row: a validation label unseen in training is refused."""
     groups: dict[str, list[int]] = defaultdict(list)
+    classes: dict[tuple[type, Any], str] = {}  # a label's class, worked out once per distinct value
     for i, (_, record) in enumerate(records):
-        groups[_class(record.get(label)) if label is not None else ""].append(i)
+        value = record.get(label) if label is not None else None
+        try:
+            key = classes.setdefault((type(value), value), _class(value))
+        except TypeError:  # a list or an object: refused when the labels are read
+            key = _class(value)
+        groups[key].append(i)
     quotas = _quotas({key: len(rows) for key, rows in groups.items()}, fraction)
+    # A draw per row in file order from Random(seed).random(), whose sequence Python guarantees across versions and
+    # platforms (random.shuffle and sample are not); the smallest draws of each class are held out.
+    rng = random.Random(seed)
+    draws = [rng.random() for _ in records]
     held: set[int] = set()
     for key, rows in groups.items():
-        # Ordered by a hash of the seed and the row number, not by random.shuffle: the same on every Python.
-        ranked = sorted(rows, key=lambda i: hashlib.sha256(f"{seed}:{records[i][0]}".encode()).digest())
-        held.update(ranked[: quotas[key]])
+        held.update(heapq.nsmallest(quotas[key], rows, key=draws.__getitem__))
     if not held or len(held) == len(records):
         raise DataError(
             f"data file {path}: data.validation_fraction {fraction:g} of its {len(records)} rows leaves "
@@ -35,7 +45,7 @@ def hold_out(records: Records, fraction: float, seed: int, label: Column | None,
     return kept, [r for i, r in enumerate(records) if i in held]
 
 
-def _class(value: object) -> str:
+def _class(value: Any) -> str:
     number = as_int(value)
     return str(number) if number is not None else repr(value)
 
