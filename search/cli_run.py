@@ -46,6 +46,7 @@ from hpsearch.trainer.adapters import check_quantization, check_targets
 from hpsearch.trainer.config import ConfigError
 from hpsearch.trainer.encoding import Prepared, keep, left_out, prepare, read_splits
 from hpsearch.trainer.model import check_model, check_reachable, load_tokenizer
+from hpsearch.trainer.sources import names
 
 log = logging.getLogger("hpsearch")
 TOKEN_CACHE = "token-cache"
@@ -260,9 +261,7 @@ class Inputs:
         """Write the token cache, and say what the workers read (a stored spec is a database row)."""
         data, model = self.spec.data, self.spec.model
         keep(self.prepared, data, self.tokenizer, model.max_length, self.cache)
-        log.info(
-            "the workers read: model %s; data %s (train) and %s (validation)", model.name, data.train, data.validation
-        )
+        log.info("the workers read: model %s; data %s (train) and %s (validation)", model.name, *names(data))
 
 
 def _check_inputs(spec: StudySpec, output_dir: Path, study: str, device_list: list[Device]) -> Inputs:

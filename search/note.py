@@ -14,6 +14,7 @@ from hpsearch.search import summary
 from hpsearch.search.spec import StudySpec
 from hpsearch.search.summary import fmt
 from hpsearch.storage import attrs, ledger
+from hpsearch.trainer.sources import names
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def _spec_table(spec: StudySpec) -> list[str]:
     train = f"batch {t.batch_size} (micro {t.micro_batch_size}), {t.epochs} epoch{'' if t.epochs == 1 else 's'}{steps}"
     rows = [
         ("model", f"`{spec.model.name}` (max_length {spec.model.max_length})"),
-        ("data", f"train `{spec.data.train}`, validation `{spec.data.validation}`"),
+        ("data", "train `{}`, validation `{}`".format(*names(spec.data))),
         ("train", f"{train}, eval every {t.eval_every} steps, precision {t.precision}"),
         ("search", f"{s.sampler} sampler, {s.pruner} pruner, {judged}, seed {s.seed}"),
     ]

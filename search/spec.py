@@ -116,7 +116,8 @@ class StudySpec:
             # Empty values stay empty (not the spec's folder), so validate() says they are missing.
             train_file = relative_to(data.train, base_dir, "data.train")
             validation_file = relative_to(data.validation, base_dir, "data.validation")
-            data = replace(data, train=train_file, validation=validation_file)
+            dataset = relative_to(data.dataset, base_dir, "data.dataset", hub=True)  # a folder, or a hub dataset id
+            data = replace(data, train=train_file, validation=validation_file, dataset=dataset)
             model = replace(model, name=relative_to(model.name, base_dir, "model.name", hub=True))
         if adapter.enabled and "learning_rate" not in raw.get("train", {}):
             train = replace(train, learning_rate=LORA_LEARNING_RATE)
@@ -148,7 +149,12 @@ class StudySpec:
             )
         # A stored spec is input too (docs/decisions.md, "A worker runs the spec it was started with"): its paths
         # are checked as a spec file's are, before any file call.
-        paths = {"model.name": self.model.name, "data.train": self.data.train, "data.validation": self.data.validation}
+        paths = {
+            "model.name": self.model.name,
+            "data.train": self.data.train,
+            "data.validation": self.data.validation,
+            "data.dataset": self.data.dataset,
+        }
         for where, value in paths.items():
             check_reference(value, where)
             check_path(value, where)

@@ -204,7 +204,8 @@ DATA_CASES = [
         lambda d: _write(d / "latin.jsonl", '{"text": "caf\u00e9", "label": 1}\n', "latin-1"),
         "not UTF-8",
     ),
-    ("bad_extension", lambda d: _write(d / "data.parquet", "x"), "unsupported extension"),
+    ("bad_extension", lambda d: _write(d / "data.xlsx", "x"), "unsupported format '.xlsx'; hpsearch reads .jsonl"),
+    ("not_parquet", lambda d: _write(d / "data.parquet", "x"), "cannot be read as Parquet"),
     ("ragged_csv", lambda d: _write(d / "r.csv", "text,label\nhello,1,extra\n"), "line 2 has 3 fields"),
     (
         "deep_json_line",  # issue 54: a RecursionError traceback before

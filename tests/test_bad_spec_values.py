@@ -278,12 +278,12 @@ CASES: list[tuple[str, Callable[[str], str], str]] = [
     (
         "data_train_missing",
         _drop_line("train = "),
-        "data.train: missing; set it to the training file's path (.jsonl, .csv or .tsv)",
+        "data.train: missing; set it to the training file's path (.jsonl, .json, .csv, .tsv, .parquet",
     ),
     (
         "data_validation_missing",
         _drop_line("validation = "),
-        "data.validation: missing; set it to the validation file's path (.jsonl, .csv or .tsv)",
+        "data.validation: missing; set it to the validation file's path (.jsonl, .json, .csv, .tsv",
     ),
     (
         "model_name_missing",

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hpsearch.trainer.batching import CAUSAL_LM, IGNORE_INDEX, Encoded
-from hpsearch.trainer.reading import DataError, Records, short
+from hpsearch.trainer.reading import DataError, Records, at, short
 
 ROLES = ("system", "user", "assistant", "tool")
 Message = dict[str, Any]
@@ -31,10 +31,10 @@ def read_chat_rows(path: Path, column: str, records: Records) -> ChatRows:
     for line_no, record in records:
         if column not in record:
             raise DataError(
-                f"data file {path}: line {line_no} has no column {column!r}; the file's first row holds a "
+                f"data file {path}: {at(path, line_no)} has no column {column!r}; the file's first row holds a "
                 f"conversation there, so every row must (columns: {short(', '.join(map(str, record)), 120)})"
             )
-        conversations.append(_messages(record[column], f"data file {path}: line {line_no}: {column!r}"))
+        conversations.append(_messages(record[column], f"data file {path}: {at(path, line_no)}: {column!r}"))
         lines.append(line_no)
     return ChatRows(conversations, lines, path)
 
@@ -66,13 +66,13 @@ def encode_chat(rows: ChatRows, tokenizer: Any, max_length: int) -> Encoded:
     a conversation whose assistant tokens all lie beyond it is left out (its line in ``Encoded.dropped``)."""
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(
-            f"data file {rows.path}: line {rows.lines[0]} is chat data, but the tokenizer of "
+            f"data file {rows.path}: {at(rows.path, rows.lines[0])} is chat data, but the tokenizer of "
             f"{getattr(tokenizer, 'name_or_path', 'the model')} has no chat template; use a model folder whose "
             'tokenizer_config.json has "chat_template" (or that holds chat_template.jinja), e.g. an -Instruct model'
         )
     ids, labels, dropped = [], [], []
     for conversation, line_no in zip(rows.conversations, rows.lines, strict=True):
-        tokens, token_labels = render(tokenizer, conversation, f"data file {rows.path}: line {line_no}")
+        tokens, token_labels = render(tokenizer, conversation, f"data file {rows.path}: {at(rows.path, line_no)}")
         first = next(i for i, label in enumerate(token_labels) if label != IGNORE_INDEX)
         # Position 0 is never predicted (nothing precedes it), hence first >= 1 to count. Such a row is left out,
         # not refused: real chat sets always hold a few conversations longer than the length chosen

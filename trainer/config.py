@@ -65,9 +65,22 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train: str = ""
-    """Training file: .jsonl, .csv or .tsv (relative paths resolve against the spec file)."""
+    """Training file: .jsonl, .json (a list of rows), .csv, .tsv, .parquet or .arrow, each optionally .gz (relative
+    paths resolve against the spec file)."""
     validation: str = ""
-    """Validation file, same format; the objective is measured on it."""
+    """Validation file, in any of those formats; the objective is measured on it."""
+    dataset: str = ""
+    """Instead of train: a `datasets` save_to_disk folder (a DatasetDict, or one Dataset), or a hub dataset id read
+    from this host's Hugging Face cache (or through HF_ENDPOINT)."""
+    train_split: str = "train"
+    """data.dataset: the split trained on."""
+    validation_split: str = "validation"
+    """data.dataset: the split measured on (unless data.validation or data.validation_fraction says otherwise)."""
+    validation_fraction: float = 0.0
+    """With no validation data: this share of the training rows is held out for validation, chosen by split_seed
+    (stratified by label for classification); the same rows on every worker."""
+    split_seed: int = 0
+    """Which rows validation_fraction holds out; fixed for the study (not the trials' train.seed)."""
     header: bool = True
     """.csv/.tsv: the first row names the columns. false: every row is an example (AG News as
     distributed), and the columns below are positions, 0 being the first."""
@@ -89,20 +102,50 @@ class DataConfig:
     Classification texts are truncated to model.max_length instead, never left out."""
 
     def validate(self, where: str = "data") -> None:
-        for name in ("train", "validation"):
-            if not getattr(self, name):
-                what = "training" if name == "train" else "validation"
-                raise ConfigError(f"{where}.{name}: missing; set it to the {what} file's path (.jsonl, .csv or .tsv)")
+        self._validate_sources(where)
         for name in ("text_column", "label_column", "prompt_column", "response_column", "messages_column"):
             value = getattr(self, name)
             if value == "":
                 raise ConfigError(f"{where}.{name}: must not be empty")
             if isinstance(value, int) and value < 0:
                 raise ConfigError(f"{where}.{name}: {value} must be a column position >= 0 (0 = the first column)")
+        if not 0 <= self.validation_fraction < 1 or not math.isfinite(self.validation_fraction):
+            raise ConfigError(
+                f"{where}.validation_fraction: {self.validation_fraction:g} must be >= 0 and < 1 (a share of the rows)"
+            )
+        if not 0 <= self.split_seed < 2**32:
+            raise ConfigError(f"{where}.split_seed: {self.split_seed} must be between 0 and 4294967295 (2**32 - 1)")
         if not 0 <= self.max_dropped_share < 1:
             raise ConfigError(
                 f"{where}.max_dropped_share: {self.max_dropped_share:g} must be >= 0 and < 1 (a share of the rows)"
             )
+
+    def _validate_sources(self, where: str) -> None:
+        """A training source (a file or data.dataset, not both) and validation rows (a file, a dataset's split or a
+        held-out share, not a file and a share)."""
+        formats = ".jsonl, .json, .csv, .tsv, .parquet or .arrow"
+        if self.train and self.dataset:
+            raise ConfigError(
+                f"{where}.dataset: set, and so is {where}.train; the training rows come from one: remove one of them"
+            )
+        if not self.train and not self.dataset:
+            raise ConfigError(
+                f"{where}.train: missing; set it to the training file's path ({formats}), or {where}.dataset to a "
+                "`datasets` save_to_disk folder or a hub dataset id"
+            )
+        if self.validation and self.validation_fraction:
+            raise ConfigError(
+                f"{where}.validation_fraction: {self.validation_fraction:g} holds out training rows for validation, "
+                f"but {where}.validation names a file too; remove one of them"
+            )
+        if not self.validation and not self.validation_fraction and not self.dataset:
+            raise ConfigError(
+                f"{where}.validation: missing; set it to the validation file's path ({formats}), or "
+                f"{where}.validation_fraction (e.g. 0.1) to hold out a share of the training rows"
+            )
+        for name in ("train_split", "validation_split"):
+            if not getattr(self, name):
+                raise ConfigError(f"{where}.{name}: must not be empty")
 
 
 @dataclass

@@ -20,7 +20,8 @@ from hpsearch.trainer.batching import CAUSAL_LM, CLASSIFICATION, Encoded
 from hpsearch.trainer.chat import ChatRows, encode_chat, read_chat_rows
 from hpsearch.trainer.config import DataConfig
 from hpsearch.trainer.labels import LabelMap
-from hpsearch.trainer.reading import DataError, Rows, TextRows, read_records, read_rows, read_text_rows
+from hpsearch.trainer.reading import DataError, Rows, TextRows, read_rows, read_text_rows, unit
+from hpsearch.trainer.sources import Source, digest, files, names, read
 
 log = logging.getLogger(__name__)
 # Raised whenever reading or encoding yields other examples from the same file, so no host reuses tokens the
@@ -38,19 +39,22 @@ class Splits:
 
 
 def read_splits(cfg: DataConfig, task: str = CLASSIFICATION) -> Splits:
-    """Read both files and check their labels agree; no tokenizer needed (cheap validation)."""
+    """Read both splits (sources.py) and check their labels agree; no tokenizer needed (cheap validation)."""
+    train_source, validation_source = read(cfg, stratify=task == CLASSIFICATION)
     if task == CAUSAL_LM:
-        return Splits(_read_lm(Path(cfg.train), cfg), _read_lm(Path(cfg.validation), cfg), None)
-    train = read_rows(Path(cfg.train), cfg.text_column, cfg.label_column, cfg.header)
-    validation = read_rows(Path(cfg.validation), cfg.text_column, cfg.label_column, cfg.header)
+        return Splits(_read_lm(train_source, cfg), _read_lm(validation_source, cfg), None)
+    train, validation = (
+        read_rows(s.path, cfg.text_column, cfg.label_column, cfg.header, s.records)
+        for s in (train_source, validation_source)
+    )
     labels = LabelMap.fit(train.labels, train.path)
     labels.encode(validation.labels, validation.path)  # raises on a label unseen in training
     return Splits(train, validation, labels)
 
 
-def _read_lm(path: Path, cfg: DataConfig) -> TextRows | ChatRows:
-    """Chat rows when the file's first row holds ``messages_column``, else text or prompt/response rows."""
-    records = read_records(path, cfg.header)
+def _read_lm(source: Source, cfg: DataConfig) -> TextRows | ChatRows:
+    """Chat rows when the split's first row holds ``messages_column``, else text or prompt/response rows."""
+    path, records = source.path, source.records
     if cfg.messages_column in records[0][1]:
         return read_chat_rows(path, cfg.messages_column, records)
     return read_text_rows(path, cfg.text_column, cfg.prompt_column, cfg.response_column, cfg.header, records)
@@ -69,14 +73,16 @@ class Prepared:
 
 
 def data_mode(cfg: DataConfig) -> int:
-    """The mode of files derived from ``cfg``'s data: what both data files allow others (read and write bits only),
+    """The mode of files derived from ``cfg``'s data: what every data file allows others (read and write bits only),
     and always their owner's read and write; 0600 where a file cannot be looked at. A root-only users.csv must not
     turn into a world-readable token cache or config.json of label names."""
+    shared = 0o066
     try:
-        shared = os.stat(cfg.train).st_mode & os.stat(cfg.validation).st_mode
-    except OSError:
+        for path in files(cfg):
+            shared &= os.stat(path).st_mode
+    except (OSError, DataError):
         return 0o600
-    return 0o600 | (shared & 0o066)
+    return 0o600 | shared
 
 
 def prepare(
@@ -133,7 +139,7 @@ def _cache_file(cfg: DataConfig, tokenizer: Any, max_length: int, task: str, cac
 
 def _tokenise(cfg: DataConfig, tokenizer: Any, max_length: int, task: str, splits: Splits | None) -> Prepared:
     splits = splits if splits is not None else read_splits(cfg, task)
-    log.info("tokenising %s and %s (max_length %d)", cfg.train, cfg.validation, max_length)
+    log.info("tokenising %s and %s (max_length %d)", *names(cfg), max_length)
     # GPT-style tokenizers have no padding token; padded positions are masked out anyway.
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     labels = splits.labels
@@ -262,9 +268,9 @@ SHOWN_LINES = 5
 def left_out(prepared: Prepared, cfg: DataConfig, max_length: int) -> list[str]:
     """One line per file that had rows left out: how many, why, and the first few line numbers."""
     return [
-        f"data file {path}: {len(split.dropped)} of {len(split) + len(split.dropped)} rows left out, as "
-        f"{LEFT_OUT.format(max_length)} ({_lines(split.dropped)})"
-        for path, split in ((cfg.train, prepared.train), (cfg.validation, prepared.validation))
+        f"data file {name}: {len(split.dropped)} of {len(split) + len(split.dropped)} rows left out, as "
+        f"{LEFT_OUT.format(max_length)} ({_lines(split.dropped, source)})"
+        for name, source, split in _named(prepared, cfg)
         if split.dropped
     ]
 
@@ -272,36 +278,45 @@ def left_out(prepared: Prepared, cfg: DataConfig, max_length: int) -> list[str]:
 def check_dropped(prepared: Prepared, cfg: DataConfig, max_length: int) -> None:
     """Refuse a file that lost every row, or more than ``data.max_dropped_share`` of them, to ``max_length``:
     a few long rows are normal, many mean the length is wrong for this data."""
-    for path, split in ((cfg.train, prepared.train), (cfg.validation, prepared.validation)):
+    for name, source, split in _named(prepared, cfg):
         total = len(split) + len(split.dropped)
-        why = f"{LEFT_OUT.format(max_length)} ({_lines(split.dropped)})"
+        why = f"{LEFT_OUT.format(max_length)} ({_lines(split.dropped, source)})"
         if not len(split):
             raise DataError(
-                f"data file {path}: every row ({total}) is left out, as {why}; raise model.max_length or shorten "
+                f"data file {name}: every row ({total}) is left out, as {why}; raise model.max_length or shorten "
                 "the prompts and conversations"
             )
         if len(split.dropped) > cfg.max_dropped_share * total:
             raise DataError(
-                f"data file {path}: {len(split.dropped)} of {total} rows ({len(split.dropped) / total:.0%}) would be "
+                f"data file {name}: {len(split.dropped)} of {total} rows ({len(split.dropped) / total:.0%}) would be "
                 f"left out, more than data.max_dropped_share ({cfg.max_dropped_share:g}), as {why}; raise "
                 "model.max_length, shorten those rows, or raise data.max_dropped_share"
             )
 
 
-def _lines(numbers: list[int]) -> str:
+def _named(prepared: Prepared, cfg: DataConfig) -> list[tuple[str, Path, Encoded]]:
+    """Each split with its name in messages and the file (or dataset split) its row numbers count in."""
+    (train, validation), first = names(cfg), Path(cfg.train or cfg.dataset)
+    return [
+        (train, first, prepared.train),
+        (validation, Path(cfg.validation) if cfg.validation else first, prepared.validation),
+    ]
+
+
+def _lines(numbers: list[int], path: Path) -> str:
+    """``lines 3, 9`` of a text file, ``rows 3, 9`` of other sources."""
     shown = ", ".join(map(str, numbers[:SHOWN_LINES]))
     more = f" and {len(numbers) - SHOWN_LINES} more" if len(numbers) > SHOWN_LINES else ""
-    return f"line{'s' if len(numbers) > 1 else ''} {shown}{more}"
+    return f"{unit(path)}{'s' if len(numbers) > 1 else ''} {shown}{more}"
 
 
 def _cache_key(cfg: DataConfig, tokenizer: Any, max_length: int, task: str) -> str:
     columns = f"{cfg.text_column}|{cfg.label_column}|{cfg.prompt_column}|{cfg.response_column}|{cfg.messages_column}"
     columns += "" if cfg.header else "|no header"  # the first row is an example too
+    # Which rows each split holds: the dataset's splits, or the share held out of the training rows.
+    columns += f"|{cfg.train_split}|{cfg.validation_split}|{cfg.validation_fraction}|{cfg.split_seed}"
     h = hashlib.sha256(f"v{CACHE_VERSION}|{task}|{max_length}|{columns}".encode())
-    for name in (cfg.train, cfg.validation):
-        with regular.open_file(Path(name), "rb", follow=True) as f:  # a FIFO named as data is refused, not read
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
+    h.update(digest(cfg).encode())
     h.update(_tokenizer_identity(tokenizer).encode())
     return h.hexdigest()[:24]
 

@@ -1,4 +1,5 @@
-"""Reading data files (.jsonl, .csv, .tsv) into rows, with errors that name the file, the line and the fix."""
+"""Rows of a data file checked into examples, with errors that name the file, the line (or row) and the fix; the
+parsers of the text formats (.jsonl, .csv, .tsv). Which file or folder a split comes from: sources.py."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hpsearch.storage import regular
-
-SUFFIXES = (".jsonl", ".csv", ".tsv")
+LINE_FORMATS = (".jsonl", ".csv", ".tsv")
+"""Text formats read line by line: their errors name a line; other sources (parquet, arrow, a JSON list, a `datasets`
+folder) name a row, counted from 1."""
 
 
 class DataError(ValueError):
@@ -33,10 +34,15 @@ Records = list[tuple[int, dict[Any, Any]]]
 """A file's rows as :func:`read_records` reads them: (line number, row)."""
 
 
-def read_rows(path: Path, text_column: Column, label_column: Column, header: bool = True) -> Rows:
-    """Read (text, label) pairs from a .jsonl, .csv or .tsv file, with errors that say where."""
+def read_rows(
+    path: Path, text_column: Column, label_column: Column, header: bool = True, records: Records | None = None
+) -> Rows:
+    """(text, label) pairs of ``records`` (read from ``path`` when None), with errors that say where."""
     keys = {"text_column": text_column, "label_column": label_column}
-    records = read_records(path, header)
+    if records is None:
+        from hpsearch.trainer.sources import read_file  # sources.py builds on this module: imported when used
+
+        records = read_file(path, header)
     _check_columns(path, header, keys, records)
     texts: list[str] = []
     labels: list[Any] = []
@@ -46,15 +52,15 @@ def read_rows(path: Path, text_column: Column, label_column: Column, header: boo
                 _missing(path, line_no, record, column, key, header, first=records[0][0] == line_no)
         text, label = record[text_column], record[label_column]
         if not isinstance(text, str):
-            raise DataError(f"data file {path}: line {line_no}: {text_column!r} must be text, got {text!r}")
+            raise DataError(f"data file {path}: {at(path, line_no)}: {text_column!r} must be text, got {text!r}")
         if not text.strip():
             # An empty example trains on nothing but [CLS]: a broken export more often than not.
             raise DataError(
-                f"data file {path}: line {line_no}: the text in column {text_column!r} is empty; "
+                f"data file {path}: {at(path, line_no)}: the text in column {text_column!r} is empty; "
                 "fill it or remove the row"
             )
         if label == "":
-            raise DataError(f"data file {path}: line {line_no}: empty label in column {label_column!r}")
+            raise DataError(f"data file {path}: {at(path, line_no)}: empty label in column {label_column!r}")
         _check_label_type(label, path, line_no, label_column)
         texts.append(text)
         labels.append(label)
@@ -63,9 +69,10 @@ def read_rows(path: Path, text_column: Column, label_column: Column, header: boo
 
 def _check_columns(path: Path, header: bool, keys: dict[str, Column], records: Records) -> None:
     """Names go with a header row, positions without one: said before any row is read."""
-    if not header and path.suffix.lower() == ".jsonl":
+    if not header and file_format(path) not in (".csv", ".tsv"):
+        what = "JSON lines" if file_format(path) == ".jsonl" else "not CSV or TSV"
         raise DataError(
-            f"data.header = false: {path} is JSON lines, whose rows name their keys; "
+            f"data.header = false: {path} is {what}, whose rows name their keys; "
             "header = false is for .csv and .tsv files"
         )
     for key, column in keys.items():
@@ -86,10 +93,10 @@ def _missing(
 ) -> NoReturn:
     if not header:
         raise DataError(
-            f"data file {path}: line {line_no} has {len(record)} fields, so no column {column} "
+            f"data file {path}: {at(path, line_no)} has {len(record)} fields, so no column {column} "
             f"(data.{key} counts from 0)"
         )
-    why = _not_a_header(list(record)) if first and path.suffix.lower() != ".jsonl" else None
+    why = _not_a_header(list(record)) if first and file_format(path) in (".csv", ".tsv") else None
     if why:
         raise DataError(
             f"data file {path}: its first row does not look like a header ({why}), and has no column {column!r}; "
@@ -97,7 +104,7 @@ def _missing(
             "to column positions (0 = the first column)"
         )
     raise DataError(
-        f"data file {path}: row at line {line_no} has no column {column!r} (columns: {_columns(record)}); "
+        f"data file {path}: {row_at(path, line_no)} has no column {column!r} (columns: {_columns(record)}); "
         f"fix the file or set data.{key}"
     )
 
@@ -131,9 +138,30 @@ def _check_label_type(label: Any, path: Path, line_no: int, column: Column) -> N
     if isinstance(label, float) and label.is_integer() and abs(label) < 1e15:
         hint = f" (write {int(label)}, not {short(json.dumps(label))})"
     raise DataError(
-        f"data file {path}: line {line_no}: label {short(json.dumps(label))} in column {column!r} is {kind}; "
+        f"data file {path}: {at(path, line_no)}: label {short(json.dumps(label))} in column {column!r} is {kind}; "
         f"labels must be integers or strings{hint}"
     )
+
+
+def file_format(path: Path) -> str:
+    """A data file's format, its suffix less a final ``.gz``: ``.jsonl`` for both ``a.jsonl`` and ``a.jsonl.gz``."""
+    name = path.name.lower()
+    name = name[: -len(".gz")] if name.endswith(".gz") else name
+    return Path(name).suffix
+
+
+def unit(path: Path) -> str:
+    """What a row number counts in ``path``: lines of a text file, rows of the others (sources without lines)."""
+    return "line" if file_format(path) in LINE_FORMATS else "row"
+
+
+def at(path: Path, number: int) -> str:
+    """``line 3`` of a text file, ``row 3`` of the others."""
+    return f"{unit(path)} {number}"
+
+
+def row_at(path: Path, number: int) -> str:
+    return f"row at {at(path, number)}" if file_format(path) in LINE_FORMATS else at(path, number)
 
 
 def short(text: str, limit: int = 40) -> str:
@@ -165,50 +193,28 @@ def read_text_rows(
             if not header:
                 _missing(path, line_no, record, text_column, "text_column", header, first=False)
             raise DataError(
-                f"data file {path}: row at line {line_no} has no column {text_column!r} (nor {prompt_column!r} + "
+                f"data file {path}: {row_at(path, line_no)} has no column {text_column!r} (nor {prompt_column!r} + "
                 f"{response_column!r}; columns: {_columns(record)}); fix the file or set data.text_column "
                 "(or data.prompt_column and data.response_column)"
             )
         for column in columns:
             if not isinstance(record[column], str):
-                raise DataError(f"data file {path}: line {line_no}: {column!r} must be text, got {record[column]!r}")
+                raise DataError(
+                    f"data file {path}: {at(path, line_no)}: {column!r} must be text, got {record[column]!r}"
+                )
         text = record[columns[-1]]
         if not text.strip():
-            raise DataError(f"data file {path}: line {line_no}: {columns[-1]!r} is empty; fill it or remove the row")
+            raise DataError(
+                f"data file {path}: {at(path, line_no)}: {columns[-1]!r} is empty; fill it or remove the row"
+            )
         prompts.append(record[prompt_column] if len(columns) == 2 else "")
         texts.append(text)
         lines.append(line_no)
     return TextRows(prompts, texts, path, lines)
 
 
-def read_records(path: Path, header: bool = True) -> Records:
-    """(line number, row) of a .jsonl, .csv or .tsv file; at least one row, or a DataError. A .csv/.tsv row
-    is keyed by the header's names, or by position without a header."""
-    if not path.exists():
-        raise DataError(f"data file {path} does not exist; check the path in the spec's [data] table")
-    if path.is_dir():
-        raise DataError(f"data file {path} is a folder; point [data] at a .jsonl, .csv or .tsv file")
-    suffix = path.suffix.lower()
-    if suffix not in SUFFIXES:
-        raise DataError(f"data file {path}: unsupported extension {suffix!r}; use .jsonl, .csv or .tsv")
-    try:
-        # Opened without blocking and checked to be a regular file: a FIFO named as data would hang `start`.
-        with regular.open_file(path, "r", follow=True, encoding="utf-8-sig") as f:
-            raw = f.read()
-    except regular.NotRegularFile as exc:
-        raise DataError(f"data file {exc}; point [data] at a .jsonl, .csv or .tsv file") from None
-    except UnicodeDecodeError as exc:
-        raise DataError(
-            f"data file {path} is not UTF-8 (bad byte at offset {exc.start}); re-save it as UTF-8"
-        ) from None
-    records = _read_jsonl(raw, path) if suffix == ".jsonl" else _read_table(raw, path, suffix, header)
-    if not records:
-        needs = "a header and at least one example" if header and suffix != ".jsonl" else "at least one example"
-        raise DataError(f"data file {path} has no rows; it needs {needs}")
-    return records
-
-
-def _read_jsonl(raw: str, path: Path) -> Records:
+def parse_jsonl(raw: str, path: Path) -> Records:
+    """(line number, row) of JSON lines text; blank lines are skipped."""
     records = []
     for line_no, line in enumerate(raw.splitlines(), start=1):
         if not line.strip():
@@ -232,7 +238,8 @@ def _read_jsonl(raw: str, path: Path) -> Records:
 CSV_FIELD_LIMIT = 2**31 - 1
 
 
-def _read_table(raw: str, path: Path, suffix: str, header_row: bool) -> Records:
+def parse_table(raw: str, path: Path, suffix: str, header_row: bool) -> Records:
+    """(line number, row) of CSV (``suffix`` ".csv") or TSV text, keyed by the header's names or by position."""
     if csv.field_size_limit() < CSV_FIELD_LIMIT:
         csv.field_size_limit(CSV_FIELD_LIMIT)
     # newline="" hands csv the raw line ends, as its docs require: a quoted field keeps its line breaks, and only

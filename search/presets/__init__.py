@@ -118,4 +118,4 @@ def resolved(spec: StudySpec, output_dir: Path = Path("hpsearch-runs")) -> Study
 
 def resolved_data(data: DataConfig) -> DataConfig:
     """``data`` with its pkg:// files turned into local paths (nothing is built or written)."""
-    return replace(data, train=locate(data.train), validation=locate(data.validation))
+    return replace(data, train=locate(data.train), validation=locate(data.validation), dataset=locate(data.dataset))
