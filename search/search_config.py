@@ -10,7 +10,7 @@ from hpsearch.search.errors import SpecError
 from hpsearch.storage import urls
 from hpsearch.storage.errors import StorageUrlError
 from hpsearch.storage.shown import shown
-from hpsearch.trainer.config import MAX_STEPS, TrainConfig
+from hpsearch.trainer.config import MAX_STEPS, TASK_METRICS, TrainConfig
 
 MAX_TRIALS = 100_000
 """Far beyond any search that ends (at a minute a trial, ten weeks on one device); a larger number is a typo
@@ -34,8 +34,9 @@ LIMITS = {
 """Upper bounds of the other budget-like keys, each with how it reads."""
 
 SAMPLERS = ("tpe", "random", "gp", "cmaes", "grid", "qmc")
-QUALITY = ("loss", "accuracy", "f1")
-"""What a study is judged by on the validation split: its first (or only) objective, the one the pruner sees."""
+QUALITY = tuple(dict.fromkeys(m for metrics in TASK_METRICS.values() for m in metrics if m != "perplexity"))
+"""What a study is judged by on the validation split: its first (or only) objective, the one the pruner sees; which
+of them a task has is checked with the model (search/spec.py)."""
 COSTS = ("gpu_hours", "trainable_parameters", "peak_memory_gb")
 """What a trial's model cost, each minimised: a second objective (search/objectives.py reads each off the trial)."""
 SINGLE_OBJECTIVE_ONLY = {"cmaes": "CMA-ES optimises one objective"}
