@@ -152,8 +152,8 @@ class PruningGate:
         self.at_chance = self.at_chance + 1 if matches else 0
 
     def cut_early(self, step: int, metrics: Metrics) -> bool | None:
-        """At an early point of a classification trial: whether it has learnt nothing (cut it) or may have (go on);
-        None elsewhere (the pruner decides). Among trials that learn, a curve this short favours the fastest learner
+        """At an early point of a trial with a label prior (every task but causal-lm): whether it has learnt nothing
+        (cut it) or may have (go on); None elsewhere (the pruner decides). Among trials that learn, a curve this short favours the fastest learner
         (a high learning rate), not the best, so an early point cuts only a flat curve at chance: at the label
         prior's loss or above, and less than FLAT of it lower than at the previous early point (in the first steps a
         good learning rate is at the prior too, but its loss is falling; docs/search.md, "Early pruning points")."""

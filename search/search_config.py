@@ -76,7 +76,7 @@ class SearchConfig:
     early_points: bool = True
     """Any pruner: validate also at early points below the first train.eval_every point (asha/hyperband: its rungs
     continued down, eval_every / pruner_reduction_factor^k, k = 1, 2; median/percentile: a quarter and half of the
-    way there), where a classification trial that has learnt nothing is cut at a small part of its cost
+    way there), where a trial that has learnt nothing (at its task's label prior) is cut at a small part of its cost
     (docs/search.md, "Early pruning points")."""
     early_point_rows: int = 512
     """Validation rows an early point scores: a fixed, seeded subset, the same in every trial (0 = all). A trial's
@@ -85,9 +85,9 @@ class SearchConfig:
     """Any pruner: it is not asked about points that say little of a trial's hyperparameters, though they are
     reported (search/early_stop.py; the rule: docs/search.md, "Pruners: stop hopeless trials early")."""
     prune_at_chance: int = 2
-    """Classification, any pruner but none: stop a trial once this many validation points in a row, after its
-    warm-up and first fifth of steps, were no better than the label prior (docs/search.md, "Pruners: stop hopeless
-    trials early"): a learning rate that does not learn or that diverged (0 = never)."""
+    """Any task but causal-lm, any pruner but none: stop a trial once this many validation points in a row, after its
+    warm-up and first fifth of steps, were no better than its task's label prior (docs/tasks.md; docs/search.md,
+    "Pruners: stop hopeless trials early"): a learning rate that does not learn or that diverged (0 = never)."""
     timeout_minutes: float = 0.0
     """Stop starting new trials after this many minutes of the study (0 = no limit)."""
     gpu_hours: float = 0.0

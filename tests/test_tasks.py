@@ -20,7 +20,7 @@ from hpsearch.trainer.batching import IGNORE_INDEX, MULTI_LABEL, REGRESSION, TOK
 from hpsearch.trainer.checkpoint import META
 from hpsearch.trainer.config import DataConfig
 from hpsearch.trainer.encoding import prepare, read_splits
-from hpsearch.trainer.evaluate import evaluate
+from hpsearch.trainer.evaluate import Metrics, evaluate
 from hpsearch.trainer.model import load_tokenizer
 from tests.conftest import Cli, assert_refused, hpsearch, one_trial
 from tests.support.task_data import (
@@ -116,6 +116,9 @@ def test_chance_priors_per_task() -> None:
     regression = Encoded(input_ids=[[1]] * 4, task=REGRESSION, scores=[[1.0], [2.0], [3.0], [6.0]])
     prior = ChanceLevel.of_split(regression)
     assert prior is not None and prior.loss == pytest.approx(3.5) and prior.accuracy is None  # the variance
+    # The loss alone is judged: an MSE at the variance or above is no better than predicting the mean.
+    assert prior.matches(Metrics(loss=3.6, pearson=0.9)) and not prior.matches(Metrics(loss=3.4, pearson=0.0))
+    assert not prior.matches(Metrics(loss=float("nan"))) and not prior.not_yet_seen(Metrics(loss=1.0))
     multi = Encoded(input_ids=[[1]] * 4, task=MULTI_LABEL, scores=[[1.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 1.0]])
     prior = ChanceLevel.of_split(multi)
     h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))  # each label present in a quarter of the rows
