@@ -153,10 +153,11 @@ class PruningGate:
 
     def cut_early(self, step: int, metrics: Metrics) -> bool | None:
         """At an early point of a trial with a label prior (every task but causal-lm): whether it has learnt nothing
-        (cut it) or may have (go on); None elsewhere (the pruner decides). Among trials that learn, a curve this short favours the fastest learner
-        (a high learning rate), not the best, so an early point cuts only a flat curve at chance: at the label
-        prior's loss or above, and less than FLAT of it lower than at the previous early point (in the first steps a
-        good learning rate is at the prior too, but its loss is falling; docs/search.md, "Early pruning points")."""
+        (cut it) or may have (go on); None elsewhere (the pruner decides). Among trials that learn, a curve this
+        short favours the fastest learner (a high learning rate), not the best, so an early point cuts only a flat
+        curve at chance: at the label prior's loss or above, and less than FLAT of it lower than at the previous
+        early point (in the first steps a good learning rate is at the prior too, but its loss is falling;
+        docs/search.md, "Early pruning points")."""
         if step not in self.early or self.chance is None:
             return None
         previous, self.early_seen = self.early_seen, (step, metrics.loss)
