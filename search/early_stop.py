@@ -15,6 +15,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from hpsearch.trainer.batching import (
+    CLASSIFICATION,
+    IGNORE_INDEX,
+    MULTI_LABEL,
+    REGRESSION,
+    TOKEN_CLASSIFICATION,
+    Encoded,
+)
 from hpsearch.trainer.report import FailReason, Reporter
 
 if TYPE_CHECKING:
@@ -33,9 +41,14 @@ previous early point (0.007 nats for two balanced labels)."""
 
 @dataclass(frozen=True)
 class ChanceLevel:
-    loss: float  # entropy of the validation labels: the cross-entropy of the best constant prediction
-    accuracy: float  # share of the most frequent validation label
-    margin: float  # one standard error of an accuracy at that rate on this many examples
+    """The label prior of a task's validation split: the loss (and accuracy) of the best constant prediction
+    (docs/tasks.md, "The chance stop"). Classification and token-classification: the class (tag) frequencies, the
+    loss their entropy and the accuracy the majority's share. Regression: the labels' mean, the loss their variance.
+    Multi-label: each label's frequency, the loss the mean of their binary entropies. Causal LM: none."""
+
+    loss: float  # the loss of the best constant prediction
+    accuracy: float | None  # share of the most frequent validation label; None: the loss alone is judged
+    margin: float = 0.0  # one standard error of an accuracy at that rate on this many examples
 
     @classmethod
     def of(cls, labels: Sequence[int]) -> ChanceLevel | None:
@@ -47,19 +60,37 @@ class ChanceLevel:
         top = max(shares)
         return cls(loss=-sum(p * math.log(p) for p in shares), accuracy=top, margin=math.sqrt(top * (1 - top) / n))
 
+    @classmethod
+    def of_split(cls, split: Encoded) -> ChanceLevel | None:
+        """The prior of ``split``'s task (see the class); None for a causal LM or an empty split."""
+        if split.task == TOKEN_CLASSIFICATION:
+            return cls.of([tag for tags in split.token_labels for tag in tags if tag != IGNORE_INDEX])
+        if split.task == REGRESSION and split.scores:
+            values = [row[0] for row in split.scores]
+            mean = sum(values) / len(values)
+            return cls(loss=sum((v - mean) ** 2 for v in values) / len(values), accuracy=None)
+        if split.task == MULTI_LABEL and split.scores:
+            shares = [sum(column) / len(split.scores) for column in zip(*split.scores, strict=True)]
+            entropies = [-(p * math.log(p) + (1 - p) * math.log(1 - p)) if 0 < p < 1 else 0.0 for p in shares]
+            return cls(loss=sum(entropies) / len(entropies), accuracy=None)
+        return cls.of(split.labels) if split.task == CLASSIFICATION else None
+
     def matches(self, metrics: Metrics) -> bool:
         """Whether a validation point is no better than the label prior."""
         return self._accuracy_at_chance(metrics) and metrics.loss >= self.loss
 
     def not_yet_seen(self, metrics: Metrics) -> bool:
         """Whether the loss has left the prior's but accuracy has not (often the label frequencies, learnt first)."""
-        return self._accuracy_at_chance(metrics) and metrics.loss < self.loss
+        return self.accuracy is not None and self._accuracy_at_chance(metrics) and metrics.loss < self.loss
 
     def _accuracy_at_chance(self, metrics: Metrics) -> bool:
-        """Accuracy within a standard error of the majority rate, at a finite loss."""
-        if metrics.accuracy is None or not math.isfinite(metrics.loss):
+        """Accuracy within a standard error of the majority rate, at a finite loss (a prior without an accuracy:
+        any finite loss)."""
+        if not math.isfinite(metrics.loss):
             return False
-        return metrics.accuracy <= self.accuracy + self.margin
+        if self.accuracy is None:
+            return True
+        return metrics.accuracy is not None and metrics.accuracy <= self.accuracy + self.margin
 
 
 @dataclass
@@ -99,7 +130,7 @@ class PruningGate:
         from hpsearch.trainer.optim import plan_steps, warmup_steps
 
         total, _ = plan_steps(len(data.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
-        chance = ChanceLevel.of(data.validation.labels)
+        chance = ChanceLevel.of_split(data.validation)
         return cls(chance, warmup_steps(cfg, total), total, metric, prune_at_chance=prune_at_chance, patient=patient)
 
     @property
@@ -121,11 +152,12 @@ class PruningGate:
         self.at_chance = self.at_chance + 1 if matches else 0
 
     def cut_early(self, step: int, metrics: Metrics) -> bool | None:
-        """At an early point of a classification trial: whether it has learnt nothing (cut it) or may have (go on);
-        None elsewhere (the pruner decides). Among trials that learn, a curve this short favours the fastest learner
-        (a high learning rate), not the best, so an early point cuts only a flat curve at chance: at the label
-        prior's loss or above, and less than FLAT of it lower than at the previous early point (in the first steps a
-        good learning rate is at the prior too, but its loss is falling; docs/search.md, "Early pruning points")."""
+        """At an early point of a trial with a label prior (every task but causal-lm): whether it has learnt nothing
+        (cut it) or may have (go on); None elsewhere (the pruner decides). Among trials that learn, a curve this
+        short favours the fastest learner (a high learning rate), not the best, so an early point cuts only a flat
+        curve at chance: at the label prior's loss or above, and less than FLAT of it lower than at the previous
+        early point (in the first steps a good learning rate is at the prior too, but its loss is falling;
+        docs/search.md, "Early pruning points")."""
         if step not in self.early or self.chance is None:
             return None
         previous, self.early_seen = self.early_seen, (step, metrics.loss)

@@ -167,8 +167,11 @@ def _merge(source: Path, tmp: Path) -> None:
     meta = json.loads(regular.read_text(source / META, 1 << 20)) if (source / META).exists() else {}
     labels = meta.get("id2label") if isinstance(meta, dict) else None
     id2label = {int(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else None
+    problem_type = meta.get("problem_type") if isinstance(meta, dict) else None
     try:
-        adapters.merge(source, tmp, load_tokenizer(str(source)), id2label)
+        adapters.merge(
+            source, tmp, load_tokenizer(str(source)), id2label, problem_type if isinstance(problem_type, str) else None
+        )
     except (OSError, ValueError) as exc:
         # The base the adapter names was moved or deleted since the study ran.
         raise ExportError(f"--merge: cannot load {source} on its base ({str(exc).splitlines()[0]})") from None

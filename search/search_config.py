@@ -10,7 +10,7 @@ from hpsearch.search.errors import SpecError
 from hpsearch.storage import urls
 from hpsearch.storage.errors import StorageUrlError
 from hpsearch.storage.shown import shown
-from hpsearch.trainer.config import MAX_STEPS, TrainConfig
+from hpsearch.trainer.config import MAX_STEPS, TASK_METRICS, TrainConfig
 
 MAX_TRIALS = 100_000
 """Far beyond any search that ends (at a minute a trial, ten weeks on one device); a larger number is a typo
@@ -34,8 +34,9 @@ LIMITS = {
 """Upper bounds of the other budget-like keys, each with how it reads."""
 
 SAMPLERS = ("tpe", "random", "gp", "cmaes", "grid", "qmc")
-QUALITY = ("loss", "accuracy", "f1")
-"""What a study is judged by on the validation split: its first (or only) objective, the one the pruner sees."""
+QUALITY = tuple(dict.fromkeys(m for metrics in TASK_METRICS.values() for m in metrics if m != "perplexity"))
+"""What a study is judged by on the validation split: its first (or only) objective, the one the pruner sees; which
+of them a task has is checked with the model (search/spec.py)."""
 COSTS = ("gpu_hours", "trainable_parameters", "peak_memory_gb")
 """What a trial's model cost, each minimised: a second objective (search/objectives.py reads each off the trial)."""
 SINGLE_OBJECTIVE_ONLY = {"cmaes": "CMA-ES optimises one objective"}
@@ -75,7 +76,7 @@ class SearchConfig:
     early_points: bool = True
     """Any pruner: validate also at early points below the first train.eval_every point (asha/hyperband: its rungs
     continued down, eval_every / pruner_reduction_factor^k, k = 1, 2; median/percentile: a quarter and half of the
-    way there), where a classification trial that has learnt nothing is cut at a small part of its cost
+    way there), where a trial that has learnt nothing (at its task's label prior) is cut at a small part of its cost
     (docs/search.md, "Early pruning points")."""
     early_point_rows: int = 512
     """Validation rows an early point scores: a fixed, seeded subset, the same in every trial (0 = all). A trial's
@@ -84,9 +85,9 @@ class SearchConfig:
     """Any pruner: it is not asked about points that say little of a trial's hyperparameters, though they are
     reported (search/early_stop.py; the rule: docs/search.md, "Pruners: stop hopeless trials early")."""
     prune_at_chance: int = 2
-    """Classification, any pruner but none: stop a trial once this many validation points in a row, after its
-    warm-up and first fifth of steps, were no better than the label prior (docs/search.md, "Pruners: stop hopeless
-    trials early"): a learning rate that does not learn or that diverged (0 = never)."""
+    """Any task but causal-lm, any pruner but none: stop a trial once this many validation points in a row, after its
+    warm-up and first fifth of steps, were no better than its task's label prior (docs/tasks.md; docs/search.md,
+    "Pruners: stop hopeless trials early"): a learning rate that does not learn or that diverged (0 = never)."""
     timeout_minutes: float = 0.0
     """Stop starting new trials after this many minutes of the study (0 = no limit)."""
     gpu_hours: float = 0.0

@@ -33,6 +33,7 @@ from hpsearch.search.space import (
 from hpsearch.storage import attrs, urls
 from hpsearch.storage.shown import shown
 from hpsearch.trainer.config import (
+    TASK_METRICS,
     AdapterConfig,
     ConfigError,
     DataConfig,
@@ -125,6 +126,26 @@ class StudySpec:
         spec.validate()
         return spec
 
+    def _validate_task(self) -> None:
+        """The metric is one the task records; the data keys a task reads are not set for one that ignores them."""
+        task, metric = self.model.task, self.search.quality
+        if task == "causal-lm" and metric != "loss":
+            raise SpecError(
+                f'search.metric: {metric!r} is not defined for model.task = "causal-lm"; use '
+                'metric = "loss" (the validation perplexity is recorded too, as best_val_perplexity)'
+            )
+        if metric not in TASK_METRICS[task]:
+            raise SpecError(
+                f"search.metric: {metric!r} is not recorded for model.task = {task!r}; use one of "
+                f"{', '.join(TASK_METRICS[task])} (docs/tasks.md)"
+            )
+        if self.data.text_pair_column != "" and task not in ("classification", "regression"):
+            raise SpecError(
+                f"data.text_pair_column: sentence pairs are for classification and regression, not {task!r}; remove it"
+            )
+        if self.data.label_separator and task != "multi-label":
+            raise SpecError(f'data.label_separator: cuts multi-label labels only; remove it for model.task = "{task}"')
+
     def validate(self) -> None:
         try:
             self.model.validate()
@@ -137,11 +158,7 @@ class StudySpec:
         self.search.validate()
         self.search.check_steps(self.train)
         self._validate_sampler()
-        if self.model.task == "causal-lm" and self.search.quality != "loss":
-            raise SpecError(
-                f'search.metric: {self.search.quality!r} is not defined for model.task = "causal-lm"; use '
-                'metric = "loss" (the validation perplexity is recorded too, as best_val_perplexity)'
-            )
+        self._validate_task()
         if self.model.name.startswith(BUILTIN_SCHEME) and self.model.name[len(BUILTIN_SCHEME) :] not in BUILTIN_MODELS:
             raise SpecError(
                 f"model.name: {self.model.name!r} is not a built-in model; built-in: "

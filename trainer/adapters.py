@@ -11,13 +11,17 @@ from typing import Any
 
 import torch
 
+from hpsearch.trainer.batching import CAUSAL_LM, TOKEN_CLASSIFICATION
 from hpsearch.trainer.config import AdapterConfig, ConfigError, ModelConfig
-from hpsearch.trainer.model import NO_REMOTE_CODE, from_pretrained
+from hpsearch.trainer.model import NO_REMOTE_CODE, auto_class, from_pretrained
 
 log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 """What peft's save_pretrained writes beside adapter_model.safetensors: marks an adapter folder."""
+PEFT_TASK_TYPES = {CAUSAL_LM: "CAUSAL_LM", TOKEN_CLASSIFICATION: "TOKEN_CLS"}
+"""peft's task_type of each task (the sequence tasks: SEQ_CLS): which head it trains in full and saves, and which
+AutoPeftModel class loads the adapter."""
 
 
 def is_adapter(model: torch.nn.Module) -> bool:
@@ -26,8 +30,8 @@ def is_adapter(model: torch.nn.Module) -> bool:
 
 def attach(base: torch.nn.Module, cfg: AdapterConfig, task: str, seed: int) -> torch.nn.Module:
     """A freshly seeded LoRA adapter on ``base`` (changed in place: its linear layers are
-    wrapped, its own weights frozen). For a classifier, peft's SEQ_CLS task puts the head in
-    ``modules_to_save``: a trainable copy of it, trained in full and saved with the adapter."""
+    wrapped, its own weights frozen). For a classifier, peft's SEQ_CLS task (TOKEN_CLS for a tagger) puts the head
+    in ``modules_to_save``: a trainable copy of it, trained in full and saved with the adapter."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
@@ -35,7 +39,8 @@ def attach(base: torch.nn.Module, cfg: AdapterConfig, task: str, seed: int) -> t
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
-        task_type="CAUSAL_LM" if task == "causal-lm" else "SEQ_CLS",
+        task_type=PEFT_TASK_TYPES.get(task, "SEQ_CLS"),
+        exclude_modules=_token_head(base, cfg, task),
     )
     # LoRA's A matrices are drawn from torch's global generator (B starts at zero): the seed
     # makes a trial's adapter the same wherever and whenever it runs.
@@ -49,6 +54,14 @@ def attach(base: torch.nn.Module, cfg: AdapterConfig, task: str, seed: int) -> t
                     drops[name] = MaskDropout(drop.p)
     log.info("LoRA r=%d alpha=%g: %d trainable parameters", cfg.r, cfg.alpha, trainable_parameters(model))
     return model
+
+
+def _token_head(base: torch.nn.Module, cfg: AdapterConfig, task: str) -> list[str] | None:
+    """A tagger's head, kept out of "all-linear": peft leaves a SEQ_CLS head out of it itself, not a TOKEN_CLS one,
+    and then refuses to train in full (modules_to_save) a head it has given an adapter."""
+    if task != TOKEN_CLASSIFICATION or cfg.target_modules != "all-linear":
+        return None
+    return [name for name in ("classifier", "score") if isinstance(getattr(base, name, None), torch.nn.Module)] or None
 
 
 class MaskDropout(torch.nn.Module):
@@ -130,23 +143,33 @@ def load_saved(folder: Path, num_labels: int | None = None) -> torch.nn.Module:
     """The adapter checkpoint in ``folder`` on its base, as a user loads it (AutoPeftModel*).
     ``num_labels``: a classifier's label count, where it differs from the base's config (the
     base is loaded from its own folder, whose head has the base's count)."""
-    from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
+    from peft import (
+        AutoPeftModelForCausalLM,
+        AutoPeftModelForSequenceClassification,
+        AutoPeftModelForTokenClassification,
+    )
 
     task = json.loads((folder / ADAPTER_CONFIG).read_text()).get("task_type")
     if task == "CAUSAL_LM":
         return AutoPeftModelForCausalLM.from_pretrained(str(folder), **NO_REMOTE_CODE)
     kwargs: dict[str, Any] = {"num_labels": num_labels, "ignore_mismatched_sizes": True} if num_labels else {}
-    return AutoPeftModelForSequenceClassification.from_pretrained(str(folder), **kwargs, **NO_REMOTE_CODE)
+    auto: Any = AutoPeftModelForTokenClassification if task == "TOKEN_CLS" else AutoPeftModelForSequenceClassification
+    return auto.from_pretrained(str(folder), **kwargs, **NO_REMOTE_CODE)
 
 
-def merge(source: Path, target: Path, tokenizer: Any, id2label: dict[int, str] | None) -> None:
+def merge(
+    source: Path, target: Path, tokenizer: Any, id2label: dict[int, str] | None, problem_type: str | None = None
+) -> None:
     """The base with the adapter of ``source`` merged into its weights, saved to ``target``:
-    loadable with plain ``from_pretrained``, no peft needed."""
+    loadable with plain ``from_pretrained``, no peft needed; ``problem_type``: the task's, for config.json (the
+    adapter's base config has its own)."""
     loaded: Any = load_saved(source, len(id2label) if id2label else None)
     merged: Any = loaded.merge_and_unload()
     if id2label:
         merged.config.id2label = dict(id2label)
         merged.config.label2id = {v: k for k, v in id2label.items()}
+    if problem_type:
+        merged.config.problem_type = problem_type
     merged.save_pretrained(target, safe_serialization=True)
     tokenizer.save_pretrained(target)
 
@@ -191,9 +214,9 @@ def check_targets(model: ModelConfig, adapter: AdapterConfig) -> None:
     empty (meta-device) copy built from the config alone: no weights are read, whatever the model's size."""
     if not adapter.enabled or isinstance(adapter.target_modules, str):
         return
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoConfig
 
-    auto: Any = AutoModelForCausalLM if model.task == "causal-lm" else AutoModelForSequenceClassification
+    auto = auto_class(model.task)
     with torch.device("meta"):
         empty = auto.from_config(from_pretrained(AutoConfig, model.name))
     modules = [(n, m) for n, m in empty.named_modules() if n]

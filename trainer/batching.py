@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from hpsearch.trainer.encoding import Prepared
 
 CLASSIFICATION, CAUSAL_LM = "classification", "causal-lm"
+REGRESSION, MULTI_LABEL, TOKEN_CLASSIFICATION = "regression", "multi-label", "token-classification"
+PER_EXAMPLE = (CLASSIFICATION, REGRESSION, MULTI_LABEL)
+"""The tasks with one target a row (a class id, or a row of ``Encoded.scores``): the loss is averaged per row."""
 IGNORE_INDEX = -100
 """Label of a token left out of the loss (cross_entropy's ignore_index): prompt and padding."""
 
@@ -22,8 +25,10 @@ IGNORE_INDEX = -100
 @dataclass
 class Encoded:
     """A tokenised split: variable-length id lists (no padding is stored) and what they are trained to predict:
-    a class id each (classification), or their own next tokens after ``prompt_lengths[i]`` prompt tokens
-    (causal-lm), or, for chat data, the tokens whose ``token_labels`` are not IGNORE_INDEX (the assistant's turns)."""
+    a class id each (classification), a row of ``scores`` (regression: the number; multi-label: 0/1 per label), a
+    tag id per token in ``token_labels`` (token-classification: a word's first sub-token; IGNORE_INDEX elsewhere),
+    or their own next tokens after ``prompt_lengths[i]`` prompt tokens (causal-lm), or, for chat data, the tokens
+    whose ``token_labels`` are not IGNORE_INDEX (the assistant's turns)."""
 
     input_ids: list[list[int]]
     labels: list[int] = field(default_factory=list)
@@ -33,6 +38,10 @@ class Encoded:
     task: str = CLASSIFICATION
     dropped: list[int] = field(default_factory=list)
     """Causal-lm: the line numbers of rows left out, every token they train on lying beyond model.max_length."""
+    scores: list[list[float]] = field(default_factory=list)
+    """Regression ([the number]) and multi-label (1.0 where a label applies, else 0.0, in label id order)."""
+    token_type_ids: list[list[int]] = field(default_factory=list)
+    """Sentence pairs, for a tokenizer that marks the second sentence (BERT's segment ids); empty otherwise."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -44,7 +53,13 @@ class Encoded:
             return [rows[i] for i in indices] if rows else []
 
         return Encoded(
-            pick(self.input_ids), pick(self.labels), pick(self.prompt_lengths), pick(self.token_labels), self.task
+            pick(self.input_ids),
+            pick(self.labels),
+            pick(self.prompt_lengths),
+            pick(self.token_labels),
+            self.task,
+            scores=pick(self.scores),
+            token_type_ids=pick(self.token_type_ids),
         )
 
     @functools.cached_property
@@ -61,9 +76,9 @@ class Encoded:
         return len(indices) * max(self.lengths[i] for i in indices)
 
     def targets(self, indices: Sequence[int]) -> int:
-        """What the loss is averaged over: examples, or predicted tokens for causal-lm (a
-        sequence's first token and its prompt are never predicted)."""
-        if self.task == CLASSIFICATION:
+        """What the loss is averaged over: examples, tagged words (token-classification), or predicted tokens for
+        causal-lm (a sequence's first token and its prompt are never predicted)."""
+        if self.task in PER_EXAMPLE:
             return len(indices)
         if self.token_labels:
             return sum(self._label_counts[i] for i in indices)
@@ -72,8 +87,10 @@ class Encoded:
 
     @functools.cached_property
     def _label_counts(self) -> list[int]:
-        # From position 1: the first token is never predicted, whatever its label.
-        return [sum(label != IGNORE_INDEX for label in labels[1:]) for labels in self.token_labels]
+        # Causal-lm from position 1: the first token is never predicted, whatever its label. A tagger predicts
+        # at every position: its [CLS] is IGNORE_INDEX anyway.
+        start = 0 if self.task == TOKEN_CLASSIFICATION else 1
+        return [sum(label != IGNORE_INDEX for label in labels[start:]) for labels in self.token_labels]
 
 
 GROUP_WINDOW_STEPS = 4
@@ -185,8 +202,11 @@ def collate(data: Encoded, indices: Sequence[int], pad_id: int) -> dict[str, Any
     mask = torch.tensor([[1] * lengths[i] + [0] * (width - lengths[i]) for i in indices], dtype=torch.long)
     if data.task == CLASSIFICATION:
         labels = torch.tensor([data.labels[i] for i in indices], dtype=torch.long)
+    elif data.task in PER_EXAMPLE:  # regression, multi-label
+        labels = torch.tensor([data.scores[i] for i in indices], dtype=torch.float32)
     elif data.token_labels:
-        # Chat: only the assistant's turns were given labels; padding is kept out of the loss.
+        # Chat and tagging: only the labelled tokens count (assistant's turns, words' first sub-tokens); padding is
+        # kept out of the loss.
         pad = [IGNORE_INDEX]
         labels = torch.tensor([data.token_labels[i] + pad * (width - lengths[i]) for i in indices], dtype=torch.long)
     else:
@@ -194,7 +214,11 @@ def collate(data: Encoded, indices: Sequence[int], pad_id: int) -> dict[str, Any
         labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
         for row, i in enumerate(indices):
             labels[row, : data.prompt_lengths[i]] = IGNORE_INDEX
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if data.token_type_ids:  # a sentence pair's segments; padding is segment 0, as transformers pads it
+        types = [data.token_type_ids[i] + [0] * (width - lengths[i]) for i in indices]
+        batch["token_type_ids"] = torch.tensor(types, dtype=torch.long)
+    return batch
 
 
 def smaller_micro(micro: int) -> int | None:

@@ -14,7 +14,16 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32", "bf16-true")
-TASKS = ("classification", "causal-lm")
+TASKS = ("classification", "regression", "multi-label", "token-classification", "causal-lm")
+TASK_METRICS = {
+    "classification": ("loss", "accuracy", "f1"),
+    "regression": ("loss", "pearson", "spearman"),
+    "multi-label": ("loss", "f1", "macro_f1", "accuracy"),
+    "token-classification": ("loss", "f1", "precision", "recall", "accuracy"),
+    "causal-lm": ("loss", "perplexity"),
+}
+"""The validation metrics each task records (docs/tasks.md says how each is computed); the first is minimised, the
+others maximised. A search's metric must be one of its task's (perplexity is exp(loss): search the loss)."""
 QUANTIZATIONS = ("none", "4bit", "8bit")
 ADAPTER_METHODS = ("none", "lora")
 SHARDINGS = ("none", "fsdp")
@@ -40,13 +49,16 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = ""
-    """Local path or hub id, loaded with AutoTokenizer and AutoModelForSequenceClassification
-    (task "classification") or AutoModelForCausalLM (task "causal-lm")."""
+    """Local path or hub id, loaded with AutoTokenizer and AutoModelForSequenceClassification (tasks
+    "classification", "regression", "multi-label"), AutoModelForTokenClassification ("token-classification") or
+    AutoModelForCausalLM ("causal-lm")."""
     max_length: int = 128
     """Tokens per example; longer texts are truncated."""
-    task: Literal["classification", "causal-lm"] = "classification"
-    """classification: text -> label, objective loss/accuracy/f1. causal-lm: next-token
-    prediction on text (or on the response of a prompt/response pair), objective loss."""
+    task: Literal["classification", "regression", "multi-label", "token-classification", "causal-lm"] = "classification"
+    """classification: text -> one label (loss, accuracy, macro f1). regression: text -> a number (MSE loss,
+    pearson, spearman). multi-label: text -> a set of labels (BCE loss, micro f1, macro_f1, exact-match accuracy).
+    token-classification: words -> a tag each (loss, entity f1/precision/recall, token accuracy). causal-lm:
+    next-token prediction on text (or on the response of a prompt/response pair), objective loss (docs/tasks.md)."""
     quantization: Literal["none", "4bit", "8bit"] = "none"
     """QLoRA: load the frozen base in 4-bit NF4 (bf16 compute) or 8-bit through bitsandbytes,
     CUDA only, with [adapter] method = "lora"; "none" loads it as saved."""
@@ -88,7 +100,14 @@ class DataConfig:
     """Column (or JSON key) holding the input text (causal-lm: the whole text is trained on);
     its position (0, 1, ...) when header = false."""
     label_column: str | int = "label"
-    """Column holding the label: integers, or strings that are mapped to ids and saved."""
+    """Column holding the label: integers, or strings that are mapped to ids and saved (classification); a number
+    (regression); a list of labels, or a string of them cut at label_separator (multi-label); a list of tags, one a
+    word of text_column's list (token-classification)."""
+    text_pair_column: str | int = ""
+    """classification, regression: a second text per row (NLI's hypothesis, STS's second sentence), encoded as a
+    sentence pair after text_column's; "" = none."""
+    label_separator: str = ""
+    """multi-label: cuts a string label into labels ("sports|politics" with "|"); "" = labels are JSON lists."""
     prompt_column: str | int = "prompt"
     """causal-lm: a row without text_column holds a prompt here; it is not trained on."""
     response_column: str | int = "response"
@@ -115,6 +134,11 @@ class DataConfig:
             )
         if not 0 <= self.split_seed < 2**32:
             raise ConfigError(f"{where}.split_seed: {self.split_seed} must be between 0 and 4294967295 (2**32 - 1)")
+        pair = self.text_pair_column
+        if isinstance(pair, int) and pair < 0:
+            raise ConfigError(f"{where}.text_pair_column: {pair} must be a column position >= 0 (0 = the first column)")
+        if pair != "" and pair == self.text_column:
+            raise ConfigError(f"{where}.text_pair_column: {pair!r} is text_column too; name the second text's column")
         if not 0 <= self.max_dropped_share < 1:
             raise ConfigError(
                 f"{where}.max_dropped_share: {self.max_dropped_share:g} must be >= 0 and < 1 (a share of the rows)"

@@ -16,26 +16,36 @@ from pathlib import Path
 from typing import Any
 
 from hpsearch.storage import regular
-from hpsearch.trainer.batching import CAUSAL_LM, CLASSIFICATION, Encoded
+from hpsearch.trainer.batching import (
+    CAUSAL_LM,
+    CLASSIFICATION,
+    IGNORE_INDEX,
+    MULTI_LABEL,
+    REGRESSION,
+    TOKEN_CLASSIFICATION,
+    Encoded,
+)
 from hpsearch.trainer.chat import ChatRows, encode_chat, read_chat_rows
 from hpsearch.trainer.config import DataConfig
 from hpsearch.trainer.labels import LabelMap
-from hpsearch.trainer.reading import DataError, Rows, TextRows, read_rows, read_text_rows, unit
+from hpsearch.trainer.reading import DataError, Rows, TextRows, read_rows, read_text_rows, short, unit
 from hpsearch.trainer.sources import Source, digest, files, names, read
+from hpsearch.trainer.task_rows import TaskRows, read_task_rows
 
 log = logging.getLogger(__name__)
 # Raised whenever reading or encoding yields other examples from the same file, so no host reuses tokens the
 # current code would not produce (4: CSV quoted fields keep their line breaks; 5: JSON, not pickle; 6: chat data;
-# 7: causal-lm rows with nothing to train on within max_length are left out and their lines kept).
-CACHE_VERSION = 7
+# 7: causal-lm rows with nothing to train on within max_length are left out and their lines kept; 8: regression,
+# multi-label and token-classification, sentence pairs).
+CACHE_VERSION = 8
 
 
 @dataclass
 class Splits:
-    train: Rows | TextRows | ChatRows
-    validation: Rows | TextRows | ChatRows
+    train: Rows | TaskRows | TextRows | ChatRows
+    validation: Rows | TaskRows | TextRows | ChatRows
     labels: LabelMap | None
-    """Classification only: label value <-> class id."""
+    """Every task but causal-lm: label value <-> class id (a regression's: its one output)."""
 
 
 def read_splits(cfg: DataConfig, task: str = CLASSIFICATION) -> Splits:
@@ -43,13 +53,46 @@ def read_splits(cfg: DataConfig, task: str = CLASSIFICATION) -> Splits:
     train_source, validation_source = read(cfg, stratify=task == CLASSIFICATION)
     if task == CAUSAL_LM:
         return Splits(_read_lm(train_source, cfg), _read_lm(validation_source, cfg), None)
-    train, validation = (
-        read_rows(s.path, cfg.text_column, cfg.label_column, cfg.header, s.records)
-        for s in (train_source, validation_source)
+    if task == CLASSIFICATION and cfg.text_pair_column == "":
+        train, validation = (
+            read_rows(s.path, cfg.text_column, cfg.label_column, cfg.header, s.records)
+            for s in (train_source, validation_source)
+        )
+        labels = LabelMap.fit(train.labels, train.path)
+        labels.encode(validation.labels, validation.path)  # raises on a label unseen in training
+        return Splits(train, validation, labels)
+    train_rows, validation_rows = (
+        read_task_rows(s.path, s.records, cfg, task) for s in (train_source, validation_source)
     )
-    labels = LabelMap.fit(train.labels, train.path)
-    labels.encode(validation.labels, validation.path)  # raises on a label unseen in training
-    return Splits(train, validation, labels)
+    labels = _fit(train_rows, task, cfg)
+    _targets(validation_rows, labels)  # raises on a label unseen in training
+    return Splits(train_rows, validation_rows, labels)
+
+
+def _fit(rows: TaskRows, task: str, cfg: DataConfig) -> LabelMap:
+    if task == REGRESSION:
+        if len(set(rows.labels)) < 2:
+            raise DataError(
+                f"data.train: every row of {rows.path} has label {rows.labels[0]:g}; a regression needs labels that "
+                "vary (a constant is learnt by the bias alone, and correlations with it are undefined)"
+            )
+        return LabelMap.of_regression(cfg.label_column)
+    if task == MULTI_LABEL:
+        return LabelMap.fit_sets(rows.labels, rows.path)
+    if task == TOKEN_CLASSIFICATION:
+        return LabelMap.fit_tags(rows.labels, rows.path)
+    return LabelMap.fit(rows.labels, rows.path)
+
+
+def _targets(rows: TaskRows, labels: LabelMap) -> list[Any]:
+    """What each row is trained to predict: a class id, [its number], a multi-hot row, or each word's tag id."""
+    if labels.task == REGRESSION:
+        return [[float(y)] for y in rows.labels]
+    if labels.task == MULTI_LABEL:
+        return labels.encode_sets(rows.labels, rows.lines, rows.path)
+    if labels.task == TOKEN_CLASSIFICATION:
+        return [labels.encode_tags(tags, line, rows.path) for tags, line in zip(rows.labels, rows.lines, strict=True)]
+    return labels.encode(rows.labels, rows.path)
 
 
 def _read_lm(source: Source, cfg: DataConfig) -> TextRows | ChatRows:
@@ -149,6 +192,10 @@ def _tokenise(cfg: DataConfig, tokenizer: Any, max_length: int, task: str, split
             return encode_chat(rows, tokenizer, max_length)
         if labels is None:  # causal-lm
             return _encode_text(rows, tokenizer, max_length)
+        if isinstance(rows, TaskRows) and labels.task == TOKEN_CLASSIFICATION:
+            return _encode_words(rows, labels, tokenizer, max_length)
+        if isinstance(rows, TaskRows):
+            return _encode_task(rows, labels, tokenizer, max_length)
         return _encode(rows, labels, tokenizer, max_length)
 
     prepared = Prepared(encode(splits.train), encode(splits.validation), labels, pad_id=int(pad_id or 0), task=task)
@@ -175,7 +222,9 @@ def _load(path: Path, cfg: DataConfig, max_length: int) -> Prepared | None:
 
 
 def _to_json(p: Prepared) -> dict[str, Any]:
-    labels = None if p.labels is None else {"names": list(p.labels.names), "numeric": p.labels.numeric}
+    labels = None
+    if p.labels is not None:
+        labels = {"names": list(p.labels.names), "numeric": p.labels.numeric, "task": p.labels.task}
     return {
         "version": CACHE_VERSION,
         "task": p.task,
@@ -196,6 +245,11 @@ def _from_json(d: dict[str, Any]) -> Prepared:
             raise ValueError("not a list of integers")
         return value
 
+    def floats(value: Any) -> list[float]:
+        if not isinstance(value, list) or not all(type(v) is float for v in value):
+            raise ValueError("not a list of numbers")
+        return value
+
     def split(e: dict[str, Any]) -> Encoded:
         ids = e["input_ids"]
         if not isinstance(ids, list):
@@ -207,10 +261,14 @@ def _from_json(d: dict[str, Any]) -> Prepared:
             token_labels=[ints(x) for x in e["token_labels"]],
             task=str(e["task"]),
             dropped=ints(e["dropped"]),
+            scores=[floats(x) for x in e["scores"]],
+            token_type_ids=[ints(x) for x in e["token_type_ids"]],
         )
 
     raw = d["labels"]
-    labels = None if raw is None else LabelMap(tuple(str(n) for n in raw["names"]), numeric=bool(raw["numeric"]))
+    labels = None
+    if raw is not None:
+        labels = LabelMap(tuple(str(n) for n in raw["names"]), numeric=bool(raw["numeric"]), task=str(raw["task"]))
     return Prepared(
         train=split(d["train"]),
         validation=split(d["validation"]),
@@ -241,6 +299,44 @@ def _encode(rows: Rows, labels: LabelMap, tokenizer: Any, max_length: int) -> En
     if any(len(x) == 0 for x in ids):
         raise DataError(f"data file {rows.path}: some texts tokenise to nothing")
     return Encoded(input_ids=[list(x) for x in ids], labels=labels.encode(rows.labels, rows.path))
+
+
+def _encode_task(rows: TaskRows, labels: LabelMap, tokenizer: Any, max_length: int) -> Encoded:
+    """Classification (with a sentence pair), regression and multi-label rows: the text, or the pair as the
+    tokenizer joins two sentences ([CLS] a [SEP] b [SEP]), the longer one cut first to fit ``max_length``."""
+    encoded = tokenizer(rows.texts, rows.pairs, truncation=True, max_length=max_length, return_attention_mask=False)
+    ids = [list(x) for x in encoded["input_ids"]]
+    types = [list(x) for x in encoded.get("token_type_ids") or []] if rows.pairs is not None else []
+    targets = _targets(rows, labels)
+    if labels.task == CLASSIFICATION:
+        return Encoded(input_ids=ids, labels=targets, token_type_ids=types)
+    return Encoded(input_ids=ids, task=labels.task, scores=targets, token_type_ids=types)
+
+
+def _encode_words(rows: TaskRows, labels: LabelMap, tokenizer: Any, max_length: int) -> Encoded:
+    """A tagger's rows: each word's tag on its first sub-token, IGNORE_INDEX on the rest and on special tokens (as
+    transformers' run_ner with label_all_tokens off); words beyond ``max_length`` are cut, as their text would be."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError(
+            f"model.name: {getattr(tokenizer, 'name_or_path', 'the model')}'s tokenizer is not a fast (Rust) one, "
+            "which token-classification needs to map sub-tokens to words; use a model with a tokenizer.json"
+        )
+    encoded = tokenizer(rows.texts, is_split_into_words=True, truncation=True, max_length=max_length)
+    ids, token_labels = [], []
+    for i, tags in enumerate(_targets(rows, labels)):
+        word_ids = encoded.word_ids(i)
+        aligned = [IGNORE_INDEX] * len(word_ids)
+        for position, word in enumerate(word_ids):
+            if word is not None and (position == 0 or word_ids[position - 1] != word):
+                aligned[position] = tags[word]
+        if all(label == IGNORE_INDEX for label in aligned):
+            raise DataError(
+                f"data file {rows.path}: line {rows.lines[i]}: no word of {short(' '.join(rows.texts[i]))!r} "
+                "tokenises to anything; fix or remove the row"
+            )
+        ids.append(list(encoded["input_ids"][i]))
+        token_labels.append(aligned)
+    return Encoded(input_ids=ids, token_labels=token_labels, task=TOKEN_CLASSIFICATION)
 
 
 def _encode_text(rows: TextRows, tokenizer: Any, max_length: int) -> Encoded:
@@ -312,6 +408,7 @@ def _lines(numbers: list[int], path: Path) -> str:
 
 def _cache_key(cfg: DataConfig, tokenizer: Any, max_length: int, task: str) -> str:
     columns = f"{cfg.text_column}|{cfg.label_column}|{cfg.prompt_column}|{cfg.response_column}|{cfg.messages_column}"
+    columns += f"|{cfg.text_pair_column}|{cfg.label_separator}"
     columns += "" if cfg.header else "|no header"  # the first row is an example too
     # Which rows each split holds: the dataset's splits, or the share held out of the training rows.
     columns += f"|{cfg.train_split}|{cfg.validation_split}|{cfg.validation_fraction}|{cfg.split_seed}"

@@ -1,4 +1,5 @@
-"""Label values <-> class ids for classification, fitted on the training file."""
+"""Label values <-> class ids (a classifier's classes, a multi-label model's labels, a tagger's tags), fitted on the
+training file; a regression's one output, named."""
 
 from __future__ import annotations
 
@@ -7,15 +8,83 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpsearch.trainer.batching import CLASSIFICATION, MULTI_LABEL, REGRESSION, TOKEN_CLASSIFICATION
 from hpsearch.trainer.reading import DataError, as_int, short
+
+PROBLEM_TYPES = {
+    CLASSIFICATION: "single_label_classification",
+    REGRESSION: "regression",
+    MULTI_LABEL: "multi_label_classification",
+}
+"""transformers' ``config.problem_type`` of each sequence task (a token classifier has none)."""
 
 
 @dataclass(frozen=True)
 class LabelMap:
-    """Label value <-> class id. Saved with every checkpoint so predictions decode back."""
+    """Label value <-> class id, and the task they are labels of. Saved with every checkpoint (config.json's
+    id2label) so predictions decode back."""
 
     names: tuple[str, ...]
     numeric: bool
+    task: str = CLASSIFICATION
+
+    @classmethod
+    def of_regression(cls, column: object) -> LabelMap:
+        """A regression's one output, named after the label column (id2label {0: "score"})."""
+        return cls((str(column),), numeric=True, task=REGRESSION)
+
+    @classmethod
+    def fit_sets(cls, label_sets: Sequence[Sequence[str]], path: Path) -> LabelMap:
+        """A multi-label model's labels: every label of the training rows, sorted into ids."""
+        names = sorted({name for labels in label_sets for name in labels})
+        if not names:
+            raise DataError(
+                f"data.train: every row of {path} has an empty label list; a multi-label model needs rows that have "
+                "labels; fill data.label_column (a list, or labels cut at data.label_separator)"
+            )
+        return cls(tuple(names), numeric=False, task=MULTI_LABEL)
+
+    @classmethod
+    def fit_tags(cls, tag_lists: Sequence[Sequence[str]], path: Path) -> LabelMap:
+        """A tagger's tags: every tag of the training rows, sorted into ids; one tag alone teaches nothing."""
+        names = sorted({tag for tags in tag_lists for tag in tags})
+        if len(names) < 2:
+            raise DataError(
+                f"data.train: every word of {path} has tag {short(repr(names[0] if names else ''))}; a tagger needs "
+                "at least 2 tags (the entities' B-/I- tags and O); check data.label_column"
+            )
+        return cls(tuple(names), numeric=False, task=TOKEN_CLASSIFICATION)
+
+    @property
+    def problem_type(self) -> str | None:
+        return PROBLEM_TYPES.get(self.task)
+
+    def encode_sets(self, label_sets: Sequence[Sequence[str]], lines: Sequence[int], path: Path) -> list[list[float]]:
+        """Multi-hot rows: 1.0 at each label's id."""
+        index = {name: i for i, name in enumerate(self.names)}
+        out = []
+        for labels, line in zip(label_sets, lines, strict=True):
+            row = [0.0] * len(self.names)
+            for name in labels:
+                if name not in index:
+                    raise self._unseen(path, line, name)
+                row[index[name]] = 1.0
+            out.append(row)
+        return out
+
+    def encode_tags(self, tags: Sequence[str], line: int, path: Path) -> list[int]:
+        index = {name: i for i, name in enumerate(self.names)}
+        for tag in tags:
+            if tag not in index:
+                raise self._unseen(path, line, tag)
+        return [index[tag] for tag in tags]
+
+    def _unseen(self, path: Path, line: int, value: str) -> DataError:
+        what = "tag" if self.task == TOKEN_CLASSIFICATION else "label"
+        return DataError(
+            f"data file {path}: line {line} has {what} {short(repr(value))}, never seen in the training data "
+            f"({what}s: {short(', '.join(self.names), 120)}); fix the {what} or add it to training"
+        )
 
     @classmethod
     def fit(cls, labels: Sequence[Any], path: Path) -> LabelMap:

@@ -41,7 +41,7 @@ class Run:
     tokenizer: Any
     data: Prepared
     cfg: TrainConfig
-    metric: str  # "loss" (minimise), "accuracy" or "f1" (maximise)
+    metric: str  # "loss" (minimise), or another of the task's metrics (maximise; trainer/config.py TASK_METRICS)
     device: torch.device
     files: ckpt.RunFiles
     resume_from: Path | None = None
@@ -374,4 +374,6 @@ def _meta(run: Run, metrics: Metrics, step: int) -> dict[str, Any]:
     if run.data.labels is not None:
         # An adapter folder has no config.json to hold them: a merged export names its labels from here.
         meta["id2label"] = {str(k): v for k, v in run.data.labels.id2label().items()}
+        if run.data.labels.problem_type is not None:
+            meta["problem_type"] = run.data.labels.problem_type
     return meta

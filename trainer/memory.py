@@ -31,7 +31,7 @@ import torch
 
 from hpsearch.trainer import adapters, precision as prec
 from hpsearch.trainer.config import AdapterConfig
-from hpsearch.trainer.model import from_pretrained
+from hpsearch.trainer.model import auto_class, from_pretrained
 from hpsearch.trainer.sharding import block_classes, transformers_model
 
 ACTIVATION_BYTES_PER_VALUE = 34
@@ -96,7 +96,7 @@ class Shape:
 def meta_model(name: str, task: str, num_labels: int = 2) -> tuple[torch.nn.Module, Shape]:
     """The model of ``name``'s config on the meta device, in the dtype from_pretrained would load it in."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoConfig
 
     config = from_pretrained(AutoConfig, name)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
@@ -104,7 +104,7 @@ def meta_model(name: str, task: str, num_labels: int = 2) -> tuple[torch.nn.Modu
     causal = task == "causal-lm"
     if not causal:
         config.num_labels = num_labels
-    auto: Any = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
+    auto = auto_class(task)  # a token classifier's head is as small as a sequence classifier's
     with init_empty_weights():
         # sdpa, as model.py loads it: a sharded trial's empty ranks compute exactly as its first one.
         dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32

@@ -16,8 +16,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpsearch.storage import regular
 from hpsearch.trainer import model_check, precision as prec
+from hpsearch.trainer.batching import CAUSAL_LM, CLASSIFICATION, MULTI_LABEL, REGRESSION, TOKEN_CLASSIFICATION
 from hpsearch.trainer.config import AdapterConfig, ConfigError
 from hpsearch.trainer.errors import ModelError
+from hpsearch.trainer.labels import PROBLEM_TYPES
 
 
 def _quiet_transformers() -> None:
@@ -224,25 +226,25 @@ class PretrainedCache:
     """
 
     def __init__(self, quantization: Any = None) -> None:
-        self._models: dict[tuple[str, int, torch.dtype], torch.nn.Module] = {}
+        self._models: dict[tuple[str, str, int, torch.dtype], torch.nn.Module] = {}
         self._stored: dict[str, torch.dtype] = {}
         self.quantization = quantization
         """A transformers BitsAndBytesConfig for the base (QLoRA), or None."""
 
-    def _base(self, name: str, num_labels: int, dtype: torch.dtype) -> torch.nn.Module:
+    def _base(self, name: str, num_labels: int, dtype: torch.dtype, task: str) -> torch.nn.Module:
         """The pristine model, read from disk on first use only."""
-        key = (name, num_labels, dtype)
+        key = (name, task, num_labels, dtype)
         if key not in self._models:
-            self._models[key] = load_model(name, num_labels, self.quantization, dtype)
+            self._models[key] = load_model(name, num_labels, self.quantization, dtype, task=task)
         return self._models[key]
 
-    def _own(self, name: str, num_labels: int, private: bool, dtype: torch.dtype) -> torch.nn.Module:
+    def _own(self, name: str, num_labels: int, private: bool, dtype: torch.dtype, task: str) -> torch.nn.Module:
         """The pristine model for a trial to change: a copy of the cached one, or with ``private`` the cached one
         itself, taken out of the cache (the next trial reads it from disk again: the cost of holding one copy)."""
         if not private:
-            return copy.deepcopy(self._base(name, num_labels, dtype))
-        taken = self._models.pop((name, num_labels, dtype), None)
-        return taken if taken is not None else load_model(name, num_labels, self.quantization, dtype)
+            return copy.deepcopy(self._base(name, num_labels, dtype, task))
+        taken = self._models.pop((name, task, num_labels, dtype), None)
+        return taken if taken is not None else load_model(name, num_labels, self.quantization, dtype, task=task)
 
     def fresh(
         self,
@@ -253,8 +255,9 @@ class PretrainedCache:
         *,
         private: bool = False,
         precision: str = "auto",
+        task: str = CLASSIFICATION,
     ) -> torch.nn.Module:
-        model = self._own(name, num_labels, private, prec.load_dtype(precision, adapter=False))
+        model = self._own(name, num_labels, private, prec.load_dtype(precision, adapter=False), task)
         _new_head(model, id2label, seed)
         return model
 
@@ -268,26 +271,28 @@ class PretrainedCache:
         private: bool = False,
         precision: str = "auto",
     ) -> torch.nn.Module:
-        """A fresh model for one trial: a classifier for ``labels`` (a LabelMap), or a causal LM
-        when there are none; with an enabled ``adapter``, that adapter on the shared base
-        (hand it back with :meth:`release`). ``private``: on the base taken out of the cache (``_own``): a sharded
-        trial replaces the base's weights by its shards, which no later trial could use. ``precision`` (the spec's
-        ``train.precision``) decides the dtype it is loaded in (trainer/precision.py)."""
+        """A fresh model for one trial: the model of ``labels``' task (a LabelMap: a sequence or token classifier
+        with its labels), or a causal LM when there are none; with an enabled ``adapter``, that adapter on the
+        shared base (hand it back with :meth:`release`). ``private``: on the base taken out of the cache
+        (``_own``): a sharded trial replaces the base's weights by its shards, which no later trial could use.
+        ``precision`` (the spec's ``train.precision``) decides the dtype it is loaded in (trainer/precision.py)."""
         num_labels = labels.num_labels if labels is not None else 0
+        task = labels.task if labels is not None else CAUSAL_LM
         if adapter is not None and adapter.enabled:
             from hpsearch.trainer import adapters
 
             dtype = prec.load_dtype(precision, adapter=True, stored=self.stored(name))
-            base = self._own(name, num_labels, True, dtype) if private else self._base(name, num_labels, dtype)
+            own, shared = self._own, self._base
+            base = own(name, num_labels, True, dtype, task) if private else shared(name, num_labels, dtype, task)
             if labels is not None:
                 _new_head(base, labels.id2label(), seed)  # peft's trainable head is a copy of this one
-            model = adapters.attach(base, adapter, "causal-lm" if labels is None else "classification", seed)
+            model = adapters.attach(base, adapter, task, seed)
             model.hpsearch_private = private  # release() leaves a private copy alone
             model.hpsearch_stored = base.hpsearch_stored
             return model
         if labels is None:
             return self.fresh_causal_lm(name, private=private, precision=precision)
-        return self.fresh(name, num_labels, labels.id2label(), seed, private=private, precision=precision)
+        return self.fresh(name, num_labels, labels.id2label(), seed, private=private, precision=precision, task=task)
 
     def stored(self, name: str) -> torch.dtype:
         """The dtype ``name``'s checkpoint is stored in (its config's), read once per model."""
@@ -305,24 +310,41 @@ class PretrainedCache:
             adapters.detach(model)
 
     def fresh_causal_lm(self, name: str, *, private: bool = False, precision: str = "auto") -> torch.nn.Module:
-        return self._own(name, 0, private, prec.load_dtype(precision, adapter=False))  # 0 labels: a causal LM
+        return self._own(name, 0, private, prec.load_dtype(precision, adapter=False), CAUSAL_LM)
+
+
+def auto_class(task: str) -> Any:
+    """transformers' Auto class of ``task``'s model (what a user loads a best checkpoint with)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    classes = {CAUSAL_LM: AutoModelForCausalLM, TOKEN_CLASSIFICATION: AutoModelForTokenClassification}
+    return classes.get(task, AutoModelForSequenceClassification)
 
 
 def load_model(
-    name: str, num_labels: int, quantization: Any = None, dtype: torch.dtype = torch.float32
+    name: str,
+    num_labels: int,
+    quantization: Any = None,
+    dtype: torch.dtype = torch.float32,
+    *,
+    task: str | None = None,
 ) -> torch.nn.Module:
-    """A sequence classifier with ``num_labels`` labels, or a causal LM when ``num_labels`` is 0, its weights in
-    ``dtype`` whatever its config says (trainer/precision.py decides it); with ``quantization`` (a
-    BitsAndBytesConfig), quantized on the current CUDA device for QLoRA. The dtype the checkpoint is stored in
-    rides along as ``model.hpsearch_stored``: the best model is saved in it."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    """``task``'s model (by default a sequence classifier with ``num_labels`` labels, or a causal LM when
+    ``num_labels`` is 0), its weights in ``dtype`` whatever its config says (trainer/precision.py decides it); with
+    ``quantization`` (a BitsAndBytesConfig), quantized on the current CUDA device for QLoRA. The dtype the
+    checkpoint is stored in rides along as ``model.hpsearch_stored``: the best model is saved in it."""
+    from transformers import AutoConfig
 
     _quiet_transformers()
+    task = task or (CAUSAL_LM if num_labels == 0 else CLASSIFICATION)
     stored = prec.stored_dtype(from_pretrained(AutoConfig, name))
-    auto: Any = AutoModelForCausalLM if num_labels == 0 else AutoModelForSequenceClassification
+    auto = auto_class(task)
     # A classifier checkpoint with another label count is a fine start: its head is replaced
     # (and re-initialised per trial) anyway.
     kwargs: dict[str, Any] = {"num_labels": num_labels, "ignore_mismatched_sizes": True} if num_labels else {}
+    if task in (REGRESSION, MULTI_LABEL):
+        # Saved in config.json: a plain from_pretrained of the best model then computes the task's own loss.
+        kwargs["problem_type"] = PROBLEM_TYPES[task]
     kwargs.update(NO_REMOTE_CODE)
     refuse_custom_code(name)
     if quantization is not None:

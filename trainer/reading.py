@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-LINE_FORMATS = (".jsonl", ".csv", ".tsv")
+LINE_FORMATS = (".jsonl", ".csv", ".tsv", ".conll")
 """Text formats read line by line: their errors name a line; other sources (parquet, arrow, a JSON list, a `datasets`
 folder) name a row, counted from 1."""
 

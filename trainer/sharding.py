@@ -105,7 +105,7 @@ def empty_model(name: str, labels: Any, adapter: Any) -> torch.nn.Module:
     read, no host copy), with the trial's adapter; :func:`shard_from_first` fills its shards from rank 0's model."""
     from hpsearch.trainer.memory import meta_model, with_adapter
 
-    task = "causal-lm" if labels is None else "classification"
+    task = "causal-lm" if labels is None else labels.task
     model, _ = meta_model(name, task, labels.num_labels if labels is not None else 2)
     if labels is not None:
         config: Any = model.config

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hpsearch.storage import regular
+from hpsearch.trainer import conll
 from hpsearch.trainer.config import DataConfig
 from hpsearch.trainer.holdout import hold_out
 from hpsearch.trainer.reading import (
@@ -52,7 +53,14 @@ CONVERT = {
 """A close miss: how to turn it into a format hpsearch reads."""
 SAVED = ("dataset_dict.json", "state.json")
 """What marks a folder `datasets` save_to_disk wrote: a DatasetDict's index of splits, a single Dataset's state."""
-COLUMN_KEYS = ("text_column", "label_column", "prompt_column", "response_column", "messages_column")
+COLUMN_KEYS = (
+    "text_column",
+    "label_column",
+    "text_pair_column",
+    "prompt_column",
+    "response_column",
+    "messages_column",
+)
 
 
 @dataclass(frozen=True)
@@ -116,7 +124,10 @@ def digest(cfg: DataConfig) -> str:
 def _split(cfg: DataConfig, which: str) -> Source:
     file = cfg.train if which == "train" else cfg.validation
     if file:
-        return Source(read_file(Path(file), cfg.header), Path(file))
+        path = Path(file)
+        if path.suffix.lower() == conll.SUFFIX:  # token-classification's sentences, one row a sentence
+            return Source(conll.read_records(path, cfg.text_column, cfg.label_column), path)
+        return Source(read_file(path, cfg.header), path)
     name = cfg.train_split if which == "train" else cfg.validation_split
     return _dataset_split(cfg.dataset, name, which)
 

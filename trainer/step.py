@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from hpsearch.trainer import precision as prec, tasks
-from hpsearch.trainer.batching import Batches, collate
+from hpsearch.trainer.batching import TOKEN_CLASSIFICATION, Batches, collate
 from hpsearch.trainer.distributed import World
 from hpsearch.trainer.encoding import Prepared
 from hpsearch.trainer.errors import RankOutOfMemory
@@ -98,6 +98,7 @@ def validate(
 ) -> Metrics | None:
     """Validation, halving its batch until it fits in memory; None if even one example does not."""
     num_labels = data.labels.num_labels if data.labels else 0
+    tags = data.labels.names if data.labels and data.task == TOKEN_CLASSIFICATION else ()
     while True:
         try:
             return evaluate(
@@ -108,6 +109,7 @@ def validate(
                 device=device,
                 precision=precision,
                 num_labels=num_labels,
+                tags=tags,
                 world=world,
             )
         except torch.OutOfMemoryError as exc:
