@@ -12,7 +12,7 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
-from hpsearch.storage import attrs, retention, slots
+from hpsearch.storage import attrs, deletions, slots
 from hpsearch.storage.open import Storage
 from hpsearch.storage.trialdir import BEST, OUT_OF_MEMORY_FILE, RESUME, TrialDir
 
@@ -108,13 +108,14 @@ def take_over(storage: Storage, study_name: str, trial: optuna.Trial, here: Tria
         return None
     if old == here:
         return here.state if here.state.is_file() else None
+    # The failed attempt's paths name folders its retry took: marked gone, and why (deletions.py).
+    old_id, why = trial_id(storage, study_name, of), f"taken over by its retry, trial {trial.number}"
     # fit() takes the best point from the moved model's own meta (see _restored_best).
     if not here.best.exists() and old.move(BEST, here):
-        # The failed attempt's best_checkpoint must not name the folder its retry took.
-        why = f"taken over by its retry, trial {trial.number}"
-        retention.mark_deleted(storage.db, trial_id(storage, study_name, of), why, old.best)
+        deletions.mark_deleted(storage.optuna, study_name, old_id, attrs.BEST_CHECKPOINT, why)
     if not old.move(RESUME, here):
         return None
+    deletions.mark_deleted(storage.optuna, study_name, old_id, attrs.RESUME_CHECKPOINT, why)
     # fit() loads the state (and records resumed_from_step): reading it here too would load it twice.
     return here.state if here.state.is_file() else None
 

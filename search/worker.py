@@ -289,7 +289,7 @@ class Worker:
         try:
             if retain:
                 self.retain()
-            sweep.trial_folders(self.storage.db, self.study, self.root, max_retries=self.spec.search.max_retries)
+            sweep.trial_folders(self.storage.optuna, self.study, self.root, max_retries=self.spec.search.max_retries)
         except (StorageError, OSError) as err:
             # A later trial's sweep tries again; tidying is never worth a failed worker.
             log.warning("could not sweep %s: %s", self.root, err)
@@ -298,7 +298,8 @@ class Worker:
         """Keep only the best checkpoints of the study's top trials (see storage/retention.py); in a two-objective
         study, the Pareto front's first."""
         retention.retain(
-            self.storage.db,
+            self.storage.optuna,
+            self.study.study_name,
             candidates(self.study, self.root),
             keep_top_k=self.spec.search.keep_top_k,
             minimize=self.spec.direction == "minimize",

@@ -17,6 +17,7 @@ from hpsearch.storage import attrs, ledger, retention
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.trialdir import TrialDir
 from tests.conftest import Cli, assert_refused, hpsearch, one_trial, spec_text, start_study
+from tests.support import deleted
 
 MONEY = 'price_per_gpu_hour = 1.98\ncurrency = "CNY"\n'
 
@@ -145,12 +146,13 @@ def test_retention_keeps_the_front_before_a_better_trial_off_it(tmp_path: Path) 
         study.add_trial(optuna.trial.create_trial(values=values, user_attrs=user_attrs))
     storage = open_storage(url, create=False)
     try:
-        retention.retain(storage.db, candidates(study, root), keep_top_k=2, minimize=False)
+        retention.retain(storage.optuna, "r", candidates(study, root), keep_top_k=2, minimize=False)
     finally:
         storage.close()
     assert [TrialDir(root, n).best.exists() for n in range(3)] == [True, False, True]
-    deleted = optuna.load_study(study_name="r", storage=url).trials[1].user_attrs[attrs.BEST_CHECKPOINT]
-    assert retention.is_deleted(deleted)
+    study = optuna.load_study(study_name="r", storage=url)
+    assert study.trials[1].user_attrs[attrs.BEST_CHECKPOINT] == str(TrialDir(root, 1).best)
+    assert deleted.why(study, 1) == "not in the study's top 2"
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from optuna.trial import TrialState
 
 from hpsearch.storage import attrs, ledger
 from tests.conftest import spec_text
+from tests.support import deleted
 from tests.test_faults import _sa_url, _slow_spec, _spawned_workers, _start, _wait_for_report
 
 
@@ -326,10 +327,12 @@ def test_a_kill_during_the_first_resumable_save_leaves_no_folder_behind(
     _hand_back_as_supervisor(sqlite_url, "kill", tmp_path / "runs")
     monkeypatch.setattr(checkpoint.torch, "save", real_save)
     _in_process_worker(tmp_path, spec, sqlite_url, "kill")
-    first, retry = optuna.load_study(study_name="kill", storage=sqlite_url).get_trials()
+    study = optuna.load_study(study_name="kill", storage=sqlite_url)
+    first, retry = study.get_trials()
     assert retry.state == TrialState.COMPLETE and "resumed_from_step" not in retry.user_attrs
     assert sorted(p.name for p in trial_0.iterdir() if p.name not in ("train.log", "tensorboard")) == []
-    assert first.user_attrs["best_checkpoint"].startswith("deleted (trial fail; was "), first.user_attrs
+    assert first.user_attrs["best_checkpoint"] == str((trial_0 / "best").resolve()), first.user_attrs
+    assert deleted.why(study, first.number) == "trial fail", first.user_attrs
     assert Path(retry.user_attrs["best_checkpoint"]).is_dir()
 
 
@@ -468,8 +471,10 @@ def test_a_worker_that_starts_deletes_checkpoints_that_fell_out_of_the_top_k_mea
         )
     )
     _in_process_worker(tmp_path, spec, sqlite_url, "away")  # budget used: it only tidies
-    note = optuna.load_study(study_name="away", storage=sqlite_url).trials[0].user_attrs["best_checkpoint"]
-    assert note.startswith("deleted (not in the study's top 1"), note
+    study = optuna.load_study(study_name="away", storage=sqlite_url)
+    gone = tmp_path / "runs" / "away" / "trial-0" / "best"
+    assert study.trials[0].user_attrs["best_checkpoint"] == str(gone.resolve())
+    assert deleted.why(study, 0) == "not in the study's top 1"
     assert not (tmp_path / "runs" / "away" / "trial-0" / "best").exists()
 
 
