@@ -67,7 +67,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
         return
     folder.unlink_link(folder.curves)
     files = RunFiles(best=folder.best, state=folder.state, curves=folder.curves, out_of_memory=folder.out_of_memory)
-    reporter = TrialReporter(trial)
+    reporter = TrialReporter(trial, w.storage.optuna)
     where = {attrs.DEVICE: _device_name(w), attrs.HOST: registry.this_host(), attrs.WORKER: w.args.name}
     where[attrs.THREADS] = torch.get_num_threads()
     # Where the resumable state goes, on record before the first one is written: a stop

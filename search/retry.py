@@ -10,6 +10,7 @@ from pathlib import Path
 
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
+from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 
 from hpsearch.storage import attrs, deletions, slots
@@ -77,11 +78,11 @@ def waiting_retries(study: optuna.Study) -> list[int]:
     ]
 
 
-def pop_retry(study: optuna.Study) -> optuna.Trial | None:
-    """Start a waiting retry, never a new trial (``Study.ask`` might pop an unstarted ``[[search.enqueue]]`` one,
-    or make one): what a worker may still run past the deadline. Optuna's WAITING to RUNNING claim has one winner."""
-    storage = study._storage
-    for frozen in storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.WAITING,)):
+def pop_retry(storage: BaseStorage, study: optuna.Study) -> optuna.Trial | None:
+    """Start a waiting retry of ``study`` (in ``storage``), never a new trial (``Study.ask`` might pop an unstarted
+    ``[[search.enqueue]]`` one, or make one): what a worker may still run past the deadline. Optuna's WAITING to
+    RUNNING claim has one winner."""
+    for frozen in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
         if attrs.RETRY_OF not in frozen.user_attrs:
             continue
         with suppress(UpdateFinishedTrialError):

@@ -192,7 +192,7 @@ class Worker:
                     continue
                 log.info("study budget (%d trials) is used; %d run here", n_trials, finished)
                 return
-            trial = retry.pop_retry(self.study) if retries_only else self.study.ask()
+            trial = retry.pop_retry(self.storage.optuna, self.study) if retries_only else self.study.ask()
             if trial is None:  # another worker took the last retry
                 slots.release_slot(self.storage.db, self.args.study, slot=slot)
                 continue

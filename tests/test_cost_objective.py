@@ -104,12 +104,12 @@ def test_the_pruner_judges_a_two_objective_trial_on_its_quality_objective(storag
             study_name="v", storage=storage.optuna, directions=["maximize", "minimize"], pruner=pruner
         )
         good = study.ask()
-        TrialReporter(good).report(0.9, 5)
+        TrialReporter(good, storage.optuna).report(0.9, 5)
         study.tell(good, [0.9, 0.1])
         bad = study.ask()
         with pytest.raises(NotImplementedError):
             bad.report(0.1, 5)
-        reporter = TrialReporter(bad)
+        reporter = TrialReporter(bad, storage.optuna)
         reporter.report(0.2, 5)
         reporter.report(0.95, 5)  # a step's first report stands, as in Optuna
         assert reporter.should_prune()  # 0.2 < the median 0.9: maximised accuracy
@@ -120,13 +120,13 @@ def test_the_pruner_judges_a_two_objective_trial_on_its_quality_objective(storag
         study.sampler = optuna.samplers.TPESampler(n_startup_trials=1, seed=0)
         study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
         better = study.ask()
-        reporter = TrialReporter(better)
+        reporter = TrialReporter(better, storage.optuna)
         reporter.report(0.95, 5)
         assert not reporter.should_prune()
         # Successive halving and hyperband judge through the same view (hyperband builds its own bracket studies).
         for kind in (optuna.pruners.SuccessiveHalvingPruner(min_resource=5), optuna.pruners.HyperbandPruner(5, 30)):
             study.pruner = kind
-            assert isinstance(TrialReporter(study.ask()).should_prune(), bool)
+            assert isinstance(TrialReporter(study.ask(), storage.optuna).should_prune(), bool)
     finally:
         storage.close()
 

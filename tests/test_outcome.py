@@ -97,7 +97,7 @@ def test_an_ending_does_what_its_user_expects(tmp_path: Path, spec_file: Path, s
 
         if queued:
             [waiting] = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-            again = retry.pop_retry(study)
+            again = retry.pop_retry(storage.optuna, study)
             assert again is not None and waiting.number == again.number
             assert waiting.user_attrs[attrs.RETRY_COUNT] == (0 if ended in NOT_COUNTED else 1)
             resumes = retry.take_over(storage, "o", again, TrialDir(root, again.number))
