@@ -11,7 +11,7 @@ from pathlib import Path
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.storage import attrs, deletions, slots
 from hpsearch.storage.open import Storage
@@ -43,8 +43,8 @@ def hand_back(
     except RuntimeError:
         # Finished by someone else in the meantime (e.g. the worker told its result late).
         return False
-    count = int(frozen.user_attrs.get(attrs.RETRY_COUNT, 0))
-    if max_retries is not None and count >= max_retries:
+    count = retries_of(frozen)
+    if max_retries is not None and out_of_retries(frozen, max_retries):
         log.warning("trial %d failed (%s); out of retries (%d)", frozen.number, reason, max_retries)
         return False
     resume = resume_from if resume_from is not None and (_resumable(resume_from) or not local) else None
@@ -62,6 +62,16 @@ def hand_back(
     which = f"retry {count + 1}/{max_retries}" if max_retries is not None else "a retry (not counted)"
     log.warning("trial %d failed (%s); %s queued%s", frozen.number, reason, which, resuming)
     return True
+
+
+def retries_of(trial: FrozenTrial) -> int:
+    """How many times the trial's parameters were retried before this attempt (0 for a first one)."""
+    return int(trial.user_attrs.get(attrs.RETRY_COUNT, 0))
+
+
+def out_of_retries(trial: FrozenTrial, max_retries: int) -> bool:
+    """The one out-of-retries rule: a failed ``trial`` gets no counted retry after ``max_retries`` of them."""
+    return retries_of(trial) >= max_retries
 
 
 def _resumable(state: Path) -> bool:

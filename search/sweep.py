@@ -13,7 +13,7 @@ import optuna
 from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 
-from hpsearch.search import outcome
+from hpsearch.search import outcome, retry
 from hpsearch.storage import attrs
 from hpsearch.storage.trialdir import BEST, RESUME, TrialDir
 
@@ -58,5 +58,5 @@ def _released(failed: FrozenTrial, its_retries: list[FrozenTrial], max_retries: 
     if not its_retries:
         # Out of retries. With retries left, hand_back may be about to queue one (it fails
         # the trial first); such a folder waits for the next sweep.
-        return int(failed.user_attrs.get(attrs.RETRY_COUNT, 0)) >= max_retries
+        return retry.out_of_retries(failed, max_retries)
     return all(r.state.is_finished() or not r.user_attrs.get(attrs.RESUME_FROM) for r in its_retries)
