@@ -158,7 +158,11 @@ class Peers:
 
 def peer_main(args: PeerArgs, conn: Connection) -> None:
     """Entry point of a spawned peer rank: train whatever rank 0 sends, until it says stop."""
-    cli.setup_logging(args.log_level, args.name)
+    # A trial's log is rank 0's: a peer says only what went wrong (warnings, errors), unless debugging, so the
+    # worker's log does not repeat every line once a rank.
+    cli.setup_logging(
+        args.log_level if args.log_level <= logging.DEBUG else max(args.log_level, logging.WARNING), args.name
+    )
     # Rank 0 decides when to stop and broadcasts it; a terminal's Ctrl-C reaches every process: ignored here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

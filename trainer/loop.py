@@ -338,16 +338,12 @@ def _held_mb(loop: Loop) -> list[float] | None:
     if loop.run.world.size == 1:
         return None
     held = sharding.held_bytes(loop.parts.model, loop.parts.optimizer)
-    # Measured after the last step: its gradients are freed by then, so they are not in this line.
-    mb = {k: round(v / 2**20, 1) for k, v in held.items()}
-    log.info(
-        "rank %d holds parameters %.1f MB and optimizer state %.1f MB",
-        loop.run.world.rank,
-        mb["parameters"],
-        mb["optimizer"],
-    )
-    mine = (held["parameters"] + held["optimizer"]) / 2**20
-    return [round(mb, 3) for mb in loop.run.world.gather(mine)]
+    each = loop.run.world.gather((held["parameters"] / 2**20, held["optimizer"] / 2**20))
+    if loop.run.world.rank == 0:  # one line for the group, in rank 0's log (a peer logs only what went wrong)
+        # Measured after the last step, when its gradients are freed: they are in no rank's figure.
+        ranks = "; ".join(f"rank {r} {p:.1f} + {o:.1f} MB" for r, (p, o) in enumerate(each))
+        log.info("held at the end, from each rank's own tensors (parameters + optimizer state): %s", ranks)
+    return [round(p + o, 3) for p, o in each]
 
 
 def _rank_digests(world: World, speed: Throughput, model: torch.nn.Module) -> list[str] | None:
