@@ -216,13 +216,13 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
 ) -> None:
     from optuna.exceptions import StorageInternalError
 
-    from hpsearch.search import attempt, reap, stop_signals, worker
+    from hpsearch.search import reap, stop_signals, trial_attrs, worker
     from hpsearch.storage.errors import StorageError
     from hpsearch.storage.open import open_storage
 
-    real_report, real_hand_back = attempt.TrialReporter.report, worker.retry.hand_back
+    real_report, real_hand_back = trial_attrs.TrialReporter.report, worker.retry.hand_back
 
-    def report(self: attempt.TrialReporter, value: float, step: int, metrics: object = None) -> None:
+    def report(self: trial_attrs.TrialReporter, value: float, step: int, metrics: object = None) -> None:
         if step == 10:
             raise StorageInternalError("An exception is raised during the commit (injected outage)")
         real_report(self, value, step)
@@ -230,7 +230,7 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
     def hand_back(*args: object, **kwargs: object) -> bool:
         raise StorageError("cannot reach the database (injected outage)")
 
-    monkeypatch.setattr(attempt.TrialReporter, "report", report)
+    monkeypatch.setattr(trial_attrs.TrialReporter, "report", report)
     monkeypatch.setattr(worker.retry, "hand_back", hand_back)
     spec = _spec(tmp_path, tiny_model, demo_files)
     with pytest.raises(stop_signals.StorageLost):
@@ -239,7 +239,7 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
     assert trial.state == TrialState.RUNNING, "not failed: nothing could be told"
     assert (tmp_path / "runs" / "db" / "trial-0" / "resume" / "state.pt").exists()
     # The storage is back: the trial is reaped like any lost one and its retry resumes.
-    monkeypatch.setattr(attempt.TrialReporter, "report", real_report)
+    monkeypatch.setattr(trial_attrs.TrialReporter, "report", real_report)
     monkeypatch.setattr(worker.retry, "hand_back", real_hand_back)
     storage = open_storage(sqlite_url, create=False)
     try:
