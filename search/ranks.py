@@ -176,7 +176,7 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
     threading.Thread(target=exit_with_parent, name="hpsearch-parent-watch", daemon=True).start()
     import torch
 
-    from hpsearch.trainer import distributed, sharding
+    from hpsearch.trainer import distributed, memory
     from hpsearch.trainer.encoding import prepare
     from hpsearch.trainer.errors import RankOutOfMemory
     from hpsearch.trainer.evaluate import EarlyPoints
@@ -202,7 +202,7 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
             data = prepare(job.data, tokenizer, job.model.max_length, cache, task=job.model.task)
         if job.cfg.sharding == "fsdp":
             # Built empty: its shards come from rank 0's model, so this host holds the model once, not N times.
-            model = sharding.empty_model(job.model.name, data.labels, job.adapter)
+            model = memory.empty_model(job.model.name, data.labels, job.adapter)
         else:
             model = models.trial_model(
                 job.model.name, data.labels, job.cfg.seed, job.adapter, precision=job.cfg.precision
