@@ -84,7 +84,7 @@ def _train(model_dir: str, files: tuple[str, str], cfg: Any, out: Path, world: A
     import torch
 
     from hpsearch.search.trial_attrs import NullReporter
-    from hpsearch.trainer import sharding
+    from hpsearch.trainer import memory
     from hpsearch.trainer.checkpoint import RunFiles
     from hpsearch.trainer.config import DataConfig
     from hpsearch.trainer.encoding import prepare
@@ -98,7 +98,7 @@ def _train(model_dir: str, files: tuple[str, str], cfg: Any, out: Path, world: A
         # One copy, read from disk (a worker's cache would hold a pristine one beside it, for its next trial);
         # a sharded trial's other ranks build it empty, as search/ranks.py does, and receive their shards.
         if cfg.sharding == "fsdp" and world.rank > 0:
-            model = sharding.empty_model(model_dir, None, None)
+            model = memory.empty_model(model_dir, None, None)
         else:
             model = load_model(model_dir, 0)
         files_out = RunFiles(out / "best", out / "resume/state.pt", out / "tensorboard", out / "resume/oom.json")
@@ -148,7 +148,7 @@ def two_ranks(args: argparse.Namespace, model_dir: str, files: tuple[str, str], 
 def _one(model_dir: str, files: tuple[str, str], cfg: Any, out: str, threads: int) -> None:
     import torch
 
-    from hpsearch.trainer import sharding
+    from hpsearch.trainer import held
     from hpsearch.trainer.distributed import World
 
     torch.set_num_threads(threads)
@@ -161,8 +161,8 @@ def _one(model_dir: str, files: tuple[str, str], cfg: Any, out: str, threads: in
     ids = torch.randint(0, 500, (cfg.micro_batch_size, 64))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
-    held = sharding.held_bytes(model, optimizer)
-    figures["tensors_mb"] = sum(held.values()) / 2**20
+    mine = held.held_bytes(model, optimizer)
+    figures["tensors_mb"] = sum(mine.values()) / 2**20
     (Path(out) / "one.json").write_text(json.dumps(figures))
 
 

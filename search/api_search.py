@@ -22,7 +22,6 @@ from hpsearch.search import summary
 from hpsearch.search.api_errors import InputError, SearchError, raised_as_hpsearch_errors
 from hpsearch.search.cli_study import format_status, study_status
 from hpsearch.storage import attrs, registry, urls
-from hpsearch.storage.retention import is_deleted
 
 POLL_S = 5.0
 """How often ``wait`` reads the study: a read of a few rows, cheap beside a trial."""
@@ -157,7 +156,8 @@ class Search:
 
     def trials(self) -> Any:
         """Every trial as a pandas DataFrame: number, state, value, cost (a second objective), one ``params_NAME``
-        column per searched parameter, step, duration_s, checkpoint (a Path; None once deleted), device_hours,
+        column per searched parameter, step, duration_s, checkpoint (a Path; None once deleted), checkpoint_deleted
+        (why it was deleted, None while it is there), device_hours,
         money (None without a price), fail_reason, retry_of, host, device."""
         try:
             import pandas as pd
@@ -167,7 +167,7 @@ class Search:
         seconds = self._device_seconds()
         rows = []
         for t in s["trials"]:
-            recorded = t.get(attrs.BEST_CHECKPOINT)
+            recorded, gone = t.get(attrs.BEST_CHECKPOINT), t.get(attrs.BEST_CHECKPOINT_DELETED)
             rows.append(
                 {
                     "number": t["number"],
@@ -177,7 +177,9 @@ class Search:
                     **{f"params_{name}": value for name, value in t["params"].items()},
                     "step": t["step"],
                     "duration_s": t["duration_s"],
-                    "checkpoint": Path(recorded) if recorded and not is_deleted(recorded) else None,
+                    # A path to load, or None: a deleted one's path is no model, and checkpoint_deleted says why.
+                    "checkpoint": Path(recorded) if recorded and not gone else None,
+                    "checkpoint_deleted": gone,
                     "device_hours": seconds.get(t["number"], 0.0) / 3600,
                     "money": t.get("money"),
                     "fail_reason": summary.reason(t) or None,

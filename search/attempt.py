@@ -8,27 +8,25 @@ import logging
 import os
 import time
 import traceback
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import optuna
 
-from hpsearch.search import ranks, retry, sampling, stop_signals
+from hpsearch.search import ranks, sampling, stop_signals
 from hpsearch.search.early_stop import EarlyStop, PruningGate
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.outcome import Outcome
+from hpsearch.search.record import TrialRecord
 from hpsearch.search.space import split_params
 from hpsearch.search.spec import StudySpec
-from hpsearch.search.trial_attrs import TrialReporter
 from hpsearch.storage import attrs, registry
 from hpsearch.storage.trialdir import TrialDir
 from hpsearch.trainer.config import AdapterConfig, ConfigError, TrainConfig
 from hpsearch.trainer.errors import RankOutOfMemory, is_disk_full
 from hpsearch.trainer.report import FailReason, Status
-
-if TYPE_CHECKING:
-    from hpsearch.search.worker import Worker
 
 log = logging.getLogger(__name__)
 PEER_NEWS_S = 2.0  # how long a rank 0 whose collective failed waits to see whether a peer died
@@ -43,9 +41,30 @@ ENDED = {
 """What a run's end, as the trainer returns it, is for the trial (outcome.py's table says the rest)."""
 
 
-def run(w: Worker, trial: optuna.Trial) -> None:
-    """Train one attempt of ``trial`` on worker ``w``'s device and end it (see outcome.py)."""
+@dataclass(frozen=True)
+class Bench:
+    """Where an attempt runs, as its worker set it up: plain values, so that attempt.py never calls back into
+    the worker."""
+
+    spec: StudySpec  # the spec the worker runs (its budget keys followed)
+    root: Path  # this host's study folder: the trial's folder is in it
+    worker: str  # the worker's name, host/device/pid
+    device_label: str  # the device (group) as a trial records it: "cuda:1 (NVIDIA H200)", "cpu", "cpu:0+1"
+    device: Any  # torch.device
+    world: Any  # trainer/distributed.py World: this rank of its device group
+    tokenizer: Any
+    data: Callable[[], Any]  # the worker's tokenised data, prepared at its first trial (its errors fail that one)
+    models: Any  # trainer/model.py PretrainedCache: the frozen base, loaded once per worker
+    peers: ranks.Peers | None
+    stop: stop_signals.StopFlag
+
+
+def run(record: TrialRecord, w: Bench) -> Outcome | None:
+    """Train one attempt of the record's trial on ``w`` and end it (see outcome.py); how it ended, None where it
+    failed before a result or someone else ended it meanwhile (the worker then keeps its retention for later)."""
     import torch
+
+    trial = record.trial
 
     from hpsearch.trainer.checkpoint import CheckpointError, RunFiles
     from hpsearch.trainer.loop import Run, fit
@@ -55,25 +74,24 @@ def run(w: Worker, trial: optuna.Trial) -> None:
     except (ValueError, TypeError) as exc:  # ConfigError among them
         # An enqueued trial's fixed parameters are a database row: a bad one fails this trial, never the worker.
         log.error("trial %d has parameters no trial of this spec can take: %s", trial.number, exc)
-        w.end_attempt(trial, Outcome.FAILED, reason=FailReason.BAD_PARAMS, detail=f"{type(exc).__name__}: {exc}")
-        return
+        record.end(Outcome.FAILED, reason=FailReason.BAD_PARAMS, detail=f"{type(exc).__name__}: {exc}")
+        return None
     folder = TrialDir(w.root, trial.number)
     try:
         folder.make()
         log_file = folder.open_log()  # the trial's own log
     except OSError as exc:  # TrialDirError: a link or a file in the trial folder's place
         log.error("trial %d cannot start: %s", trial.number, exc)
-        w.end_attempt(trial, Outcome.FAILED, reason=FailReason.TRIAL_DIR_REFUSED, detail=str(exc))
-        return
+        record.end(Outcome.FAILED, reason=FailReason.TRIAL_DIR_REFUSED, detail=str(exc))
+        return None
     folder.unlink_link(folder.curves)
     files = RunFiles(best=folder.best, state=folder.state, curves=folder.curves, out_of_memory=folder.out_of_memory)
-    reporter = TrialReporter(trial)
-    where = {attrs.DEVICE: _device_name(w), attrs.HOST: registry.this_host(), attrs.WORKER: w.args.name}
+    where = {attrs.DEVICE: w.device_label, attrs.HOST: registry.this_host(), attrs.WORKER: w.worker}
     where[attrs.THREADS] = torch.get_num_threads()
     # Where the resumable state goes, on record before the first one is written: a stop
     # during a database outage saves one that no later call could name (see reap.py).
-    reporter.set_attrs(where | {attrs.RESUME_CHECKPOINT: str(folder.state.resolve())})
-    resume = retry.take_over(w.storage, w.args.study, trial, folder)
+    record.set_attrs(where | {attrs.RESUME_CHECKPOINT: str(folder.state.resolve())})
+    resume = record.take_over(folder)
     handler = logging.StreamHandler(log_file)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger().addHandler(handler)
@@ -82,7 +100,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
     model: Any = None
     out_of_memory: RankOutOfMemory | None = None
     try:
-        early_points = sampling.early_points(w.spec, cfg, w.data)
+        early_points = sampling.early_points(w.spec, cfg, w.data())
         if w.peers is not None:
             # First, so the peers prepare their copy while this rank prepares its own.
             spec = w.spec
@@ -91,7 +109,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
                 trial.number, spec.model, spec.data, cfg, spec.search.quality, files, resume_from, adapter, early_points
             )
             w.peers.run(job)
-        data = w.data
+        data = w.data()
         # A sharded trial's base turns into shards: it gets its own copy, not the worker's shared one.
         model = w.models.trial_model(
             w.spec.model.name, data.labels, cfg.seed, adapter, private=cfg.sharding != "none", precision=cfg.precision
@@ -107,7 +125,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
             resume_from=resume,
             should_stop=w.stop,
             stop_waiting=w.stop.outage_retry_over,
-            meta={"study": w.args.study, "trial": trial.number, "params": params},
+            meta={"study": record.study.study_name, "trial": trial.number, "params": params},
             started=started,
             world=w.world,
             early=early_points,
@@ -115,7 +133,7 @@ def run(w: Worker, trial: optuna.Trial) -> None:
         gate = PruningGate.of_search(
             data, cfg, w.spec.search, rank_searched=w.spec.searches_rank, early=early_points.steps
         )
-        early = EarlyStop(reporter, gate)
+        early = EarlyStop(record.reporter, gate)
         result = fit(run, early)
         result.fail_reason = result.fail_reason or early.reason
     except CheckpointError as exc:
@@ -132,8 +150,8 @@ def run(w: Worker, trial: optuna.Trial) -> None:
         if stop_signals.is_storage_failure(exc):
             # The database, not the trial: keep its checkpoints and hand it back.
             log.error("trial %d: the storage failed: %s", trial.number, stop_signals.describe(exc))
-            _hand_back_after_storage_failure(w, trial, folder, reporter, exc)
-            return
+            _hand_back_after_storage_failure(record, w, folder, exc)
+            return None
         log.error("trial %d failed:\n%s", trial.number, traceback.format_exc())
         failure = public_reason(exc, folder)
     else:
@@ -146,25 +164,24 @@ def run(w: Worker, trial: optuna.Trial) -> None:
         handler.close()
         log_file.close()
     if out_of_memory is not None:
-        w.end_attempt(trial, Outcome.OUT_OF_MEMORY, folder=folder, detail=str(out_of_memory))
+        record.end(Outcome.OUT_OF_MEMORY, folder=folder, detail=str(out_of_memory))
         raise ranks.GroupRestart(f"trial {trial.number}: {out_of_memory}", ExitCode.OUT_OF_MEMORY)
     if failure is not None:
-        w.end_attempt(trial, Outcome.FAILED, folder=folder, reason=failure[0], detail=failure[1])
+        record.end(Outcome.FAILED, folder=folder, reason=failure[0], detail=failure[1])
         if w.world.size > 1:
             raise ranks.GroupRestart(f"trial {trial.number} failed on a {w.world.size}-device group")
-        return
+        return None
     ended, why = ENDED[result.status], result.fail_reason
     if ended is Outcome.COMPLETE and result.best_value is None:
         ended, why = Outcome.FAILED, FailReason.NO_VALIDATION_POINT
-    if w.end_attempt(trial, ended, folder=folder, reason=why, value=result.best_value) is None:
-        return
+    if record.end(ended, folder=folder, reason=why, value=result.best_value) is None:
+        return None
     if ended is Outcome.COMPLETE:
         msg = "trial %d complete: %s = %.4f at step %s"
         log.info(msg, trial.number, w.spec.search.quality, result.best_value, result.best_step)
     elif ended is Outcome.PRUNED:
         log.info("trial %d pruned at step %d%s", trial.number, result.steps, f" ({why.text})" if why else "")
-    if ended is not Outcome.INTERRUPTED:
-        w.retain()
+    return ended
 
 
 def trial_config(spec: StudySpec, trial: optuna.Trial) -> tuple[dict[str, Any], TrainConfig, AdapterConfig]:
@@ -204,16 +221,14 @@ def _code_path(filename: str) -> str:
     return "/".join(path.parts[-2:])
 
 
-def _hand_back_after_storage_failure(
-    w: Worker, trial: optuna.Trial, folder: TrialDir, reporter: TrialReporter, exc: Exception
-) -> None:
+def _hand_back_after_storage_failure(record: TrialRecord, w: Bench, folder: TrialDir, exc: Exception) -> None:
     """Queue a retry that resumes from the trial's resumable state, like a crash, once the storage answers
     again (each call retries through the outage); if it does not, ``StorageLost`` ends the worker."""
     # Counted up to the storage's last answer: training may have gone on through the outage
     # (see trainer/report_queue.py), but so may a run that ended and waited for its record.
-    ago = time.monotonic() - reporter.last_ok
+    trial, ago = record.trial, time.monotonic() - record.reporter.last_ok
     try:
-        w.end_attempt(trial, Outcome.STORAGE_LOST, folder=folder, detail=type(exc).__name__, ago=ago)
+        record.end(Outcome.STORAGE_LOST, folder=folder, detail=type(exc).__name__, ago=ago)
     except Exception as err:
         if not stop_signals.is_storage_failure(err):
             raise
@@ -222,10 +237,11 @@ def _hand_back_after_storage_failure(
         raise ranks.GroupRestart(f"trial {trial.number} lost its storage on a {w.world.size}-device group")
 
 
-def _device_name(w: Worker) -> str:
-    if w.world.size > 1:
-        return w.args.device_label
-    if w.device.type == "cuda":
+def device_name(world: Any, device: Any, group_label: str) -> str:
+    """The device (group) as a trial records it (``attrs.DEVICE``)."""
+    if world.size > 1:
+        return group_label
+    if device.type == "cuda":
         import torch
 
         return f"cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', '0')} ({torch.cuda.get_device_name(0)})"

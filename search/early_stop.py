@@ -26,8 +26,11 @@ from hpsearch.trainer.batching import (
 from hpsearch.trainer.report import FailReason, Reporter
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from hpsearch.search.search_config import SearchConfig
     from hpsearch.trainer.evaluate import Metrics
+    from hpsearch.trainer.stats import Figures
 
 log = logging.getLogger(__name__)
 RANK_JUDGED_FROM = 3
@@ -220,6 +223,19 @@ class EarlyStop:
             return early
         return self.gate.may_prune(step, metrics) and self.inner.should_prune()
 
-    def __getattr__(self, name: str) -> Any:
-        # best_saved, state_saved, resumed, measured: the trial's, unchanged.
-        return getattr(self.inner, name)
+    # What the run says of its files and figures: the trial's, unchanged (the search's rules judge only points).
+    @property
+    def immediate(self) -> bool:
+        return self.inner.immediate
+
+    def best_saved(self, path: Path, step: int, values: dict[str, float]) -> None:
+        self.inner.best_saved(path, step, values)
+
+    def state_saved(self, path: Path) -> None:
+        self.inner.state_saved(path)
+
+    def resumed(self, step: int) -> None:
+        self.inner.resumed(step)
+
+    def measured(self, figures: Figures) -> None:
+        self.inner.measured(figures)

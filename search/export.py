@@ -13,7 +13,6 @@ from typing import Any
 
 from hpsearch.search.errors import SpecError
 from hpsearch.storage import attrs, registry, regular, rundir, trialdir
-from hpsearch.storage.retention import is_deleted
 from hpsearch.storage.shown import shown
 from hpsearch.trainer import adapters
 from hpsearch.trainer.checkpoint import META
@@ -87,9 +86,11 @@ def checked_checkpoint(best: dict[str, Any] | None, study: str, uid: str | None)
     (``uid``) on this host: a row's path is read, loaded or copied only then (export, ``Search.load_best``)."""
     if best is None:
         raise ExportError(f"study {study!r} has no complete trial yet; nothing to export")
-    source_text = best.get(attrs.BEST_CHECKPOINT)
-    if not source_text or is_deleted(source_text):
-        raise ExportError(f"trial {best['number']}'s checkpoint is gone ({source_text}); nothing to export")
+    source_text, gone = best.get(attrs.BEST_CHECKPOINT), best.get(attrs.BEST_CHECKPOINT_DELETED)
+    if gone:
+        raise ExportError(f"trial {best['number']}'s checkpoint {source_text} was deleted ({gone}); nothing to export")
+    if not source_text:
+        raise ExportError(f"trial {best['number']} recorded no checkpoint; nothing to export")
     source = Path(source_text)
     if not source.is_dir():
         host = best.get(attrs.HOST)

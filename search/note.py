@@ -45,7 +45,9 @@ def _best(best: dict[str, Any] | None, spec: StudySpec) -> list[str]:
     lines = [
         f"**Best:** trial {best['number']}: {spec.search.quality} **{best['value']:.4f}** at step {step}",
         "",
-        f"- checkpoint: `{best[attrs.BEST_CHECKPOINT]}`" + (f" on host `{host}`" if host else ""),
+        f"- checkpoint: `{best[attrs.BEST_CHECKPOINT]}`"
+        + (f" on host `{host}`" if host else "")
+        + (f" (deleted: {best[attrs.BEST_CHECKPOINT_DELETED]})" if best.get(attrs.BEST_CHECKPOINT_DELETED) else ""),
     ]
     if params:
         lines.append(f"- parameters: {params}")

@@ -13,11 +13,12 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from contextlib import suppress
-from typing import Any, cast
+from typing import Any
 
 import optuna
+from optuna.distributions import BaseDistribution
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
@@ -84,27 +85,73 @@ def front(study: optuna.Study) -> list[FrozenTrial]:
     return sorted(study.best_trials, key=lambda t: (sign * t.values[0], t.values[1], t.number))
 
 
-class QualityStorage:
+class QualityStorage(BaseStorage):
     """A two-objective study's storage as a single-objective study of its quality objective sees it: one direction,
-    each trial's first value, and its ``attrs.POINTS`` as intermediate values. What the pruner is given; everything
-    else (the rung attributes successive halving writes among it) goes to the study's storage."""
+    each trial's first value, and its ``attrs.POINTS`` as intermediate values. What the pruner is given; every other
+    call (the rung attributes successive halving writes among them) goes to the study's storage as it is."""
 
     def __init__(self, inner: BaseStorage) -> None:
         self._inner = inner
 
+    # -- what the view changes
     def get_study_directions(self, study_id: int) -> list[optuna.study.StudyDirection]:
         return self._inner.get_study_directions(study_id)[:1]
 
     def get_all_trials(
-        self, study_id: int, deepcopy: bool = True, states: Sequence[TrialState] | None = None
+        self, study_id: int, deepcopy: bool = True, states: Container[TrialState] | None = None
     ) -> list[FrozenTrial]:
         return [_single(t) for t in self._inner.get_all_trials(study_id, deepcopy=False, states=states)]
 
     def get_trial(self, trial_id: int) -> FrozenTrial:
         return _single(self._inner.get_trial(trial_id))
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+    # -- the rest, as the study's storage has it
+    def create_new_study(self, directions: Sequence[optuna.study.StudyDirection], study_name: str | None = None) -> int:
+        return self._inner.create_new_study(directions, study_name)
+
+    def delete_study(self, study_id: int) -> None:
+        self._inner.delete_study(study_id)
+
+    def set_study_user_attr(self, study_id: int, key: str, value: Any) -> None:
+        self._inner.set_study_user_attr(study_id, key, value)
+
+    def set_study_system_attr(self, study_id: int, key: str, value: Any) -> None:
+        self._inner.set_study_system_attr(study_id, key, value)
+
+    def get_study_id_from_name(self, study_name: str) -> int:
+        return self._inner.get_study_id_from_name(study_name)
+
+    def get_study_name_from_id(self, study_id: int) -> str:
+        return self._inner.get_study_name_from_id(study_id)
+
+    def get_study_user_attrs(self, study_id: int) -> dict[str, Any]:
+        return self._inner.get_study_user_attrs(study_id)
+
+    def get_study_system_attrs(self, study_id: int) -> dict[str, Any]:
+        return self._inner.get_study_system_attrs(study_id)
+
+    def get_all_studies(self) -> list[Any]:  # FrozenStudy: not public in Optuna 5.1
+        return self._inner.get_all_studies()
+
+    def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:
+        return self._inner.create_new_trial(study_id, template_trial)
+
+    def set_trial_param(
+        self, trial_id: int, param_name: str, param_value_internal: float, distribution: BaseDistribution
+    ) -> None:
+        self._inner.set_trial_param(trial_id, param_name, param_value_internal, distribution)
+
+    def set_trial_state_values(self, trial_id: int, state: TrialState, values: Sequence[float] | None = None) -> bool:
+        return self._inner.set_trial_state_values(trial_id, state, values)
+
+    def set_trial_intermediate_value(self, trial_id: int, step: int, intermediate_value: float) -> None:
+        self._inner.set_trial_intermediate_value(trial_id, step, intermediate_value)
+
+    def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
+        self._inner.set_trial_user_attr(trial_id, key, value)
+
+    def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
+        self._inner.set_trial_system_attr(trial_id, key, value)
 
 
 def _single(trial: FrozenTrial) -> FrozenTrial:
@@ -115,7 +162,8 @@ def _single(trial: FrozenTrial) -> FrozenTrial:
     return single
 
 
-def pruning_view(study: optuna.Study) -> optuna.Study:
-    """The study the pruner judges a two-objective study's trials in: its quality objective alone."""
-    storage = cast(BaseStorage, QualityStorage(study._storage))
-    return optuna.Study(study.study_name, storage, study.sampler, study.pruner)
+def pruning_view(study: optuna.Study, storage: BaseStorage) -> tuple[optuna.Study, QualityStorage]:
+    """The study the pruner judges a two-objective study's trials in, its quality objective alone, and its storage
+    (``storage``: the study's, which Optuna keeps private)."""
+    view = QualityStorage(storage)
+    return optuna.Study(study.study_name, view, study.sampler, study.pruner), view

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
+from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from hpsearch.search import objectives, retry
-from hpsearch.storage import attrs, ledger, retention
-from hpsearch.storage.db import Database
+from hpsearch.storage import attrs, deletions, ledger
 from hpsearch.storage.open import Storage
 from hpsearch.storage.trialdir import TrialDir
 from hpsearch.trainer.report import FailReason
@@ -110,7 +110,8 @@ def finish(
     storage.optuna.set_trial_user_attr(trial_id, attrs.DEVICE_SECONDS, round(seconds, 3))
     if folder is not None:
         # Read now, not before: the trainer's last attributes may have been on their way.
-        clear(storage.db, storage.optuna.get_trial(trial_id), folder, ending, f"trial {outcome.name.lower()}")
+        trial, gone = storage.optuna.get_trial(trial_id), f"trial {outcome.name.lower()}"
+        clear(storage.optuna, study.study_name, trial, folder, ending, gone)
     why = ending.reason or reason
     recorded = why.record(detail)[:500] if why else None
     if ending.retried:
@@ -148,17 +149,31 @@ def ending_of(trial: FrozenTrial) -> Ending:
 
 
 def clear(
-    db: Database, trial: FrozenTrial, folder: TrialDir, ending: Ending, why: str, *, released: bool = False
+    storage: RDBStorage,
+    study: str,
+    trial: FrozenTrial,
+    folder: TrialDir,
+    ending: Ending,
+    why: str,
+    *,
+    released: bool = False,
 ) -> list[Path]:
     """Remove what the table says goes of the trial folder's best/ and resume/, and with ``released`` (no retry
-    will take them over) what a retried ending kept; what went. A removed best/ is marked deleted for ``why``."""
+    will take them over) what a retried ending kept; what went. The trial's ``best_checkpoint`` or
+    ``resume_checkpoint`` that named a removed folder is marked deleted for ``why``."""
     gone = []
-    for path, files in ((folder.best, ending.best), (folder.resume, ending.resume)):
-        if (files is Files.DELETE or (released and ending.retried)) and folder.remove(path):
-            gone.append(path)
-            if path == folder.best:
-                # The sweep says where it was: it may run on another day than the attempt that ended.
-                retention.mark_deleted(db, trial._trial_id, why, path if trial.state.is_finished() else None)
+    for path, files, key in (
+        (folder.best, ending.best, attrs.BEST_CHECKPOINT),
+        (folder.resume, ending.resume, attrs.RESUME_CHECKPOINT),
+    ):
+        if not (files is Files.DELETE or (released and ending.retried)):
+            continue
+        removed = folder.remove(path)
+        gone += [path] if removed else []
+        # As the attempt ends (its trial still running), the path it recorded is marked even where nothing was saved
+        # there yet: it is no state to load any more. The sweep marks only what it removed.
+        if removed or trial.state == TrialState.RUNNING:
+            deletions.mark_deleted(storage, study, trial._trial_id, key, why)
     return gone
 
 

@@ -158,7 +158,11 @@ class Peers:
 
 def peer_main(args: PeerArgs, conn: Connection) -> None:
     """Entry point of a spawned peer rank: train whatever rank 0 sends, until it says stop."""
-    cli.setup_logging(args.log_level, args.name)
+    # A trial's log is rank 0's: a peer says only what went wrong (warnings, errors), unless debugging, so the
+    # worker's log does not repeat every line once a rank.
+    cli.setup_logging(
+        args.log_level if args.log_level <= logging.DEBUG else max(args.log_level, logging.WARNING), args.name
+    )
     # Rank 0 decides when to stop and broadcasts it; a terminal's Ctrl-C reaches every process: ignored here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -172,7 +176,7 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
     threading.Thread(target=exit_with_parent, name="hpsearch-parent-watch", daemon=True).start()
     import torch
 
-    from hpsearch.trainer import distributed, sharding
+    from hpsearch.trainer import distributed, memory
     from hpsearch.trainer.encoding import prepare
     from hpsearch.trainer.errors import RankOutOfMemory
     from hpsearch.trainer.evaluate import EarlyPoints
@@ -198,7 +202,7 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
             data = prepare(job.data, tokenizer, job.model.max_length, cache, task=job.model.task)
         if job.cfg.sharding == "fsdp":
             # Built empty: its shards come from rank 0's model, so this host holds the model once, not N times.
-            model = sharding.empty_model(job.model.name, data.labels, job.adapter)
+            model = memory.empty_model(job.model.name, data.labels, job.adapter)
         else:
             model = models.trial_model(
                 job.model.name, data.labels, job.cfg.seed, job.adapter, precision=job.cfg.precision

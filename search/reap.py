@@ -107,13 +107,10 @@ def by_hand(
     """`hpsearch reap`: one pass, with the ``Reaper``'s guard: after an outage every heartbeat is old, so silence
     counts from this process's first prompt answer, and a stale-looking row is watched for its whole grace."""
     reaped = retry_gone_here(storage, study_name, max_retries=max_retries)
-    since: float | None = None
+    guard = OutageGuard(poll_s)
     told = False
     while True:
-        began = time.monotonic()
-        now = storage.db.now()
-        if since is None or time.monotonic() - began > poll_s:
-            since = now
+        since = guard.answered(storage)
         reaped += reap(storage, study_name, max_retries=max_retries, grace_s=grace_s, watched_since=since)
         waiting = liveness.stale_trials(storage.db, study_name, grace_s=grace_s)
         if not waiting:
@@ -173,6 +170,37 @@ def _fail_for_retry(storage: Storage, study: optuna.Study, number: int, max_retr
         return None
 
 
+class OutageGuard:
+    """When silence may start to count, for a reaper and for `hpsearch reap` alike: after a database outage every
+    heartbeat is old at once, so it counts from this process's first prompt answer of the database (a slow answer
+    means the storage layer was retrying through an outage), not from the rows' own times."""
+
+    def __init__(self, poll_s: float) -> None:
+        self.poll_s = poll_s
+        self.healthy_since: float | None = None  # this process's clock: since when the database answered promptly
+        self.watched_since = 0.0  # the same moment by the database clock
+
+    def answered(self, storage: Storage) -> float:
+        """Ask the database its time (StorageError if it does not answer); since when silence counts, by its clock."""
+        began = time.monotonic()
+        try:
+            db_now = storage.db.now()
+        except StorageError:
+            self.lost()
+            raise
+        now = time.monotonic()
+        if self.healthy_since is None or now - began > self.poll_s:
+            self.healthy_since, self.watched_since = now, db_now
+        return self.watched_since
+
+    def healthy_for(self) -> float:
+        """Seconds the database has answered promptly (0 before ``answered``)."""
+        return 0.0 if self.healthy_since is None else time.monotonic() - self.healthy_since
+
+    def lost(self) -> None:
+        self.healthy_since = None
+
+
 class Reaper:
     """A worker's background reaper: one pass every third of a heartbeat interval, once its own connection
     has been healthy for a whole grace period (after an outage every heartbeat is old at once)."""
@@ -194,20 +222,13 @@ class Reaper:
         self._thread.join(timeout=1.0 if self.storage.db.given_up else 30)
 
     def _loop(self) -> None:
-        healthy_since: float | None = None
-        watched_since = 0.0  # the same moment by the database clock
+        guard = OutageGuard(self.poll_s)
         while not self._stop.wait(self.poll_s):
-            began = time.monotonic()
             try:
-                db_now = self.storage.db.now()
+                watched_since = guard.answered(self.storage)
             except StorageError:
-                healthy_since = None
                 continue
-            now = time.monotonic()
-            # A slow answer means the storage layer was retrying through an outage.
-            if healthy_since is None or now - began > self.poll_s:
-                healthy_since, watched_since = now, db_now
-            if now - healthy_since < self.grace_s:
+            if guard.healthy_for() < self.grace_s:
                 continue
             try:
                 # Silence counts from then: a worker that beats slower than this one has a longer
@@ -215,7 +236,7 @@ class Reaper:
                 reap(self.storage, self.study_name, max_retries=self.max_retries, watched_since=watched_since)
             except StorageError as err:
                 log.warning("reaping stale trials failed: %s", err)
-                healthy_since = None
+                guard.lost()
             except Exception:
                 # A thread that dies leaves its worker's study without a reaper, silently.
                 log.exception("reaping stale trials failed; the next pass tries again")

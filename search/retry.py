@@ -10,9 +10,10 @@ from pathlib import Path
 
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
-from optuna.trial import TrialState
+from optuna.storages import BaseStorage
+from optuna.trial import FrozenTrial, TrialState
 
-from hpsearch.storage import attrs, retention, slots
+from hpsearch.storage import attrs, deletions, slots
 from hpsearch.storage.open import Storage
 from hpsearch.storage.trialdir import BEST, OUT_OF_MEMORY_FILE, RESUME, TrialDir
 
@@ -42,8 +43,8 @@ def hand_back(
     except RuntimeError:
         # Finished by someone else in the meantime (e.g. the worker told its result late).
         return False
-    count = int(frozen.user_attrs.get(attrs.RETRY_COUNT, 0))
-    if max_retries is not None and count >= max_retries:
+    count = retries_of(frozen)
+    if max_retries is not None and out_of_retries(frozen, max_retries):
         log.warning("trial %d failed (%s); out of retries (%d)", frozen.number, reason, max_retries)
         return False
     resume = resume_from if resume_from is not None and (_resumable(resume_from) or not local) else None
@@ -63,6 +64,16 @@ def hand_back(
     return True
 
 
+def retries_of(trial: FrozenTrial) -> int:
+    """How many times the trial's parameters were retried before this attempt (0 for a first one)."""
+    return int(trial.user_attrs.get(attrs.RETRY_COUNT, 0))
+
+
+def out_of_retries(trial: FrozenTrial, max_retries: int) -> bool:
+    """The one out-of-retries rule: a failed ``trial`` gets no counted retry after ``max_retries`` of them."""
+    return retries_of(trial) >= max_retries
+
+
 def _resumable(state: Path) -> bool:
     """Whether a retry has something to take over: the resumable state, or the out-of-memory record beside it."""
     return state.exists() or state.with_name(OUT_OF_MEMORY_FILE).exists()
@@ -77,11 +88,11 @@ def waiting_retries(study: optuna.Study) -> list[int]:
     ]
 
 
-def pop_retry(study: optuna.Study) -> optuna.Trial | None:
-    """Start a waiting retry, never a new trial (``Study.ask`` might pop an unstarted ``[[search.enqueue]]`` one,
-    or make one): what a worker may still run past the deadline. Optuna's WAITING to RUNNING claim has one winner."""
-    storage = study._storage
-    for frozen in storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.WAITING,)):
+def pop_retry(storage: BaseStorage, study: optuna.Study) -> optuna.Trial | None:
+    """Start a waiting retry of ``study`` (in ``storage``), never a new trial (``Study.ask`` might pop an unstarted
+    ``[[search.enqueue]]`` one, or make one): what a worker may still run past the deadline. Optuna's WAITING to
+    RUNNING claim has one winner."""
+    for frozen in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
         if attrs.RETRY_OF not in frozen.user_attrs:
             continue
         with suppress(UpdateFinishedTrialError):
@@ -108,13 +119,14 @@ def take_over(storage: Storage, study_name: str, trial: optuna.Trial, here: Tria
         return None
     if old == here:
         return here.state if here.state.is_file() else None
+    # The failed attempt's paths name folders its retry took: marked gone, and why (deletions.py).
+    old_id, why = trial_id(storage, study_name, of), f"taken over by its retry, trial {trial.number}"
     # fit() takes the best point from the moved model's own meta (see _restored_best).
     if not here.best.exists() and old.move(BEST, here):
-        # The failed attempt's best_checkpoint must not name the folder its retry took.
-        why = f"taken over by its retry, trial {trial.number}"
-        retention.mark_deleted(storage.db, trial_id(storage, study_name, of), why, old.best)
+        deletions.mark_deleted(storage.optuna, study_name, old_id, attrs.BEST_CHECKPOINT, why)
     if not old.move(RESUME, here):
         return None
+    deletions.mark_deleted(storage.optuna, study_name, old_id, attrs.RESUME_CHECKPOINT, why)
     # fit() loads the state (and records resumed_from_step): reading it here too would load it twice.
     return here.state if here.state.is_file() else None
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from hpsearch.search.money import Price
 from hpsearch.search.summary import fmt, reason
-from hpsearch.storage import attrs, ledger, registry, retention
+from hpsearch.storage import attrs, ledger, registry
 from hpsearch.storage.shown import shown
 from hpsearch.trainer.reading import short
 
@@ -76,13 +76,23 @@ def _format_best(s: dict[str, Any]) -> str:
     # Names, values, paths and hosts are rows: escaped (a newline would forge a line, an escape sequence reach the
     # terminal) and cut.
     lines += [f"  {shown(k)} = {shown(fmt(v))}" for k, v in sorted(best["params"].items())]
-    where, size = shown(best[attrs.BEST_CHECKPOINT], PATH), best.get(attrs.BEST_CHECKPOINT_MB)
-    shown_size = size is not None and not retention.is_deleted(where)
-    lines.append(f"  checkpoint: {where}" + (f" ({size:.1f} MiB)" if shown_size else ""))
+    lines.append(f"  checkpoint: {checkpoint_text(best, size=True)}")
     host = best.get(attrs.HOST)
     if host and host != registry.this_host():
         lines.append(f"  warning: the checkpoint lives on host {shown(host)}, not on this host")
     return "\n".join(lines)
+
+
+def checkpoint_text(trial: dict[str, Any], *, size: bool = False) -> str:
+    """A trial's best checkpoint as status shows it: its path (escaped: a row's word), with its size or, once its
+    folder is gone, why."""
+    path, gone = trial.get(attrs.BEST_CHECKPOINT), trial.get(attrs.BEST_CHECKPOINT_DELETED)
+    if not path:
+        return "no checkpoint" + (f" (deleted: {shown(gone)})" if gone else "")
+    if gone:
+        return f"{shown(path, PATH)} (deleted: {shown(gone)})"
+    mb = trial.get(attrs.BEST_CHECKPOINT_MB)
+    return shown(path, PATH) + (f" ({mb:.1f} MiB)" if size and isinstance(mb, int | float) else "")
 
 
 def _format_front(s: dict[str, Any]) -> list[str]:
@@ -90,7 +100,7 @@ def _format_front(s: dict[str, Any]) -> list[str]:
     front, metric, cost = s["front"], s["metric"], s["cost_objective"]
     lines = [f"pareto front ({metric} and {cost}): {len(front)} trial{'s' if len(front) != 1 else ''}"]
     for t in front:
-        where = t[attrs.BEST_CHECKPOINT] or "no checkpoint"
+        where = checkpoint_text(t)
         money = f"  {_price(s).text(t['money'])}" if t.get("money") is not None else ""
         lines.append(f"  trial {t['number']}  {metric} {t['value']:.4f}  {cost} {fmt(t['cost'])}{money}  {where}")
     return lines

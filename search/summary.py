@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -16,13 +16,14 @@ from optuna.trial import FrozenTrial, TrialState
 from hpsearch.search import objectives, warm_start
 from hpsearch.search.money import Price
 from hpsearch.search.spec import StudySpec
-from hpsearch.storage import attrs, ledger, liveness, retention
+from hpsearch.storage import attrs, deletions, ledger, liveness, retention
 from hpsearch.storage.db import Database
 from hpsearch.trainer.report import FailReason
 
 SHOWN = (
     attrs.BEST_STEP,
     attrs.BEST_CHECKPOINT,
+    attrs.BEST_CHECKPOINT_DELETED,  # why the folder best_checkpoint names is gone; None while it is there
     attrs.BEST_CHECKPOINT_MB,
     attrs.HOST,
     attrs.DEVICE,
@@ -62,8 +63,11 @@ def failed(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
     return [t for t in trials if t.state == TrialState.FAIL and t.number not in retried]
 
 
-def trial_dict(trial: FrozenTrial, now: dt.datetime | None = None) -> dict[str, Any]:
+def trial_dict(trial: FrozenTrial, study_attrs: Mapping[str, Any], now: dt.datetime | None = None) -> dict[str, Any]:
+    """What status and best show of ``trial``; ``study_attrs``: its study's user attributes, where the deletion
+    of its checkpoints is recorded (storage/deletions.py)."""
     start, end = trial.datetime_start, trial.datetime_complete or now or dt.datetime.now()
+    seen = deletions.attributes(trial, study_attrs)
     return {
         "number": trial.number,
         "state": trial.state.name,
@@ -73,7 +77,7 @@ def trial_dict(trial: FrozenTrial, now: dt.datetime | None = None) -> dict[str, 
         "step": max(objectives.points(trial), default=None),
         "duration_s": max(0.0, (end - start).total_seconds()) if start else None,
         # The trial's attributes that status and best show, under their own keys.
-        **{key: trial.user_attrs.get(key) for key in SHOWN},
+        **{key: seen.get(key) for key in SHOWN},
     }
 
 
@@ -81,7 +85,7 @@ def status(study: optuna.Study, spec: StudySpec, n_trials: int, storage_display:
     trials = warm_start.ran_here(study.get_trials(deepcopy=False))
     states = Counter(t.state.name.lower() for t in trials)
     best = best_trial(study)
-    now = dt.datetime.now()
+    now, study_attrs = dt.datetime.now(), study.user_attrs
     return {
         "study": study.study_name,
         "storage": storage_display,
@@ -92,9 +96,9 @@ def status(study: optuna.Study, spec: StudySpec, n_trials: int, storage_display:
         "finished": states["complete"] + states["pruned"],
         "states": {s.name.lower(): states[s.name.lower()] for s in TrialState},
         "failed": [t.number for t in failed(trials)],  # for good; states["fail"] counts the handed-back too
-        "best": trial_dict(best) if best else None,
-        "front": [trial_dict(t) for t in objectives.front(study)],
-        "trials": [trial_dict(t, now) for t in trials],
+        "best": trial_dict(best, study_attrs) if best else None,
+        "front": [trial_dict(t, study_attrs) for t in objectives.front(study)],
+        "trials": [trial_dict(t, study_attrs, now) for t in trials],
         "no_best": None if best else why_no_best(study, spec),
     }
 
@@ -130,12 +134,12 @@ def reason(trial: dict[str, Any]) -> str:
 def why_no_best(study: optuna.Study, spec: StudySpec) -> list[str]:
     """What to tell a user whose study has no complete trial: what ended the trials, the best
     point any of them reached, and what to change. Empty while no trial has ended."""
-    trials = study.get_trials(deepcopy=False)
+    trials, study_attrs = study.get_trials(deepcopy=False), study.user_attrs
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
     broken = failed(trials)
     if not pruned and not broken:
         return []
-    causes = Counter(reason(trial_dict(t)) for t in pruned)
+    causes = Counter(reason(trial_dict(t, study_attrs)) for t in pruned)
     said = ", ".join(f"{n} {cause}" for cause, n in causes.most_common())
     lines = [f"no trial completed: {len(pruned)} pruned ({said})" if pruned else "no trial completed"]
     if broken:
@@ -146,8 +150,9 @@ def why_no_best(study: optuna.Study, spec: StudySpec) -> list[str]:
     point = (min if spec.direction == "minimize" else max)(points, key=lambda p: p[2], default=None)
     if point is not None:
         trial, step, value = point
-        kept = trial.user_attrs.get(attrs.BEST_CHECKPOINT)
-        where = f"checkpoint {kept}" if kept and not retention.is_deleted(kept) else "no checkpoint kept"
+        seen = deletions.attributes(trial, study_attrs)
+        kept = seen.get(attrs.BEST_CHECKPOINT) and not deletions.deleted_why(seen)
+        where = f"checkpoint {seen[attrs.BEST_CHECKPOINT]}" if kept else "no checkpoint kept"
         lines.append(
             f"best point reached: trial {trial.number}, {spec.search.quality} {value:.4f} at step {step} ({where})"
         )

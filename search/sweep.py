@@ -10,17 +10,17 @@ import logging
 from pathlib import Path
 
 import optuna
+from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 
-from hpsearch.search import outcome
+from hpsearch.search import outcome, retry
 from hpsearch.storage import attrs
-from hpsearch.storage.db import Database
 from hpsearch.storage.trialdir import BEST, RESUME, TrialDir
 
 log = logging.getLogger(__name__)
 
 
-def trial_folders(db: Database, study: optuna.Study, root: Path, *, max_retries: int) -> list[Path]:
+def trial_folders(storage: RDBStorage, study: optuna.Study, root: Path, *, max_retries: int) -> list[Path]:
     """Sweep the trial folders under ``root`` (this host's ``OUTPUT/STUDY``); returns what went."""
     if not root.is_dir():
         return []
@@ -44,7 +44,9 @@ def trial_folders(db: Database, study: optuna.Study, root: Path, *, max_retries:
         # What outcome.py's table says goes of the trial's ending (which finish may not have done on this host).
         released = trial.state == TrialState.FAIL and _released(trial, retries.get(trial.number, []), max_retries)
         state = trial.state.name.lower()
-        went += outcome.clear(db, trial, folder, outcome.ending_of(trial), f"trial {state}", released=released)
+        went += outcome.clear(
+            storage, study.study_name, trial, folder, outcome.ending_of(trial), f"trial {state}", released=released
+        )
         for path in went:
             log.info("removed %s (trial %d is %s)", path, trial.number, state)
         gone += went
@@ -56,5 +58,5 @@ def _released(failed: FrozenTrial, its_retries: list[FrozenTrial], max_retries: 
     if not its_retries:
         # Out of retries. With retries left, hand_back may be about to queue one (it fails
         # the trial first); such a folder waits for the next sweep.
-        return int(failed.user_attrs.get(attrs.RETRY_COUNT, 0)) >= max_retries
+        return retry.out_of_retries(failed, max_retries)
     return all(r.state.is_finished() or not r.user_attrs.get(attrs.RESUME_FROM) for r in its_retries)

@@ -14,6 +14,7 @@ from hpsearch.trainer.report import measured
 
 if TYPE_CHECKING:
     import optuna
+    from optuna.storages import BaseStorage
 
     from hpsearch.trainer.evaluate import Metrics
     from hpsearch.trainer.stats import Figures
@@ -66,9 +67,10 @@ class TrialReporter(AttrReporter):
     nor prunes, the points go to ``attrs.POINTS`` and the pruner judges them in a single-objective view
     (search/objectives.py)."""
 
-    def __init__(self, trial: optuna.Trial) -> None:
+    def __init__(self, trial: optuna.Trial, storage: BaseStorage) -> None:
+        """``storage``: the trial's study's (the pruner of a two-objective study reads it through a view)."""
         self.trial = trial
-        self.judge = objectives.pruning_view(trial.study) if objectives.is_multi(trial.study) else None
+        self.judge = objectives.pruning_view(trial.study, storage) if objectives.is_multi(trial.study) else None
         self.points: dict[str, float] = {}
         # When a call last reached the storage: a storage-failed attempt's device time counts up to here.
         self.last_ok = time.monotonic()
@@ -86,7 +88,8 @@ class TrialReporter(AttrReporter):
             prune = self.trial.should_prune()
         else:
             # Read back, as Optuna's should_prune does: the pruner sees what the storage holds.
-            prune = self.judge.pruner.prune(self.judge, self.judge._storage.get_trial(self.trial._trial_id))
+            study, view = self.judge
+            prune = study.pruner.prune(study, view.get_trial(self.trial._trial_id))
         self.last_ok = time.monotonic()
         return prune
 

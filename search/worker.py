@@ -15,13 +15,14 @@ from typing import Any, NoReturn
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import attempt, budget, cli, objectives, outcome, ranks, reap, retry, sampling, stop_signals, sweep
+from hpsearch.search import attempt, budget, cli, objectives, ranks, reap, retry, sampling, stop_signals, sweep
 from hpsearch.search.devices import torch_device
 from hpsearch.search.errors import SpecError
 from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.outcome import Outcome
 from hpsearch.search.presets import resolved
 from hpsearch.search.reap import Reaper
+from hpsearch.search.record import TrialRecord
 from hpsearch.search.spec import BUDGET_KEYS, StudySpec, difference
 from hpsearch.storage import attrs, liveness, registry, retention, slots
 from hpsearch.storage.db import OUTAGE_RETRY
@@ -192,13 +193,16 @@ class Worker:
                     continue
                 log.info("study budget (%d trials) is used; %d run here", n_trials, finished)
                 return
-            trial = retry.pop_retry(self.study) if retries_only else self.study.ask()
+            trial = retry.pop_retry(self.storage.optuna, self.study) if retries_only else self.study.ask()
             if trial is None:  # another worker took the last retry
                 slots.release_slot(self.storage.db, self.args.study, slot=slot)
                 continue
-            self._begin(trial, slot)
+            record = self.record(trial)
+            self._begin(record, slot)
             try:
-                attempt.run(self, trial)
+                ended = attempt.run(record, self.bench())
+                if ended is not None and ended is not Outcome.INTERRUPTED:
+                    self.retain()
             except (ranks.GroupRestart, stop_signals.StorageLost):
                 # GroupRestart (recorded; the ranks restart) and StorageLost (nothing can be recorded) end the worker.
                 raise
@@ -207,7 +211,7 @@ class Worker:
                     raise stop_signals.StorageLost.during(trial.number, exc) from exc
                 if not self.storage.optuna.get_trial(trial._trial_id).state.is_finished():
                     raise
-                # Reaped meanwhile (see end_attempt).
+                # Reaped meanwhile (see TrialRecord.end).
                 log.warning("trial %d was reaped while it ran here; dropping this attempt", trial.number)
             if self.registration:
                 # A trial cut short by a stop request is handed back, not finished here.
@@ -237,9 +241,32 @@ class Worker:
         if theirs is not None:
             self.spec.search = replace(self.spec.search, **{key: getattr(theirs.search, key) for key in BUDGET_KEYS})
 
-    def _begin(self, trial: optuna.Trial, slot: int) -> None:
+    def record(self, trial: optuna.Trial) -> TrialRecord:
+        """The record this worker writes of ``trial`` (search/record.py)."""
+        search = self.spec.search
+        return TrialRecord(self.storage, self.study, trial, max_retries=search.max_retries, cost=search.cost)
+
+    def bench(self) -> attempt.Bench:
+        """What an attempt is given of this worker (attempt.py never calls back into it)."""
+        label = attempt.device_name(self.world, self.device, self.args.device_label)
+        return attempt.Bench(
+            spec=self.spec,
+            root=self.root,
+            worker=self.args.name,
+            device_label=label,
+            device=self.device,
+            world=self.world,
+            tokenizer=self.tokenizer,
+            data=lambda: self.data,
+            models=self.models,
+            peers=self.peers,
+            stop=self.stop,
+        )
+
+    def _begin(self, record: TrialRecord, slot: int) -> None:
         """Bind the trial to its slot and to this worker's registry row, then tell the supervisor.
         Until the row names the trial, no heartbeat covers it: a failure in between hands it back here."""
+        trial = record.trial
         try:
             slots.bind_slot(self.storage.db, self.args.study, slot, trial.number)
             if self.registration:
@@ -247,7 +274,7 @@ class Worker:
         except BaseException:
             log.error("trial %d could not be registered; handing it back", trial.number)
             try:
-                self.end_attempt(trial, Outcome.NOT_STARTED)
+                record.end(Outcome.NOT_STARTED)
             except StorageError as err:
                 # Left RUNNING: the next worker to start finds it orphaned, fails and retries it (reap.py).
                 log.warning("could not hand trial %d back: %s", trial.number, err)
@@ -274,22 +301,12 @@ class Worker:
             time.sleep(0.2)
         return True
 
-    def end_attempt(self, trial: optuna.Trial, ended: Outcome, **how: Any) -> bool | None:
-        """End this worker's attempt (see outcome.py); None if someone else ended it meanwhile."""
-        retries = self.spec.search.max_retries
-        cost = self.spec.search.cost
-        done = outcome.finish(self.storage, self.study, trial._trial_id, ended, max_retries=retries, cost=cost, **how)
-        if done is None:
-            # Our heartbeat went stale (a long network cut): a reaper failed the trial, and its retry owns it now.
-            log.warning("trial %d was reaped while it ran here; dropping this attempt", trial.number)
-        return done
-
     def _tidy(self, *, retain: bool = False) -> None:
         """Sweep this host's folders (sweep.py) and, with ``retain``, delete checkpoints that left the top k."""
         try:
             if retain:
                 self.retain()
-            sweep.trial_folders(self.storage.db, self.study, self.root, max_retries=self.spec.search.max_retries)
+            sweep.trial_folders(self.storage.optuna, self.study, self.root, max_retries=self.spec.search.max_retries)
         except (StorageError, OSError) as err:
             # A later trial's sweep tries again; tidying is never worth a failed worker.
             log.warning("could not sweep %s: %s", self.root, err)
@@ -298,7 +315,8 @@ class Worker:
         """Keep only the best checkpoints of the study's top trials (see storage/retention.py); in a two-objective
         study, the Pareto front's first."""
         retention.retain(
-            self.storage.db,
+            self.storage.optuna,
+            self.study.study_name,
             candidates(self.study, self.root),
             keep_top_k=self.spec.search.keep_top_k,
             minimize=self.spec.direction == "minimize",

@@ -26,18 +26,29 @@ DEVICE_SECONDS = "device_seconds"  # device time of all its attempts together (x
 FAIL_REASON = "fail_reason"  # why it failed or was pruned other than by the pruner ("oom", "worker_lost", ...)
 
 # -- a trial's, from what the trainer reported (search/trial_attrs.py)
-BEST_CHECKPOINT = "best_checkpoint"  # path of its best model, trial-N/best; "deleted (...)" once retention removed it
+BEST_CHECKPOINT = "best_checkpoint"  # path of its best model, trial-N/best: stays that path once the folder is gone
 BEST_CHECKPOINT_MB = "best_checkpoint_mb"  # its size on disk in MiB (an adapter: megabytes, not gigabytes)
 BEST_STEP = "best_step"  # the optimizer step of its best validation point
 BEST_VAL = "best_val_"  # + a validation metric's name (loss, accuracy, f1, perplexity): its value at the best point
 BEST_LOSS = BEST_VAL + "loss"  # breaks ties of the objective (storage/retention.py rank)
-RESUME_CHECKPOINT = "resume_checkpoint"  # path of its latest resumable state, trial-N/resume/state.pt
+RESUME_CHECKPOINT = "resume_checkpoint"  # path of its latest resumable state, trial-N/resume/state.pt (stays too)
 RESUMED_FROM_STEP = "resumed_from_step"  # the step a retry's training resumed at
 SPEED = "train_samples_per_second"  # the one figure (``Speed`` field) that status shows
 TRAINABLE = "trainable_parameters"  # the ``Figures`` field a trainable_parameters objective reads (objectives.py)
 HELD = "held_mb"  # the ``Figures`` field set beside the memory plan (planned vs measured, in `status`)
 PEAK_MEMORY = "peak_memory_mb"  # the ``Speed`` field a peak_memory_gb objective reads (search/objectives.py)
 POINTS = "validation_points"  # a two-objective study's {step: quality objective}: Optuna keeps none there
+
+# -- why a trial's checkpoint is gone (storage/deletions.py, the one writer): read as a trial's attribute, stored as
+# the study's under ``deleted_key`` (Optuna takes no attribute on a finished trial: docs/decisions.md)
+BEST_CHECKPOINT_DELETED = BEST_CHECKPOINT + "_deleted"  # e.g. "not in the study's top 2"; absent while it is there
+RESUME_CHECKPOINT_DELETED = RESUME_CHECKPOINT + "_deleted"  # e.g. "trial complete", "taken over by its retry, ..."
+
+
+def deleted_key(number: int, key: str) -> str:
+    """The study attribute that says trial ``number``'s ``key`` (a ``*_DELETED`` key above) and why."""
+    return f"trial {number}: {key}"
+
 
 # -- a retry's, written by search/retry.py hand_back as it queues one
 RETRY_OF = "retry_of"  # the number of the trial it retries

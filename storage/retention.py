@@ -1,14 +1,13 @@
 """Study-wide checkpoint retention: only the best checkpoints of the top ``keep_top_k`` trials stay on disk.
 
 After every trial its worker calls :func:`retain`: the ranking is study-wide, but each host deletes only
-``trial-N/best`` of its own study folder, never a path a row names (see trialdir.py), and :func:`mark_deleted`
-rewrites the trial's ``best_checkpoint`` so that nobody goes looking for it.
+``trial-N/best`` of its own study folder, never a path a row names (see trialdir.py), and marks the trial's
+``best_checkpoint`` deleted (deletions.py) so that nobody goes looking for it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -17,16 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import column, table, update
+from optuna.storages import RDBStorage
 
-from hpsearch.storage import attrs
-from hpsearch.storage.db import Database
+from hpsearch.storage import attrs, deletions
 from hpsearch.storage.trialdir import TrialDir
 
 log = logging.getLogger(__name__)
-DELETED_PREFIX = "deleted"
-# Optuna's own table of trial user attributes: Optuna refuses to update a finished trial, so it is rewritten here.
-_USER_ATTRS = table("trial_user_attributes", column("trial_id"), column("key"), column("value_json"))
 
 
 def rank(value: float, loss: float | None, number: int, *, minimize: bool) -> tuple[float, float, int]:
@@ -60,15 +55,6 @@ class Deletion:
     reason: str
 
 
-def deleted_note(why: str, was: Path | None = None) -> str:
-    """What a trial's ``best_checkpoint`` says once its best model is gone (and where it was)."""
-    return f"{DELETED_PREFIX} ({why}; was {was})" if was else f"{DELETED_PREFIX} ({why})"
-
-
-def is_deleted(value: object) -> bool:
-    return isinstance(value, str) and value.startswith(DELETED_PREFIX)
-
-
 def disk_bytes(path: Path) -> int:
     """Bytes of the files under ``path`` (0 if it does not exist)."""
     if path.is_file():
@@ -94,15 +80,15 @@ def plan(
     best is never deleted."""
     ranked = sorted(candidates, key=lambda c: (c.off_front, rank(c.value, c.loss, c.number, minimize=minimize)))
     kept = ranked[:keep_top_k]
-    deletions = [Deletion(c, f"not in the study's top {keep_top_k}") for c in ranked[keep_top_k:]]
+    chosen = [Deletion(c, f"not in the study's top {keep_top_k}") for c in ranked[keep_top_k:]]
     if max_disk_bytes > 0:
         sizes = sizes if sizes is not None else {c.path: disk_bytes(c.path) for c in kept}
         total = sum(sizes.get(c.path, 0) for c in kept)
         while len(kept) > 1 and total > max_disk_bytes:
             worst = kept.pop()
             total -= sizes.get(worst.path, 0)
-            deletions.append(Deletion(worst, f"max_disk_gb cap of {max_disk_bytes / 1e9:g} GB"))
-    return deletions
+            chosen.append(Deletion(worst, f"max_disk_gb cap of {max_disk_bytes / 1e9:g} GB"))
+    return chosen
 
 
 def candidate(
@@ -114,18 +100,24 @@ def candidate(
 
 
 def retain(
-    db: Database, candidates: list[Candidate], *, keep_top_k: int, minimize: bool, max_disk_gb: float = 0.0
+    storage: RDBStorage,
+    study: str,
+    candidates: list[Candidate],
+    *,
+    keep_top_k: int,
+    minimize: bool,
+    max_disk_gb: float = 0.0,
 ) -> list[Deletion]:
-    """Delete the checkpoints :func:`plan` picks that exist here and mark their trials.
+    """Delete the checkpoints :func:`plan` picks that exist here and mark their trials of ``study``.
 
     ``candidates`` are every finished trial of the study (other hosts' too), made by :func:`candidate`. One an
     export is copying (``hpsearch best --export``) waits for the next pass."""
     local = {c.path: disk_bytes(c.path) for c in candidates if c.path.exists()}
-    deletions = plan(
+    planned = plan(
         candidates, keep_top_k=keep_top_k, minimize=minimize, max_disk_bytes=int(max_disk_gb * 1e9), sizes=local
     )
     done: list[Deletion] = []
-    for d in deletions:
+    for d in planned:
         c = d.candidate
         folder = TrialDir(c.path.parent.parent, c.number)
         if c.path not in local or folder.best != c.path:  # not made by candidate(): no path of a row is deleted
@@ -136,15 +128,7 @@ def retain(
                 continue
             if not folder.remove(folder.best):
                 continue
-        mark_deleted(db, c.trial_id, d.reason, c.path)
+        deletions.mark_deleted(storage, study, c.trial_id, attrs.BEST_CHECKPOINT, d.reason)
         log.info("deleted the checkpoint of trial %d (%s)", c.number, d.reason)
         done.append(d)
     return done
-
-
-def mark_deleted(db: Database, trial_id: int, why: str, was: Path | None = None) -> None:
-    """The one writer of a ``best_checkpoint`` attribute after the trainer: its folder went (``why``). Only where
-    the trial recorded one: a trial that saved none keeps none."""
-    note = deleted_note(why, was)
-    stmt = update(_USER_ATTRS).where(_USER_ATTRS.c.trial_id == trial_id, _USER_ATTRS.c.key == attrs.BEST_CHECKPOINT)
-    db.run(lambda s: s.execute(stmt.values(value_json=json.dumps(note))), what="mark a deleted checkpoint")

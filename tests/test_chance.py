@@ -19,6 +19,7 @@ from hpsearch.trainer.loop import fit
 from hpsearch.trainer.model import load_tokenizer
 from hpsearch.trainer.report import TrainResult
 from tests.conftest import hpsearch, spec_text
+from tests.support import deleted
 from tests.support.tiny import tiny_run
 
 
@@ -122,12 +123,14 @@ def test_a_search_records_why_a_trial_stopped(tiny_model: Path, demo_files: tupl
         cwd=tmp_path,
     )
     assert result.returncode == 1, result.stderr[-3000:]  # no trial completed: no model came out
-    trials = optuna.load_study(study_name="c", storage=url).trials
+    study = optuna.load_study(study_name="c", storage=url)
+    trials = study.trials
     assert [t.state for t in trials] == [optuna.trial.TrialState.PRUNED] * 2
     for t in trials:
         assert t.user_attrs["fail_reason"] == "at_chance"
         assert max(t.intermediate_values) < 20  # 20 steps in all
-        assert t.user_attrs["best_checkpoint"].startswith("deleted")
+        assert t.user_attrs["best_checkpoint"].endswith(f"trial-{t.number}/best")
+        assert deleted.why(study, t.number) == "trial pruned"
 
 
 # -- when the pruner is asked (search/early_stop.py) --------------------------------------------------

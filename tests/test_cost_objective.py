@@ -17,6 +17,7 @@ from hpsearch.storage import attrs, ledger, retention
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.trialdir import TrialDir
 from tests.conftest import Cli, assert_refused, hpsearch, one_trial, spec_text, start_study
+from tests.support import deleted
 
 MONEY = 'price_per_gpu_hour = 1.98\ncurrency = "CNY"\n'
 
@@ -103,12 +104,12 @@ def test_the_pruner_judges_a_two_objective_trial_on_its_quality_objective(storag
             study_name="v", storage=storage.optuna, directions=["maximize", "minimize"], pruner=pruner
         )
         good = study.ask()
-        TrialReporter(good).report(0.9, 5)
+        TrialReporter(good, storage.optuna).report(0.9, 5)
         study.tell(good, [0.9, 0.1])
         bad = study.ask()
         with pytest.raises(NotImplementedError):
             bad.report(0.1, 5)
-        reporter = TrialReporter(bad)
+        reporter = TrialReporter(bad, storage.optuna)
         reporter.report(0.2, 5)
         reporter.report(0.95, 5)  # a step's first report stands, as in Optuna
         assert reporter.should_prune()  # 0.2 < the median 0.9: maximised accuracy
@@ -119,13 +120,13 @@ def test_the_pruner_judges_a_two_objective_trial_on_its_quality_objective(storag
         study.sampler = optuna.samplers.TPESampler(n_startup_trials=1, seed=0)
         study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
         better = study.ask()
-        reporter = TrialReporter(better)
+        reporter = TrialReporter(better, storage.optuna)
         reporter.report(0.95, 5)
         assert not reporter.should_prune()
         # Successive halving and hyperband judge through the same view (hyperband builds its own bracket studies).
         for kind in (optuna.pruners.SuccessiveHalvingPruner(min_resource=5), optuna.pruners.HyperbandPruner(5, 30)):
             study.pruner = kind
-            assert isinstance(TrialReporter(study.ask()).should_prune(), bool)
+            assert isinstance(TrialReporter(study.ask(), storage.optuna).should_prune(), bool)
     finally:
         storage.close()
 
@@ -145,12 +146,13 @@ def test_retention_keeps_the_front_before_a_better_trial_off_it(tmp_path: Path) 
         study.add_trial(optuna.trial.create_trial(values=values, user_attrs=user_attrs))
     storage = open_storage(url, create=False)
     try:
-        retention.retain(storage.db, candidates(study, root), keep_top_k=2, minimize=False)
+        retention.retain(storage.optuna, "r", candidates(study, root), keep_top_k=2, minimize=False)
     finally:
         storage.close()
     assert [TrialDir(root, n).best.exists() for n in range(3)] == [True, False, True]
-    deleted = optuna.load_study(study_name="r", storage=url).trials[1].user_attrs[attrs.BEST_CHECKPOINT]
-    assert retention.is_deleted(deleted)
+    study = optuna.load_study(study_name="r", storage=url)
+    assert study.trials[1].user_attrs[attrs.BEST_CHECKPOINT] == str(TrialDir(root, 1).best)
+    assert deleted.why(study, 1) == "not in the study's top 2"
 
 
 @pytest.mark.parametrize(

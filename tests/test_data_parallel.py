@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import optuna
@@ -115,9 +114,8 @@ def test_two_device_trial_from_the_cli_one_trial_same_parameters_pruned_together
         # Both ranks' examples count: 12 steps x 16 examples (the pruned trial: 4 x 16).
         assert t.user_attrs["train_samples"] == 16 * max(t.intermediate_values)
     assert done.user_attrs["rank_parameter_digests"] != pruned.user_attrs["rank_parameter_digests"]
-    # Rank 1 ran each trial too, and ended the pruned one at the step rank 0 did.
-    rank1 = re.findall(r"/rank1\] INFO trial (\d+) ended on rank 1: (\w+) at step (\d+)", result.stderr)
-    assert rank1 == [("0", "complete", "12"), ("1", "pruned", "4")], result.stderr[-3000:]
+    # Rank 1 ran each trial too (the equal digests above); the trial logs once, from rank 0.
+    assert "/rank1] INFO" not in result.stderr, result.stderr[-3000:]
     best = json.loads(hpsearch("best", "--study", "dp", "--storage", url, "--json", cwd=tmp_path).stdout)
     assert Path(best["best_checkpoint"], "model.safetensors").exists()
     for n in (0, 1):  # one curve per trial, written by rank 0

@@ -18,7 +18,7 @@ from optuna.trial import TrialState
 from hpsearch.storage.errors import StudyNotFoundError
 from hpsearch.storage.open import open_storage
 from tests.conftest import lm_spec_text, spec_text
-from tests.support import netns
+from tests.support import deleted, netns
 
 
 def _spawned_workers(parent: int) -> list[int]:
@@ -121,7 +121,8 @@ def _sa_url(url: str) -> str:
 
 
 def _assert_recovered(url: str, n_trials: int, reason: str, runs: Path) -> None:
-    trials = optuna.load_study(study_name="f", storage=_sa_url(url)).get_trials()
+    study = optuna.load_study(study_name="f", storage=_sa_url(url))
+    trials = study.get_trials()
     finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     assert len(finished) == n_trials, [(t.number, t.state, t.user_attrs) for t in trials]
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
@@ -129,9 +130,9 @@ def _assert_recovered(url: str, n_trials: int, reason: str, runs: Path) -> None:
     assert len(failed) == 1 and failed[0].user_attrs["fail_reason"].startswith(reason)
     # The failed attempt's device time counts against gpu_hours, whoever handed it back.
     assert failed[0].user_attrs["device_seconds"] > 0, failed[0].user_attrs
-    # Its record names no folder that is gone: its retry took the best model over, or it was swept.
-    note = failed[0].user_attrs.get("best_checkpoint")
-    assert note is None or note.startswith("deleted (") or Path(note).is_dir(), note
+    # Its record marks a folder that is gone (its retry took the best model over, or it was swept); the path stays.
+    note, gone = failed[0].user_attrs.get("best_checkpoint"), deleted.why(study, failed[0].number)
+    assert note is None or Path(note).is_dir() is (gone is None), (note, gone)
     retry = next(t for t in trials if t.user_attrs.get("retry_of") == failed[0].number)
     assert retry.params == failed[0].params
     assert retry.user_attrs["resumed_from_step"] > 0

@@ -15,6 +15,7 @@ from hpsearch.search.stop_signals import StopFlag
 from hpsearch.search.worker import Worker, WorkerArgs
 from hpsearch.storage.open import open_storage
 from hpsearch.trainer import checkpoint
+from tests.support import deleted
 
 
 def _run_two_trials(tmp_path: Path, spec_file: Path, url: str, study: str, **train: object) -> list[FrozenTrial]:
@@ -55,7 +56,10 @@ def test_full_disk_fails_one_trial_and_worker_carries_on(
     assert not list(failed.glob(".*tmp-*")), "no half-written checkpoint left"
     # An error is not retried and a failed trial is never in the top k: its files go with it.
     assert not (failed / "best").exists() and not (failed / "resume").exists()
-    assert trials[0].user_attrs["best_checkpoint"] == "deleted (trial failed)"
+    # Its record still names the folder; that it went, and why, is another attribute.
+    study = optuna.load_study(study_name="disk", storage=sqlite_url)
+    assert trials[0].user_attrs["best_checkpoint"] == str(failed.resolve() / "best")
+    assert deleted.why(study, 0) == "trial failed"
 
 
 def test_out_of_memory_at_micro_batch_one_fails_that_trial_and_worker_carries_on(

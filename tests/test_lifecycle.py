@@ -14,6 +14,7 @@ from optuna.trial import TrialState
 
 from hpsearch.storage import attrs, ledger
 from tests.conftest import spec_text
+from tests.support import deleted
 from tests.test_faults import _sa_url, _slow_spec, _spawned_workers, _start, _wait_for_report
 
 
@@ -215,13 +216,13 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
 ) -> None:
     from optuna.exceptions import StorageInternalError
 
-    from hpsearch.search import attempt, reap, stop_signals, worker
+    from hpsearch.search import reap, stop_signals, trial_attrs, worker
     from hpsearch.storage.errors import StorageError
     from hpsearch.storage.open import open_storage
 
-    real_report, real_hand_back = attempt.TrialReporter.report, worker.retry.hand_back
+    real_report, real_hand_back = trial_attrs.TrialReporter.report, worker.retry.hand_back
 
-    def report(self: attempt.TrialReporter, value: float, step: int, metrics: object = None) -> None:
+    def report(self: trial_attrs.TrialReporter, value: float, step: int, metrics: object = None) -> None:
         if step == 10:
             raise StorageInternalError("An exception is raised during the commit (injected outage)")
         real_report(self, value, step)
@@ -229,7 +230,7 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
     def hand_back(*args: object, **kwargs: object) -> bool:
         raise StorageError("cannot reach the database (injected outage)")
 
-    monkeypatch.setattr(attempt.TrialReporter, "report", report)
+    monkeypatch.setattr(trial_attrs.TrialReporter, "report", report)
     monkeypatch.setattr(worker.retry, "hand_back", hand_back)
     spec = _spec(tmp_path, tiny_model, demo_files)
     with pytest.raises(stop_signals.StorageLost):
@@ -238,7 +239,7 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
     assert trial.state == TrialState.RUNNING, "not failed: nothing could be told"
     assert (tmp_path / "runs" / "db" / "trial-0" / "resume" / "state.pt").exists()
     # The storage is back: the trial is reaped like any lost one and its retry resumes.
-    monkeypatch.setattr(attempt.TrialReporter, "report", real_report)
+    monkeypatch.setattr(trial_attrs.TrialReporter, "report", real_report)
     monkeypatch.setattr(worker.retry, "hand_back", real_hand_back)
     storage = open_storage(sqlite_url, create=False)
     try:
@@ -326,10 +327,12 @@ def test_a_kill_during_the_first_resumable_save_leaves_no_folder_behind(
     _hand_back_as_supervisor(sqlite_url, "kill", tmp_path / "runs")
     monkeypatch.setattr(checkpoint.torch, "save", real_save)
     _in_process_worker(tmp_path, spec, sqlite_url, "kill")
-    first, retry = optuna.load_study(study_name="kill", storage=sqlite_url).get_trials()
+    study = optuna.load_study(study_name="kill", storage=sqlite_url)
+    first, retry = study.get_trials()
     assert retry.state == TrialState.COMPLETE and "resumed_from_step" not in retry.user_attrs
     assert sorted(p.name for p in trial_0.iterdir() if p.name not in ("train.log", "tensorboard")) == []
-    assert first.user_attrs["best_checkpoint"].startswith("deleted (trial fail; was "), first.user_attrs
+    assert first.user_attrs["best_checkpoint"] == str((trial_0 / "best").resolve()), first.user_attrs
+    assert deleted.why(study, first.number) == "trial fail", first.user_attrs
     assert Path(retry.user_attrs["best_checkpoint"]).is_dir()
 
 
@@ -468,8 +471,10 @@ def test_a_worker_that_starts_deletes_checkpoints_that_fell_out_of_the_top_k_mea
         )
     )
     _in_process_worker(tmp_path, spec, sqlite_url, "away")  # budget used: it only tidies
-    note = optuna.load_study(study_name="away", storage=sqlite_url).trials[0].user_attrs["best_checkpoint"]
-    assert note.startswith("deleted (not in the study's top 1"), note
+    study = optuna.load_study(study_name="away", storage=sqlite_url)
+    gone = tmp_path / "runs" / "away" / "trial-0" / "best"
+    assert study.trials[0].user_attrs["best_checkpoint"] == str(gone.resolve())
+    assert deleted.why(study, 0) == "not in the study's top 1"
     assert not (tmp_path / "runs" / "away" / "trial-0" / "best").exists()
 
 

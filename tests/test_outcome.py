@@ -20,6 +20,7 @@ from hpsearch.storage import attrs, ledger, registry, slots
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.trialdir import TrialDir
 from hpsearch.trainer.report import FailReason
+from tests.support import deleted
 
 # What each ending means for the user, in the words of docs/failures.md.
 SUCCEEDED = {Outcome.COMPLETE}
@@ -68,15 +69,21 @@ def test_an_ending_does_what_its_user_expects(tmp_path: Path, spec_file: Path, s
         # Only a complete trial competes for a kept best model; a resumable state outlives only a handed-back trial.
         assert folder.best.exists() is (ended not in ENDED_FOR_GOOD - SUCCEEDED)
         assert folder.resume.exists() is (ended not in ENDED_FOR_GOOD)
-        if ended in ENDED_FOR_GOOD - SUCCEEDED:
-            assert done.user_attrs[attrs.BEST_CHECKPOINT].startswith("deleted (trial ")
+        # The paths stay as they were; a deleted folder is marked, with the ending that removed it.
+        assert done.user_attrs[attrs.BEST_CHECKPOINT] == str(folder.best)
+        assert done.user_attrs[attrs.RESUME_CHECKPOINT] == str(folder.state)
+        gone = f"trial {ended.name.lower()}"
+        assert deleted.why(study, trial.number) == (gone if ended in ENDED_FOR_GOOD - SUCCEEDED else None)
+        assert deleted.why(study, trial.number, "resume_checkpoint_deleted") == (
+            gone if ended in ENDED_FOR_GOOD else None
+        )
 
         # The reason `status` shows, named once (FailReason) with its text.
         recorded = done.user_attrs.get(attrs.FAIL_REASON)
         why = FailReason.of(recorded)
         assert (why is None) is (ended is Outcome.COMPLETE)
         if why is not None:
-            assert summary.reason(summary.trial_dict(done)) in (recorded, why.text)
+            assert summary.reason(summary.trial_dict(done, study.user_attrs)) in (recorded, why.text)
 
         # Device time: the ledger's figure for this attempt (two devices, >= 0.3 s each), copied onto the trial.
         seconds = done.user_attrs[attrs.DEVICE_SECONDS]
@@ -84,13 +91,13 @@ def test_an_ending_does_what_its_user_expects(tmp_path: Path, spec_file: Path, s
 
         # The sweep reads the same table: it keeps a complete trial's best model and what a retry resumes from,
         # and removes what no attempt will read again (a trial handed back before it began resumes from nothing).
-        sweep.trial_folders(storage.db, study, root, max_retries=1)
+        sweep.trial_folders(storage.optuna, study, root, max_retries=1)
         assert folder.best.exists() is (ended in SUCCEEDED | RESUMES_FROM_ITS_STATE)
         assert folder.resume.exists() is (ended in RESUMES_FROM_ITS_STATE)
 
         if queued:
             [waiting] = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-            again = retry.pop_retry(study)
+            again = retry.pop_retry(storage.optuna, study)
             assert again is not None and waiting.number == again.number
             assert waiting.user_attrs[attrs.RETRY_COUNT] == (0 if ended in NOT_COUNTED else 1)
             resumes = retry.take_over(storage, "o", again, TrialDir(root, again.number))

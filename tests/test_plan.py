@@ -12,7 +12,7 @@ import torch
 from hpsearch.search import plan as plans
 from hpsearch.search.devices import Device
 from hpsearch.search.spec import StudySpec, tomllib
-from hpsearch.trainer import memory, sharding
+from hpsearch.trainer import held, memory
 from hpsearch.trainer.config import AdapterConfig
 from hpsearch.trainer.model import PretrainedCache
 from tests.conftest import Cli, assert_refused, spec_text
@@ -33,7 +33,7 @@ def _real(model_dir: Path, adapter: AdapterConfig | None, task: str) -> dict[str
     kwargs = {"labels": ids} if task == "causal-lm" else {"labels": torch.tensor([1])}
     model(input_ids=ids, **kwargs).loss.backward()
     optimizer.step()
-    return sharding.held_bytes(model, optimizer)
+    return held.held_bytes(model, optimizer)
 
 
 @pytest.mark.parametrize("adapter", [None, LORA], ids=["full", "lora"])
@@ -183,7 +183,7 @@ def test_each_precisions_terms_are_what_the_trainer_allocates_for_a_bf16_checkpo
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     optimizer.step()
-    real = sharding.held_bytes(model, optimizer)
+    real = held.held_bytes(model, optimizer)
 
     meta, shape = memory.meta_model(str(model_dir), "causal-lm")
     assert shape.stored == torch.bfloat16

@@ -9,7 +9,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpsearch.storage.retention import Candidate, disk_bytes, is_deleted, plan
+from hpsearch.storage import deletions
+from hpsearch.storage.retention import Candidate, disk_bytes, plan
 from tests.conftest import hpsearch, spec_text
 
 
@@ -63,16 +64,38 @@ def test_search_keeps_only_top_k_checkpoints_and_exports_the_best(
     assert result.returncode == 0, result.stderr[-3000:]
 
     url = storage_url.replace("postgresql://", "postgresql+psycopg2://")
-    trials = optuna.load_study(study_name="keep", storage=url).get_trials()
-    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    study = optuna.load_study(study_name="keep", storage=url)
+    complete = [t for t in study.get_trials() if t.state == TrialState.COMPLETE]
     assert len(complete) == 5
     ranked = sorted(complete, key=lambda t: t.value)  # metric = loss
+    seen = {t.number: deletions.attributes(t, study.user_attrs) for t in complete}
+    for t in complete:
+        # Every trial's best_checkpoint stays the path of its own best folder, kept or not (issue 56)...
+        folder = runs / "keep" / f"trial-{t.number}"
+        assert Path(t.user_attrs["best_checkpoint"]) == (folder / "best").resolve(), t.user_attrs
+        # ... and its resumable state, deleted as the trial completed, says so beside its path.
+        assert Path(t.user_attrs["resume_checkpoint"]).parent == (folder / "resume").resolve()
+        assert seen[t.number]["resume_checkpoint_deleted"] == "trial complete"
     for t in ranked[:2]:
         assert Path(t.user_attrs["best_checkpoint"]).is_dir()
+        assert "best_checkpoint_deleted" not in seen[t.number]
     for t in ranked[2:]:
-        note = t.user_attrs["best_checkpoint"]
-        assert is_deleted(note) and "top 2" in note, note
-        assert not (runs / "keep" / f"trial-{t.number}" / "best").exists()
+        assert seen[t.number]["best_checkpoint_deleted"] == "not in the study's top 2", seen[t.number]
+        assert not Path(t.user_attrs["best_checkpoint"]).exists()
+    # status shows every path, a deleted one with why; the Python API loads none of them.
+    status = json.loads(hpsearch("status", "--study", "keep", "--storage", storage_url, "--json", cwd=tmp_path).stdout)
+    shown = {t["number"]: t for t in status["trials"]}
+    for t in complete:
+        assert shown[t.number]["best_checkpoint"] == t.user_attrs["best_checkpoint"]
+        assert shown[t.number]["best_checkpoint_deleted"] == seen[t.number].get("best_checkpoint_deleted")
+    import hpsearch as api
+
+    frame = api.load("keep", storage_url).trials().set_index("number")
+    for t in ranked[:2]:
+        assert frame.loc[t.number, "checkpoint"] == Path(t.user_attrs["best_checkpoint"])
+    for t in ranked[2:]:
+        assert frame.loc[t.number, "checkpoint"] is None
+        assert frame.loc[t.number, "checkpoint_deleted"] == "not in the study's top 2"
     # On disk: exactly the two best checkpoints, and no resumable state of finished trials.
     assert sorted(p.parent.name for p in (runs / "keep").glob("trial-*/best")) == sorted(
         f"trial-{t.number}" for t in ranked[:2]

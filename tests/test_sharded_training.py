@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hpsearch.search.trial_attrs import NullReporter
-from hpsearch.trainer import distributed, memory, sharding
+from hpsearch.trainer import distributed, held, memory, sharded_state, sharding
 from hpsearch.trainer.config import AdapterConfig, DataConfig, TrainConfig
 from hpsearch.trainer.distributed import World
 from hpsearch.trainer.encoding import prepare
@@ -50,7 +50,7 @@ def _fit(
     tokenizer = load_tokenizer(model_dir)
     data = prepare(DataConfig(train=data_files[0], validation=data_files[1]), tokenizer, 48, None, task=task)
     if cfg.sharding == "fsdp" and world.rank > 0:  # as a peer rank builds it: empty, filled from rank 0's
-        model = sharding.empty_model(model_dir, data.labels, adapter)
+        model = memory.empty_model(model_dir, data.labels, adapter)
     else:
         model = PretrainedCache().trial_model(model_dir, data.labels, cfg.seed, adapter, private=True)
     metric = "loss"
@@ -123,8 +123,8 @@ def _unsharded_bytes(model_dir: str, adapter: Any = None) -> int:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
     optimizer.step()
-    held = sharding.held_bytes(model, optimizer)
-    return held["parameters"] + held["optimizer"]
+    mine = held.held_bytes(model, optimizer)
+    return mine["parameters"] + mine["optimizer"]
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -220,8 +220,8 @@ def test_a_sharded_state_whose_index_names_code_is_refused_unrun(tmp_path: Path)
     folder = tmp_path / "shards"
     folder.mkdir()
     (folder / ".metadata").write_bytes(pickle.dumps(Payload()))
-    with pytest.raises(sharding.UnsafeCheckpoint, match=r"names posix\.system"):
-        sharding._SafeReader(folder).read_metadata()
+    with pytest.raises(sharded_state.UnsafeCheckpoint, match=r"names posix\.system"):
+        sharded_state._SafeReader(folder).read_metadata()
     assert not marker.exists()
 
 
@@ -236,12 +236,15 @@ def test_a_sharded_state_whose_index_names_a_file_outside_its_folder_is_refused(
     folder.mkdir()
     index = Metadata(state_dict_metadata={}, storage_data={MetadataIndex("w"): _StorageInfo("../../secret", 0, 8)})
     (folder / ".metadata").write_bytes(pickle.dumps(index))
-    with pytest.raises(sharding.UnsafeCheckpoint, match="not a file of its folder"):
-        sharding._SafeReader(folder).read_metadata()
+    with pytest.raises(sharded_state.UnsafeCheckpoint, match="not a file of its folder"):
+        sharded_state._SafeReader(folder).read_metadata()
     # The same index naming its own file is read (the restricted unpickler takes the checkpoint's classes).
     good = Metadata(state_dict_metadata={}, storage_data={MetadataIndex("w"): _StorageInfo("__0_0.distcp", 0, 8)})
     (folder / ".metadata").write_bytes(pickle.dumps(good))
-    assert sharding._SafeReader(folder).read_metadata().storage_data[MetadataIndex("w")].relative_path == "__0_0.distcp"
+    assert (
+        sharded_state._SafeReader(folder).read_metadata().storage_data[MetadataIndex("w")].relative_path
+        == "__0_0.distcp"
+    )
 
 
 def test_a_bf16_checkpoint_shards_fp32_masters_as_the_plan_says(

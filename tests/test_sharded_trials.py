@@ -46,6 +46,10 @@ def test_a_sharded_search_runs_to_the_end_and_its_best_model_loads(
     for t in trials:
         assert t.user_attrs["sharding"] == "fsdp" and t.user_attrs["devices"] == 2
         assert len(t.user_attrs["rank_held_mb"]) == 2 and "rank_parameter_digests" not in t.user_attrs
+    # The trial logs once, from rank 0; the peer only what went wrong. The held line says what it measured.
+    assert "/rank1] INFO" not in result.stderr, result.stderr[-3000:]
+    held = [line for line in result.stderr.splitlines() if "held at the end" in line]
+    assert len(held) == 2 and all("(parameters + optimizer state): rank 0 " in h and "; rank 1 " in h for h in held)
     # Retention kept the best trial's model only; it is a plain Hugging Face folder.
     best = json.loads(hpsearch("best", "--study", "s", "--storage", url, "--json", cwd=tmp_path).stdout)
     assert len(list(runs.glob("s/trial-*/best"))) == 1

@@ -89,12 +89,13 @@ def _search(spec: StudySpec, shape: _Shape) -> tuple[list[optuna.trial.FrozenTri
     cfg = spec.train
     total, _ = plan_steps(len(shape.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
     early = sampling.early_points(spec, cfg, shape)  # type: ignore[arg-type]
-    study = optuna.create_study(direction=spec.direction, pruner=sampling.make_pruner(spec))
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage, direction=spec.direction, pruner=sampling.make_pruner(spec))
     placed: list[int] = []
     for number in range(TRIALS):
         trial = study.ask()
         gate = PruningGate.of_search(shape, cfg, spec.search, early=early.steps)
-        judge = EarlyStop(TrialReporter(trial), gate)
+        judge = EarlyStop(TrialReporter(trial, storage), gate)
         last: float | None = None
         for step in range(1, total + 1):
             point = point_at(step, total, cfg.eval_every, early)

@@ -21,6 +21,7 @@ from hpsearch.storage import mounts, retention, urls
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.trialdir import TrialDir
 from tests.conftest import hpsearch, spec_text
+from tests.support import deleted
 
 
 class _Exploit:
@@ -72,8 +73,8 @@ def test_retention_deletes_no_folder_a_row_names_and_the_sweep_follows_no_link(
     spec = _spec(tmp_path, tiny_model, demo_files, n_trials=2, search="keep_top_k = 1")
     _start(tmp_path, spec, pg_url)
     runs = tmp_path / "runs" / "s"
-    trials = optuna.load_study(study_name="s", storage=urls.normalize(pg_url)).get_trials()
-    [kept] = [t.number for t in trials if not retention.is_deleted(t.user_attrs["best_checkpoint"])]
+    study = optuna.load_study(study_name="s", storage=urls.normalize(pg_url))
+    [kept] = [t.number for t in study.get_trials() if deleted.why(study, t.number) is None]
     dropped = 1 - kept
     victim, victim2 = _victim(tmp_path / "a"), _victim(tmp_path / "b")
     # A database writer points the kept trial's checkpoint at the victim and makes it the
@@ -105,8 +106,8 @@ def test_retention_deletes_no_folder_a_row_names_and_the_sweep_follows_no_link(
         assert (v / "resume" / "state.pt").exists() and (v / "data.txt").read_text() == "keep me"
     # The kept trial's own checkpoint is the one that went, and its row says so.
     assert not (runs / f"trial-{kept}" / "best").exists()
-    trials = optuna.load_study(study_name="s", storage=urls.normalize(pg_url)).get_trials()
-    assert len(trials) == 3 and retention.is_deleted(trials[kept].user_attrs["best_checkpoint"])
+    study = optuna.load_study(study_name="s", storage=urls.normalize(pg_url))
+    assert len(study.trials) == 3 and deleted.why(study, kept) == "not in the study's top 1"
 
 
 def test_a_retry_moves_and_unpickles_nothing_a_row_names(
@@ -202,20 +203,23 @@ def test_export_reads_only_trial_n_best_of_a_study_folder_and_follows_no_link(
 
 
 def test_retention_waits_for_an_export_that_is_copying(tmp_path: Path) -> None:
-    storage = open_storage(f"sqlite:///{tmp_path / 'db.sqlite'}", create=True)
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    storage = open_storage(url, create=True)
+    study = optuna.create_study(study_name="s", storage=storage.optuna)
     root = tmp_path / "runs" / "s"
     folders = [TrialDir(root, n) for n in range(2)]
-    for f in folders:
+    for n, f in enumerate(folders):
         f.make()
         f.best.mkdir()
         (f.best / "config.json").write_text("{}")
-    candidates = [retention.candidate(100 + n, n, float(n), root, {}) for n in range(2)]
+        study.add_trial(optuna.trial.create_trial(value=float(n), user_attrs={"best_checkpoint": str(f.best)}))
+    candidates = [retention.candidate(t._trial_id, t.number, float(t.number), root, {}) for t in study.trials]
     with folders[1].reading():  # `best --export` is copying trial 1, which a better trial pushes out
-        assert retention.retain(storage.db, candidates, keep_top_k=1, minimize=True) == []
-        assert folders[1].best.is_dir()
-    [deleted] = retention.retain(storage.db, candidates, keep_top_k=1, minimize=True)
-    assert deleted.candidate.number == 1 and not folders[1].best.exists()
-    assert folders[0].best.is_dir()
+        assert retention.retain(storage.optuna, "s", candidates, keep_top_k=1, minimize=True) == []
+        assert folders[1].best.is_dir() and deleted.why(study, 1) is None
+    [gone] = retention.retain(storage.optuna, "s", candidates, keep_top_k=1, minimize=True)
+    assert gone.candidate.number == 1 and not folders[1].best.exists()
+    assert folders[0].best.is_dir() and deleted.why(study, 1) == "not in the study's top 1"
     storage.close()
 
 

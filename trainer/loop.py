@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hpsearch.trainer import adapters, attention, checkpoint as ckpt, precision as prec, sharding
+from hpsearch.trainer import adapters, attention, checkpoint as ckpt, held, precision as prec, sharding
 from hpsearch.trainer.batching import Batches
 from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.curves import Curves
@@ -328,8 +328,8 @@ def _held_on_device(loop: Loop) -> float:
     device = loop.run.device
     if device.type == "cuda":
         return round(torch.cuda.max_memory_allocated(device) / 2**20, 3)
-    held = sharding.held_bytes(loop.parts.model, loop.parts.optimizer)
-    return round((held["parameters"] + held["optimizer"] + held["trained"]) / 2**20, 3)
+    mine = held.held_bytes(loop.parts.model, loop.parts.optimizer)
+    return round((mine["parameters"] + mine["optimizer"] + mine["trained"]) / 2**20, 3)
 
 
 def _held_mb(loop: Loop) -> list[float] | None:
@@ -337,17 +337,13 @@ def _held_mb(loop: Loop) -> list[float] | None:
     tensors (a sharded rank's: its shards)."""
     if loop.run.world.size == 1:
         return None
-    held = sharding.held_bytes(loop.parts.model, loop.parts.optimizer)
-    # Measured after the last step: its gradients are freed by then, so they are not in this line.
-    mb = {k: round(v / 2**20, 1) for k, v in held.items()}
-    log.info(
-        "rank %d holds parameters %.1f MB and optimizer state %.1f MB",
-        loop.run.world.rank,
-        mb["parameters"],
-        mb["optimizer"],
-    )
-    mine = (held["parameters"] + held["optimizer"]) / 2**20
-    return [round(mb, 3) for mb in loop.run.world.gather(mine)]
+    mine = held.held_bytes(loop.parts.model, loop.parts.optimizer)
+    each = loop.run.world.gather((mine["parameters"] / 2**20, mine["optimizer"] / 2**20))
+    if loop.run.world.rank == 0:  # one line for the group, in rank 0's log (a peer logs only what went wrong)
+        # Measured after the last step, when its gradients are freed: they are in no rank's figure.
+        ranks = "; ".join(f"rank {r} {p:.1f} + {o:.1f} MB" for r, (p, o) in enumerate(each))
+        log.info("held at the end, from each rank's own tensors (parameters + optimizer state): %s", ranks)
+    return [round(p + o, 3) for p, o in each]
 
 
 def _rank_digests(world: World, speed: Throughput, model: torch.nn.Module) -> list[str] | None:

@@ -219,3 +219,18 @@ def _gathered_bytes(model: torch.nn.Module, precision: str) -> int:
 
 def gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def empty_model(name: str, labels: Any, adapter: Any) -> torch.nn.Module:
+    """A sharded trial's model on a rank other than the first: built from the config on the meta device (no weights
+    read, no host copy), with the trial's adapter; sharding.py ``shard_from_first`` fills its shards from rank 0's
+    model."""
+    task = "causal-lm" if labels is None else labels.task
+    model, _ = meta_model(name, task, labels.num_labels if labels is not None else 2)
+    if labels is not None:
+        config: Any = model.config
+        config.id2label = dict(labels.id2label())
+        config.label2id = {v: k for k, v in config.id2label.items()}
+    if adapter is not None and adapter.enabled:
+        model = with_adapter(model, adapter, task)
+    return model

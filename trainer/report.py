@@ -75,15 +75,25 @@ class StateSavingReporter:
         self.report_queue = ReportQueue(inline=inner.immediate)
         self._state_saved = False  # by this reporter: once per run, for a failure or a stop
 
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        """``report``, ``best_saved``, ``state_saved``, ``resumed``, ``measured``: sent on, in order."""
-        call = getattr(self.inner, name)
+    # What happened, sent on to the search in order, on the queue's thread: the run does not wait for a database.
+    def report(self, value: float, step: int, metrics: Metrics | None = None) -> None:
+        self._send(self.inner.report, value, step, metrics)
 
-        def send(*args: object) -> None:
-            self._raise_failure()
-            self.report_queue.send(call, *args)
+    def best_saved(self, path: Path, step: int, values: dict[str, float]) -> None:
+        self._send(self.inner.best_saved, path, step, values)
 
-        return send
+    def state_saved(self, path: Path) -> None:
+        self._send(self.inner.state_saved, path)
+
+    def resumed(self, step: int) -> None:
+        self._send(self.inner.resumed, step)
+
+    def measured(self, figures: Figures) -> None:
+        self._send(self.inner.measured, figures)
+
+    def _send(self, call: Callable[..., None], *args: object) -> None:
+        self._raise_failure()
+        self.report_queue.send(call, *args)
 
     def settle(self) -> None:
         """Let the calls still on their way reach the search, for at most ANSWER_S, raising nothing: a run that ends

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from hpsearch.storage import regular
-from hpsearch.trainer import adapters, checkpoint as ckpt, sharding
+from hpsearch.trainer import adapters, checkpoint as ckpt, sharded_state, sharding
 from hpsearch.trainer.batching import smaller_micro
 from hpsearch.trainer.distributed import World
 from hpsearch.trainer.evaluate import Point
@@ -88,7 +88,9 @@ class Trainable:
         tmp = Path(shared)
         trained_only = adapters.is_adapter(self.model)
         try:
-            groups = sharding.save_shards(self.model, self.optimizer, tmp / sharding.SHARDS, trained_only=trained_only)
+            groups = sharded_state.save_shards(
+                self.model, self.optimizer, tmp / sharded_state.SHARDS, trained_only=trained_only
+            )
             if world.is_main:
                 rest = {**self._plain(state), "optimizer_groups": groups, "sharded": world.size}
                 ckpt.save_resume(tmp / self.files.state.name, rest, atomic=False)
@@ -146,7 +148,7 @@ class Trainable:
             saved = ckpt.load_resume(path)
             problem = check_saved(saved, total_steps, self.world.size if self.sharded else None)
             if problem is None and self.sharded:
-                problem = sharding.check_shards(path.parent / sharding.SHARDS)
+                problem = sharded_state.check_shards(path.parent / sharded_state.SHARDS)
             elif problem is None:
                 problem = _check_weights(self.model, saved["model"], adapters.is_adapter(self.model))
         except Exception as exc:  # truncated zip, refused types, a FIFO or link, missing file: must not cost the trial
@@ -155,9 +157,9 @@ class Trainable:
 
     def _load(self, path: Path, saved: dict[str, Any]) -> None:
         if self.sharded:
-            shards, trained_only = path.parent / sharding.SHARDS, adapters.is_adapter(self.model)
+            shards, trained_only = path.parent / sharded_state.SHARDS, adapters.is_adapter(self.model)
             groups = saved["optimizer_groups"]
-            sharding.load_shards(self.model, self.optimizer, shards, groups, trained_only=trained_only)
+            sharded_state.load_shards(self.model, self.optimizer, shards, groups, trained_only=trained_only)
         elif adapters.is_adapter(self.model):
             adapters.load_trainable(self.model, saved["model"])
             self.optimizer.load_state_dict(saved["optimizer"])
@@ -173,7 +175,7 @@ class Trainable:
         next save writes a new one. Never through a folder swapped for a link (storage/regular.py)."""
         if not self.world.is_main or not regular.unmoved(path):
             return
-        for gone in (path, path.parent / sharding.SHARDS):
+        for gone in (path, path.parent / sharded_state.SHARDS):
             with contextlib.suppress(OSError):  # opens no folder on the way through a link, follows none inside
                 regular.remove(gone)
 
