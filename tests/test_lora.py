@@ -339,20 +339,15 @@ def test_a_lora_trial_stopped_by_sigterm_resumes_its_adapter_on_the_next_start(
 ) -> None:
     import signal
 
-    from tests.test_faults import _slow_spec, _start, _wait_for_report
+    from tests.test_faults import _held_start, _slow_spec, _start
 
     spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=1)
-    # A LoRA step of the tiny model is quick: at micro-batch 4 the whole trial took 5 s, and in a loaded CI run it
-    # ended before the test's first read of the study saw it running. Micro-batch 1 gives the stop 4x the window.
-    spec.write_text(with_adapter(spec.read_text()).replace("micro_batch_size = 4", "micro_batch_size = 1"))
-    assert "micro_batch_size = 1" in spec.read_text()
-    proc = _start(tmp_path, spec, sqlite_url)
-    try:
-        _wait_for_report(sqlite_url, min_step=5)
+    # A LoRA step of the tiny model is quick (a whole trial can end before a poll of the study sees it running):
+    # the trial is held at step 5 until the stop reaches it.
+    spec.write_text(with_adapter(spec.read_text()))
+    with _held_start(tmp_path, spec, sqlite_url, 5) as (proc, _):
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=120)
-    finally:
-        proc.kill()
     first, retry = optuna.load_study(study_name="f", storage=sqlite_url).get_trials()
     assert first.user_attrs["fail_reason"] == "interrupted", first.user_attrs
     again = _start(tmp_path, spec, sqlite_url)

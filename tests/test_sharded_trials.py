@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 from tests.conftest import hpsearch, lm_spec_text
 from tests.support.inject import faults_env
 from tests.support.tiny import build_tiny_gpt2
-from tests.test_faults import _assert_recovered, _spawned_workers, _start, _wait_for_report
+from tests.test_faults import _assert_recovered, _held_start, _spawned_workers
 
 FSDP = 'devices_per_trial = 2\nsharding = "fsdp"'
 
@@ -66,26 +66,23 @@ def test_a_sharded_trial_killed_or_stopped_resumes_from_its_sharded_state(
     tmp_path: Path, tiny_gpt2: Path, lm_files: tuple[Path, Path], sqlite_url: str, who: int, sig: int, reason: str
 ) -> None:
     spec = tmp_path / "fsdp.toml"
-    # 192 examples, batch 16 in micro-batches of 2: 12 slow-ish steps per epoch, 3 epochs.
+    # 192 examples, batch 16: 12 steps, a point every 4. The rank signalled is held at step 4 (its point's report
+    # and sharded state written) until the signal comes: the trial cannot end first, however fast its steps.
     spec.write_text(
-        lm_spec_text(tiny_gpt2, *lm_files, extra_train=f"{FSDP}\nepochs = 3", search="max_retries = 2")
-        .replace("micro_batch_size = 8", "micro_batch_size = 2")
-        .replace("epochs = 1\n", "")
-        .replace('pruner = "median"', 'pruner = "none"')
+        lm_spec_text(tiny_gpt2, *lm_files, extra_train=FSDP, search="max_retries = 2").replace(
+            'pruner = "median"', 'pruner = "none"'
+        )
     )
-    proc = _start(tmp_path, spec, sqlite_url, devices="cpu:2")
-    try:
-        _wait_for_report(sqlite_url, min_step=4)
+    with _held_start(tmp_path, spec, sqlite_url, 4, rank=who, devices="cpu:2") as (proc, hold):
         (rank0,) = _spawned_workers(proc.pid)
         (rank1,) = _spawned_workers(rank0)
+        assert hold.pid == (rank1 if who == 1 else rank0)
         state = next((tmp_path / "runs" / "f").glob("trial-*/resume"))
         # Each rank wrote its own part of the state; rank 0 the rest.
         assert sorted(p.name for p in (state / "shards").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
         assert (state / "state.pt").is_file()
-        os.kill(rank1 if who == 1 else rank0, sig)
+        os.kill(hold.pid, sig)
         _, err = proc.communicate(timeout=600)
-    finally:
-        proc.kill()
     assert proc.returncode == 0, err[-3000:]
     _assert_recovered(sqlite_url, 1, reason, tmp_path / "runs")
 
