@@ -68,6 +68,9 @@ if fault := os.environ.get("HPSEARCH_FAULT_HOLD"):
                 conn.sendall(f"{os.getpid()} {step}\n".encode())
             except OSError:
                 return  # the test has let go of its hold: train on
+            # A stop signal lets the rank go once, and only while it waits: a second one (a process-group SIGTERM
+            # and the supervisor's forwarded SIGUSR2 come together) must not raise into training.
+            waiting = {"now": True}
             handlers = {}
             if threading.current_thread() is threading.main_thread():
                 for signum in _STOPS:
@@ -75,17 +78,23 @@ if fault := os.environ.get("HPSEARCH_FAULT_HOLD"):
                     if callable(previous):
 
                         def stop(signum: int, frame: Any, previous: Any = previous) -> None:
+                            # Claimed before the product's handler runs: a signal that lands inside it (inside its
+                            # logging call) only runs the product's handler, and this one lets the rank go.
+                            first, waiting["now"] = waiting["now"], False
                             previous(signum, frame)
-                            raise _Released
+                            if first:
+                                raise _Released
 
                         signal.signal(signum, stop)
             try:
-                conn.recv(1)  # until the test releases (a byte or a close) or kills this process
+                try:
+                    conn.recv(1)  # until the test releases (a byte or a close) or kills this process
+                finally:
+                    waiting["now"] = False
             except (_Released, OSError):
                 pass
-            finally:
-                for signum, previous in handlers.items():
-                    signal.signal(signum, previous)
+            for signum, previous in handlers.items():
+                signal.signal(signum, previous)
 
     def held_train_step(model: Any, parts: Any, batches: Any, step: int, *args: Any, **kwargs: Any) -> Any:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
