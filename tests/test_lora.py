@@ -18,7 +18,7 @@ from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.evaluate import evaluate
 from hpsearch.trainer.loop import Run, fit, flops_per_token
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
-from tests.conftest import hpsearch, lm_spec_text, one_trial, spec_text, start_study
+from tests.conftest import Cli, hpsearch, lm_spec_text, one_trial, spec_text, start_study
 from tests.support.tiny import files_in
 
 LORA = '[adapter]\nmethod = "lora"\nr = 4\nalpha = 8\ndropout = 0.0\n'
@@ -260,15 +260,24 @@ def test_retention_deletes_adapter_checkpoints(tmp_path: Path, tiny_model: Path,
     ],
 )
 def test_bad_adapter_input_exits_2_with_one_line_and_writes_nothing(
-    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], adapter: str, space: str, message: str
+    tmp_path: Path,
+    tiny_model: Path,
+    demo_files: tuple[Path, Path],
+    cli: Cli,
+    adapter: str,
+    space: str,
+    message: str,
 ) -> None:
+    """`start`'s own main() in this process: twelve subprocesses importing torch and peft to refuse a spec cost
+    minutes of a loaded suite and proved nothing more (the installed entry point's exit 2 is
+    test_bad_input.py::test_bad_input_through_the_installed_entry_point's)."""
     text = spec_text(tiny_model, *demo_files, space=space)
     if "quantization" in message:
         text = text.replace("max_length = 32", 'max_length = 32\nquantization = "4bit"')
     spec = tmp_path / "spec.toml"
     spec.write_text(with_adapter(text, adapter) if adapter else text)
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    result = hpsearch(
+    result = cli(
         *("start", "--study", "bad", "--config", str(spec), "--storage", url),
         *("--devices", "cpu:1", "--output-dir", str(tmp_path / "runs")),
         cwd=tmp_path,
