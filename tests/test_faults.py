@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import optuna
@@ -19,6 +20,7 @@ from hpsearch.storage.errors import StudyNotFoundError
 from hpsearch.storage.open import open_storage
 from tests.conftest import lm_spec_text, spec_text
 from tests.support import deleted, netns
+from tests.support.hold import Hold
 
 
 def _spawned_workers(parent: int) -> list[int]:
@@ -37,17 +39,16 @@ def _spawned_workers(parent: int) -> list[int]:
     return pids
 
 
-SLOW_EPOCHS = 12
-"""Of 10 steps each (320 examples / 32). On a quiet fast machine 4 epochs took 0.65 s, so a
-trial could end between a test's poll that saw step 5 and the fault it then injected."""
+SLOW_EPOCHS = 3
+"""Of 10 steps each (320 examples / 32), a validation point every 5: room for a fault at step 10 or 15 and a retry
+that goes on past it. The trial need not be slow: a test holds it at the step it acts on (``_held_start``)."""
 
 
 def _slow_spec(tmp_path: Path, model: Path, data: tuple[Path, Path], n_trials: int) -> Path:
+    """A spec whose trials are long enough to stop in the middle, with a resumable state at every point."""
     spec = tmp_path / "slow.toml"
-    # Micro-batches of 4 make steps slow enough to kill a trial between validation points.
     spec.write_text(
         spec_text(model, *data, n_trials=n_trials, search="max_retries = 2", extra_train="resume_every_minutes = 0")
-        .replace("micro_batch_size = 16", "micro_batch_size = 4")
         .replace("epochs = 2", f"epochs = {SLOW_EPOCHS}")
         .replace('pruner = "median"', 'pruner = "none"')
     )
@@ -82,6 +83,32 @@ def _start(tmp_path: Path, spec: Path, url: str, devices: str = "cpu:1", **env: 
     )
 
 
+@contextlib.contextmanager
+def _held_start(
+    tmp_path: Path,
+    spec: Path,
+    url: str,
+    *steps: int,
+    rank: int = 0,
+    n_trials: int = 1,
+    devices: str = "cpu:1",
+    **env: str,
+) -> Iterator[tuple[subprocess.Popen[str], Hold]]:
+    """`start`, its trial held at ``steps[0]`` (its rank's pid in ``hold.pid``) once its report at that step is in the
+    study: the test acts on a RUNNING trial that cannot finish first. The hold is let go (``hold.wait`` moves on to
+    the next of ``steps``) and the start killed when the block ends."""
+    with Hold(*steps, rank=rank) as hold:
+        proc = _start(tmp_path, spec, url, devices, **hold.with_faults(**env))
+        try:
+            hold.wait(proc)
+            _wait_for_report(_sa_url(url), min_step=steps[0], proc=proc, n_trials=n_trials)
+            yield proc, hold
+        finally:
+            if proc.poll() is None:  # the test failed: take its workers down too
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
 def _trials_so_far(url: str) -> list[optuna.trial.FrozenTrial]:
     """The study's trials, read as `hpsearch status` reads them. Not plain Optuna: this poll runs
     while `start` creates the schema, and Optuna writes its version rows on opening a storage
@@ -98,7 +125,13 @@ def _trials_so_far(url: str) -> list[optuna.trial.FrozenTrial]:
         storage.close()
 
 
-def _wait_for_report(url: str, min_step: int, timeout: float = 900, proc: subprocess.Popen[str] | None = None) -> None:
+def _wait_for_report(
+    url: str, min_step: int, timeout: float = 600, proc: subprocess.Popen[str] | None = None, n_trials: int = 1
+) -> None:
+    """Until a RUNNING trial has reported at ``min_step`` or later. A test that acts on that trial holds it there
+    first (tests/support/hold.py), so that it cannot finish before the test acts: this then only waits for the
+    report, which the trial sends on a background thread. Fails at once when no trial can reach the point any
+    more: ``proc`` (the start) exited, or ``n_trials`` trials have finished."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         trials = _trials_so_far(url)
@@ -108,12 +141,17 @@ def _wait_for_report(url: str, min_step: int, timeout: float = 900, proc: subpro
         ):
             return
         if proc is not None and proc.poll() is not None:
-            # Not a wait of 15 minutes for a search that is over: say how it ended.
+            # Not a wait of minutes for a search that is over: say how it ended.
             _, err = proc.communicate()
             raise AssertionError(f"start exited ({proc.returncode}) before a report at step {min_step}: {err[-3000:]}")
+        if sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials) >= n_trials:
+            raise AssertionError(f"the search ended before a report at step {min_step}: {_states(trials)}")
         time.sleep(0.2)
-    states = [(t.number, t.state.name, max(t.intermediate_values, default=None)) for t in _trials_so_far(url)]
-    raise AssertionError(f"no trial reached a validation point in time: {states}")
+    raise AssertionError(f"no trial reached a validation point in time: {_states(_trials_so_far(url))}")
+
+
+def _states(trials: list[optuna.trial.FrozenTrial]) -> list[tuple[int, str, int | None]]:
+    return [(t.number, t.state.name, max(t.intermediate_values, default=None)) for t in trials]
 
 
 def _sa_url(url: str) -> str:
@@ -154,15 +192,11 @@ def _assert_recovered(url: str, n_trials: int, reason: str, runs: Path) -> None:
 def test_killed_worker_trial_is_retried_from_its_checkpoint(
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], pg_url: str, sig: int, reason: str
 ) -> None:
-    proc = _start(tmp_path, _slow_spec(tmp_path, tiny_model, demo_files, n_trials=2), pg_url)
-    try:
-        _wait_for_report(_sa_url(pg_url), min_step=10)
-        workers = _spawned_workers(proc.pid)
-        assert len(workers) == 1
-        os.kill(workers[0], sig)
+    spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=2)
+    with _held_start(tmp_path, spec, pg_url, 10, n_trials=2) as (proc, hold):
+        assert _spawned_workers(proc.pid) == [hold.pid]
+        os.kill(hold.pid, sig)
         _, err = proc.communicate(timeout=600)
-    finally:
-        proc.kill()
     assert proc.returncode == 0, err[-3000:]
     _assert_recovered(pg_url, 2, reason, tmp_path / "runs")
 
@@ -171,22 +205,18 @@ def test_a_dead_peer_rank_hands_the_trial_back_and_the_group_restarts(
     tmp_path: Path, tiny_gpt2: Path, lm_files: tuple[Path, Path], sqlite_url: str
 ) -> None:
     spec = tmp_path / "dp.toml"
-    # 192 examples, batch 16 in micro-batches of 2: 12 slow-ish steps per epoch, 3 epochs.
+    # 192 examples, batch 16: 12 steps, a point every 4; rank 1 is held (and killed) at step 4.
     spec.write_text(
-        lm_spec_text(tiny_gpt2, *lm_files, extra_train="devices_per_trial = 2\nepochs = 3", search="max_retries = 2")
-        .replace("micro_batch_size = 8", "micro_batch_size = 2")
-        .replace("epochs = 1\n", "")
-        .replace('pruner = "median"', 'pruner = "none"')
+        lm_spec_text(tiny_gpt2, *lm_files, extra_train="devices_per_trial = 2", search="max_retries = 2").replace(
+            'pruner = "median"', 'pruner = "none"'
+        )
     )
-    proc = _start(tmp_path, spec, sqlite_url, devices="cpu:2")
-    try:
-        _wait_for_report(sqlite_url, min_step=4)
+    with _held_start(tmp_path, spec, sqlite_url, 4, rank=1, devices="cpu:2") as (proc, hold):
         (rank0,) = _spawned_workers(proc.pid)
         (rank1,) = _spawned_workers(rank0)
+        assert hold.pid == rank1
         os.kill(rank1, signal.SIGKILL)
         _, err = proc.communicate(timeout=600)
-    finally:
-        proc.kill()
     assert proc.returncode == 0, err[-3000:]
     assert f"peer rank 1 (pid {rank1}) died (signal SIGKILL)" in err
     _assert_recovered(sqlite_url, 1, "worker_crash (a peer rank died)", tmp_path / "runs")
@@ -200,9 +230,7 @@ def test_sigterm_of_start_hands_back_and_next_start_resumes(
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str, whole_group: bool
 ) -> None:
     spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=1)
-    proc = _start(tmp_path, spec, sqlite_url)
-    try:
-        _wait_for_report(sqlite_url, min_step=10, proc=proc)
+    with _held_start(tmp_path, spec, sqlite_url, 10) as (proc, _):
         t0 = time.monotonic()
         if whole_group:
             # A shutdown (or `kill -TERM -PGID`) signals the workers as well as the supervisor:
@@ -212,8 +240,6 @@ def test_sigterm_of_start_hands_back_and_next_start_resumes(
             proc.send_signal(signal.SIGTERM)  # what AutoDL sends at shutdown
         out, err = proc.communicate(timeout=60)
         assert time.monotonic() - t0 < 30, "must exit within 30 s of SIGTERM"
-    finally:
-        proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "Traceback" not in err
     # The summary reads like a stop: the trial handed back waits, and the line to resume it is there to paste.
@@ -236,17 +262,15 @@ def test_database_restart_under_a_running_worker_loses_nothing(
     try:
         cluster.start()
         url = cluster.url
-        proc = _start(tmp_path, _slow_spec(tmp_path, tiny_model, demo_files, n_trials=2), url)
-        try:
-            _wait_for_report(_sa_url(url), min_step=5)
+        spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=2)
+        with _held_start(tmp_path, spec, url, 5, 15, n_trials=2) as (proc, hold):
             cluster.stop("fast")  # every connection of the worker is cut
             down = time.time()
-            time.sleep(15)  # the worker trains on while the server is away
+            hold.wait(proc)  # the worker trained on to its points at 10 and 15 while the server is away
             up = time.time()
             cluster.start()
-            _, err = proc.communicate(timeout=900)
-        finally:
-            proc.kill()
+            hold.release()
+            _, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err[-3000:]
         assert "database unreachable" in err or "transient database error" in err, "the outage was seen"
         trials = optuna.load_study(study_name="f", storage=_sa_url(url)).get_trials()
@@ -258,7 +282,7 @@ def test_database_restart_under_a_running_worker_loses_nothing(
             assert sorted(t.intermediate_values) == list(range(5, 10 * SLOW_EPOCHS + 1, 5))
         # Training did not wait for the database: validation points came and went while it was
         # down (a loop that waited at its report would log one at most).
-        during = [t for t in _validation_times(tmp_path / "runs" / "f") if down + 1 < t < up]
+        during = [t for t in _validation_times(tmp_path / "runs" / "f") if down < t < up]
         assert len(during) >= 2, (down, up, _validation_times(tmp_path / "runs" / "f"))
     finally:
         cluster.destroy()
@@ -309,17 +333,13 @@ def test_sigterm_during_a_database_outage_exits_soon_and_the_retry_resumes_where
     try:
         cluster.start()
         url = cluster.url
-        proc = _start(tmp_path, spec, url, HPSEARCH_HEARTBEAT_S="1")
-        try:
-            _wait_for_report(_sa_url(url), min_step=10)
+        with _held_start(tmp_path, spec, url, 10, 15, HPSEARCH_HEARTBEAT_S="1") as (proc, hold):
             begin()
-            time.sleep(3)  # the worker trains on, or waits for the database at its next report
+            hold.wait(proc, timeout=120)  # the worker trained on to its point at 15, its report waiting on the database
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)  # the instance shuts down while the database is away
             _, err = proc.communicate(timeout=600)
             took = time.monotonic() - t0
-        finally:
-            proc.kill()
         assert took < 60, f"exited {took:.0f} s after SIGTERM"
         assert "Traceback" not in err, err[-3000:]
         assert list((tmp_path / "runs" / "f").glob("trial-0/resume/state.pt")), err[-3000:]
@@ -383,13 +403,9 @@ def test_a_worker_that_starts_during_an_outage_waits_for_the_storage_or_a_stop()
 def _lose_host(tmp_path: Path, spec: Path, url: str) -> None:
     """Run the search on "host-a" until its trial has a resumable checkpoint, then pull the plug:
     supervisor and worker die at once, so nobody on host-a hands the trial back."""
-    host_a = _start(tmp_path, spec, url, HPSEARCH_HOST="host-a", HPSEARCH_HEARTBEAT_S="1")
-    try:
-        _wait_for_report(_sa_url(url), min_step=10)
+    with _held_start(tmp_path, spec, url, 10, HPSEARCH_HOST="host-a", HPSEARCH_HEARTBEAT_S="1") as (host_a, _):
         os.killpg(host_a.pid, signal.SIGKILL)
         host_a.wait(timeout=30)
-    finally:
-        host_a.kill()
     [trial] = optuna.load_study(study_name="f", storage=_sa_url(url)).get_trials()
     assert trial.state == TrialState.RUNNING and trial.user_attrs["resume_checkpoint"]
 

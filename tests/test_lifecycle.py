@@ -15,7 +15,7 @@ from optuna.trial import TrialState
 from hpsearch.storage import attrs, ledger
 from tests.conftest import spec_text
 from tests.support import deleted
-from tests.test_faults import _sa_url, _slow_spec, _spawned_workers, _start, _wait_for_report
+from tests.test_faults import _held_start, _sa_url, _slow_spec, _spawned_workers, _start
 
 
 def _wait_gone(pid: int, timeout: float) -> bool:
@@ -50,13 +50,9 @@ def test_a_supervisor_killed_mid_trial_takes_its_worker_down_and_the_trial_is_re
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str
 ) -> None:
     spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=1)
-    proc = _start(tmp_path, spec, sqlite_url)
-    try:
-        _wait_for_report(sqlite_url, min_step=5)
-        [worker] = _spawned_workers(proc.pid)
-        _kill_supervisor(proc, worker)
-    finally:
-        proc.kill()
+    with _held_start(tmp_path, spec, sqlite_url, 5) as (proc, hold):
+        assert _spawned_workers(proc.pid) == [hold.pid]
+        _kill_supervisor(proc, hold.pid)  # the kernel's SIGUSR1 reaches the held worker, which stops at step 6
     # The worker took the SIGTERM path: checkpointed and handed its trial back.
     [first, retry] = _trials(sqlite_url)
     assert first.state == TrialState.FAIL and first.user_attrs["fail_reason"] == "interrupted", first.user_attrs

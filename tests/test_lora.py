@@ -18,7 +18,7 @@ from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.evaluate import evaluate
 from hpsearch.trainer.loop import Run, fit, flops_per_token
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
-from tests.conftest import hpsearch, lm_spec_text, one_trial, spec_text, start_study
+from tests.conftest import Cli, hpsearch, lm_spec_text, one_trial, spec_text, start_study
 from tests.support.tiny import files_in
 
 LORA = '[adapter]\nmethod = "lora"\nr = 4\nalpha = 8\ndropout = 0.0\n'
@@ -96,7 +96,9 @@ def test_lora_classification_trial_from_the_cli_saves_an_adapter_that_peft_loads
 ) -> None:
     spec = tmp_path / "spec.toml"
     space = '"adapter.r" = { type = "categorical", choices = [4, 8] }'
-    spec.write_text(with_adapter(spec_text(tiny_model, *demo_files, n_trials=2, space=space)))
+    # One epoch: what is checked is the adapter folder a trial saves and its size, not how far it trained.
+    text = with_adapter(spec_text(tiny_model, *demo_files, n_trials=2, space=space))
+    spec.write_text(text.replace("epochs = 2", "epochs = 1"))
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
     start_study("lora", spec, url, tmp_path)
     trials = optuna.load_study(study_name="lora", storage=url).trials
@@ -260,15 +262,24 @@ def test_retention_deletes_adapter_checkpoints(tmp_path: Path, tiny_model: Path,
     ],
 )
 def test_bad_adapter_input_exits_2_with_one_line_and_writes_nothing(
-    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], adapter: str, space: str, message: str
+    tmp_path: Path,
+    tiny_model: Path,
+    demo_files: tuple[Path, Path],
+    cli: Cli,
+    adapter: str,
+    space: str,
+    message: str,
 ) -> None:
+    """`start`'s own main() in this process: twelve subprocesses importing torch and peft to refuse a spec cost
+    minutes of a loaded suite and proved nothing more (the installed entry point's exit 2 is
+    test_bad_input.py::test_bad_input_through_the_installed_entry_point's)."""
     text = spec_text(tiny_model, *demo_files, space=space)
     if "quantization" in message:
         text = text.replace("max_length = 32", 'max_length = 32\nquantization = "4bit"')
     spec = tmp_path / "spec.toml"
     spec.write_text(with_adapter(text, adapter) if adapter else text)
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    result = hpsearch(
+    result = cli(
         *("start", "--study", "bad", "--config", str(spec), "--storage", url),
         *("--devices", "cpu:1", "--output-dir", str(tmp_path / "runs")),
         cwd=tmp_path,
@@ -339,20 +350,15 @@ def test_a_lora_trial_stopped_by_sigterm_resumes_its_adapter_on_the_next_start(
 ) -> None:
     import signal
 
-    from tests.test_faults import _slow_spec, _start, _wait_for_report
+    from tests.test_faults import _held_start, _slow_spec, _start
 
     spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=1)
-    # A LoRA step of the tiny model is quick: at micro-batch 4 the whole trial took 5 s, and in a loaded CI run it
-    # ended before the test's first read of the study saw it running. Micro-batch 1 gives the stop 4x the window.
-    spec.write_text(with_adapter(spec.read_text()).replace("micro_batch_size = 4", "micro_batch_size = 1"))
-    assert "micro_batch_size = 1" in spec.read_text()
-    proc = _start(tmp_path, spec, sqlite_url)
-    try:
-        _wait_for_report(sqlite_url, min_step=5)
+    # A LoRA step of the tiny model is quick (a whole trial can end before a poll of the study sees it running):
+    # the trial is held at step 5 until the stop reaches it.
+    spec.write_text(with_adapter(spec.read_text()))
+    with _held_start(tmp_path, spec, sqlite_url, 5) as (proc, _):
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=120)
-    finally:
-        proc.kill()
     first, retry = optuna.load_study(study_name="f", storage=sqlite_url).get_trials()
     assert first.user_attrs["fail_reason"] == "interrupted", first.user_attrs
     again = _start(tmp_path, spec, sqlite_url)

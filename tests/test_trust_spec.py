@@ -28,7 +28,7 @@ from hpsearch.storage import registry, urls
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.trialdir import TrialDir
 from tests.conftest import hpsearch, spec_text
-from tests.test_faults import _sa_url, _slow_spec, _spawned_workers, _start, _wait_for_report
+from tests.test_faults import _held_start, _sa_url, _slow_spec, _spawned_workers
 
 SECRET = "hunter2-not-for-the-database"
 
@@ -59,9 +59,8 @@ def test_a_rewritten_stored_spec_is_read_by_no_worker_nor_its_restart_and_a_bad_
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], pg_url: str
 ) -> None:
     users = _users_csv(tmp_path)
-    proc = _start(tmp_path, _slow_spec(tmp_path, tiny_model, demo_files, n_trials=2), pg_url)
-    try:
-        _wait_for_report(pg_url, min_step=5)
+    spec = _slow_spec(tmp_path, tiny_model, demo_files, n_trials=2)
+    with _held_start(tmp_path, spec, pg_url, 5, n_trials=2) as (proc, hold):
         # The attacker: the workers should read the users file, and the next trial is one no worker can run.
         study = optuna.load_study(study_name="f", storage=_sa_url(pg_url))
         stored = study.user_attrs["hpsearch_spec"]
@@ -69,12 +68,9 @@ def test_a_rewritten_stored_spec_is_read_by_no_worker_nor_its_restart_and_a_bad_
         study.set_user_attr("hpsearch_spec", stored)
         study.enqueue_trial({"learning_rate": "not-a-number"})
         # The worker dies (as an OOM-kill would): the supervisor starts another, which must not read the row either.
-        [worker] = _spawned_workers(proc.pid)
-        os.kill(worker, signal.SIGKILL)
-        _, err = proc.communicate(timeout=900)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        assert _spawned_workers(proc.pid) == [hold.pid]
+        os.kill(hold.pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     trials = optuna.load_study(study_name="f", storage=_sa_url(pg_url)).get_trials()
     [bad] = [t for t in trials if t.system_attrs.get("fixed_params") == {"learning_rate": "not-a-number"}]

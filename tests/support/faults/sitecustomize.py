@@ -4,6 +4,14 @@ imports this module as each process starts, and only then is the product touched
 
 HPSEARCH_FAULT_OOM="RANK:STEP:MICRO": rank RANK runs out of memory in the forward/backward of every optimizer step
 from STEP on whenever its micro-batch is larger than MICRO, as a device too small for it would (a CPU never does).
+
+HPSEARCH_FAULT_HOLD="RANK:STEP:SOCKET": rank RANK, about to take its optimizer step after STEP steps (its validation
+point at STEP done), connects to the Unix socket SOCKET, sends its pid and waits until the test answers: the trial
+is held RUNNING at a known step for as long as the test needs to kill it, stop it or cut its database, where a poll
+of the study could see it finish first. STEP may be several steps ("10,15"): one hold at each. A stop signal the
+process handles (SIGTERM, SIGINT, the supervisor's SIGUSR1/SIGUSR2) runs the product's handler and lets the rank go,
+so that it stops at its next step as it would unheld. No one listening (the test let go): the rank goes on at once.
+Each process holds once at each step (tests/support/hold.py is the other end).
 """
 
 from __future__ import annotations
@@ -35,3 +43,63 @@ if fault := os.environ.get("HPSEARCH_FAULT_OOM"):
     from hpsearch.trainer import loop as _loop
 
     _loop.train_step = train_step  # loop.py imported it by name
+
+if fault := os.environ.get("HPSEARCH_FAULT_HOLD"):
+    import signal
+    import socket
+    import threading
+
+    import torch.distributed
+
+    from hpsearch.trainer import loop as _hold_loop
+
+    _rank, _steps, _socket = fault.split(":", 2)
+    _hold_rank, _hold_steps = int(_rank), sorted(int(s) for s in _steps.split(","))
+    _held_step = _hold_loop.train_step  # the OOM fault's wrapper, when both are set
+    _STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+
+    class _Released(Exception):
+        """A stop signal came while the rank was held."""
+
+    def _hold(step: int) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            try:
+                conn.connect(_socket)
+                conn.sendall(f"{os.getpid()} {step}\n".encode())
+            except OSError:
+                return  # the test has let go of its hold: train on
+            # A stop signal lets the rank go once, and only while it waits: a second one (a process-group SIGTERM
+            # and the supervisor's forwarded SIGUSR2 come together) must not raise into training.
+            waiting = {"now": True}
+            handlers = {}
+            if threading.current_thread() is threading.main_thread():
+                for signum in _STOPS:
+                    handlers[signum] = previous = signal.getsignal(signum)
+                    if callable(previous):
+
+                        def stop(signum: int, frame: Any, previous: Any = previous) -> None:
+                            # Claimed before the product's handler runs: a signal that lands inside it (inside its
+                            # logging call) only runs the product's handler, and this one lets the rank go.
+                            first, waiting["now"] = waiting["now"], False
+                            previous(signum, frame)
+                            if first:
+                                raise _Released
+
+                        signal.signal(signum, stop)
+            try:
+                try:
+                    conn.recv(1)  # until the test releases (a byte or a close) or kills this process
+                finally:
+                    waiting["now"] = False
+            except (_Released, OSError):
+                pass
+            for signum, previous in handlers.items():
+                signal.signal(signum, previous)
+
+    def held_train_step(model: Any, parts: Any, batches: Any, step: int, *args: Any, **kwargs: Any) -> Any:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        while _hold_steps and step >= _hold_steps[0] and rank == _hold_rank:
+            _hold(_hold_steps.pop(0))
+        return _held_step(model, parts, batches, step, *args, **kwargs)
+
+    _hold_loop.train_step = held_train_step
