@@ -195,7 +195,7 @@ class SearchConfig:
 
     @property
     def quality(self) -> str:
-        """The objective on the validation split (loss, accuracy, f1): what the trainer and the pruner judge by."""
+        """The objective on the validation split (loss, or a metric of the task): what the trainer and pruner judge."""
         return self.objectives[0]
 
     @property

@@ -322,6 +322,7 @@ def test_merge_of_a_classifier_with_more_labels_than_its_base_config(tmp_path: P
 
     class Labels:
         num_labels = 3
+        task = "classification"  # what a LabelMap says: the model trial_model builds
 
         def id2label(self) -> dict[int, str]:
             return {0: "bad", 1: "fine", 2: "good"}

@@ -231,6 +231,8 @@ def empty_model(name: str, labels: Any, adapter: Any) -> torch.nn.Module:
         config: Any = model.config
         config.id2label = dict(labels.id2label())
         config.label2id = {v: k for k, v in config.id2label.items()}
+        if labels.task in ("regression", "multi-label"):  # as load_model sets it on the first rank's model
+            config.problem_type = labels.problem_type
     if adapter is not None and adapter.enabled:
         model = with_adapter(model, adapter, task)
     return model

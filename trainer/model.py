@@ -231,8 +231,9 @@ class PretrainedCache:
         self.quantization = quantization
         """A transformers BitsAndBytesConfig for the base (QLoRA), or None."""
 
-    def _base(self, name: str, num_labels: int, dtype: torch.dtype, task: str) -> torch.nn.Module:
-        """The pristine model, read from disk on first use only."""
+    def _base(self, name: str, num_labels: int, dtype: torch.dtype, task: str | None = None) -> torch.nn.Module:
+        """The pristine model, read from disk on first use only (``task``: as :func:`load_model` reads it)."""
+        task = task or default_task(num_labels)
         key = (name, task, num_labels, dtype)
         if key not in self._models:
             self._models[key] = load_model(name, num_labels, self.quantization, dtype, task=task)
@@ -313,6 +314,11 @@ class PretrainedCache:
         return self._own(name, 0, private, prec.load_dtype(precision, adapter=False), CAUSAL_LM)
 
 
+def default_task(num_labels: int) -> str:
+    """The task of a model asked for by its label count alone: a causal LM without labels, else a classifier."""
+    return CAUSAL_LM if num_labels == 0 else CLASSIFICATION
+
+
 def auto_class(task: str) -> Any:
     """transformers' Auto class of ``task``'s model (what a user loads a best checkpoint with)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
@@ -336,7 +342,7 @@ def load_model(
     from transformers import AutoConfig
 
     _quiet_transformers()
-    task = task or (CAUSAL_LM if num_labels == 0 else CLASSIFICATION)
+    task = task or default_task(num_labels)
     stored = prec.stored_dtype(from_pretrained(AutoConfig, name))
     auto = auto_class(task)
     # A classifier checkpoint with another label count is a fine start: its head is replaced
