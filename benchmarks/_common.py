@@ -310,8 +310,7 @@ def once(sides: dict[str, Side]) -> None:
     spawn) and tokenising the rows (hpsearch: its first trial, into the token cache; Trainer: before any)."""
     for name, side in sides.items():
         print(
-            f"{name:<18} start-up {side.startup():6.2f} s  tokenise {side.tokenise_seconds():6.2f} s  "
-            f"(load {_load()})",
+            f"{name:<18} start-up {side.startup():6.2f} s  tokenise {side.tokenise_seconds():6.2f} s  (load {_load()})",
             flush=True,
         )
 
