@@ -76,9 +76,10 @@ class Outcome:
 
 PHASES = ("model load", "tokenise", "setup", "train", "validate", "other")
 """Where a trial's wall time goes, in the order a trial goes through them. "setup" is what comes between the
-model and the first step (hpsearch: precision, optimizer, batches; Trainer: ``Trainer(...)`` and what ``train()``
-does before its first step is not split out, so it is counted in "train" there); "other" is the rest of the wall
-time (hpsearch: the trial's folder, saving the best checkpoint, telling the study)."""
+model and the first step (hpsearch: precision, optimizer, batches, estimated as the trial's first_step_seconds less
+the model load and an average step, so 0 where the first step ran slower than the average; Trainer:
+``Trainer(...)``, and what ``train()`` does before its first step is counted in "train" there); "other" is the rest
+of the wall time (hpsearch: the trial's folder, saving the best checkpoint, telling the study)."""
 
 
 class Side(Protocol):
