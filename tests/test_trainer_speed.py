@@ -2,7 +2,7 @@
 
 Tokenise once (cache reused, one tokeniser under concurrent first use), no wasted padding
 (length-grouped batches, switchable), honest throughput figures (real tokens, MFU maths),
-cheap trial start (pre-trained weights kept in memory), torch.compile wired, fused AdamW.
+cheap trial start (a memory-mapped read per trial, the previous trial freed first), torch.compile wired, fused AdamW.
 """
 
 from __future__ import annotations
@@ -334,29 +334,57 @@ def test_flops_per_token_counts_a_4bit_weight_as_its_whole_matrix() -> None:
 # -- cheap trial start --------------------------------------------------------------------
 
 
-def test_pretrained_weights_stay_in_memory_and_each_trial_gets_a_pristine_copy(
+def test_each_full_fine_tune_reads_a_pristine_model_and_training_it_leaves_the_file_alone(
     tmp_path: Path, tiny_model: Path
 ) -> None:
+    """A full fine-tune's model is read from its checkpoint per trial, no pristine copy kept (issue 60: the copy was
+    a second model in memory); its weights are mapped from the file, and training them must not write through."""
     folder = tmp_path / "model"
     shutil.copytree(tiny_model, folder)
+    weights = folder / "model.safetensors"
+    before = weights.read_bytes()
     cache = PretrainedCache()
     first = cache.fresh(str(folder), 2, {0: "neg", 1: "pos"}, seed=1)
+    assert not cache._models, "a full fine-tune's model is not kept between trials"
     with torch.no_grad():
         for p in first.parameters():
-            p.add_(1.0)  # a trial trains its copy
-    shutil.rmtree(folder)  # no disk read from here on
+            p.add_(1.0)  # a trial trains its model
+    assert weights.read_bytes() == before, "training wrote into the checkpoint file"
     second = cache.fresh(str(folder), 2, {0: "neg", 1: "pos"}, seed=1)
     third = cache.fresh(str(folder), 2, {0: "neg", 1: "pos"}, seed=2)
     from transformers import AutoModelForSequenceClassification
 
     pristine = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=2).state_dict()
     body = [k for k in pristine if not k.startswith("classifier.")]
-    assert all(torch.equal(second.state_dict()[k], pristine[k]) for k in body), "training leaked into the cache"
+    assert all(torch.equal(second.state_dict()[k], pristine[k]) for k in body), "training leaked into a later trial"
     assert torch.equal(
         second.classifier.weight,
         cache.fresh(str(folder), 2, {0: "neg", 1: "pos"}, 1).classifier.weight,
     )
     assert not torch.equal(second.classifier.weight, third.classifier.weight)  # head drawn from the seed
+
+
+def test_the_previous_trials_model_is_freed_before_the_next_one_is_made(tiny_model: Path) -> None:
+    """A finished trial's model (and its optimizer, gradients) sits in reference cycles: the next trial's model is
+    made only after they are collected, not whenever the collector would have run (issue 60)."""
+    import gc
+    import weakref
+
+    from hpsearch.trainer.labels import LabelMap
+
+    cache, labels = PretrainedCache(), LabelMap.fit(["neg", "pos"], Path("labels"))
+    gc.disable()  # the collector must not run by itself here: only trial_model's own collection counts
+    try:
+        model = cache.trial_model(str(tiny_model), labels, 0)
+        holder: dict[str, object] = {"model": model}
+        holder["self"] = holder  # a cycle, as the loop and its reporter make
+        gone = weakref.ref(model)
+        del model, holder
+        assert gone() is not None, "the cycle keeps it alive without a collection"
+        cache.trial_model(str(tiny_model), labels, 1)
+        assert gone() is None, "the previous trial's model was still alive when the next was made"
+    finally:
+        gc.enable()
 
 
 def test_a_sharded_trial_takes_the_cached_weights_without_a_copy(tiny_gpt2: Path) -> None:
