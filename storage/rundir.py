@@ -15,6 +15,8 @@ from hpsearch.storage.shown import shown
 
 MARKER = ".hpsearch-study.json"
 MAX_MARKER_BYTES = 2**16  # a marker is three short strings
+URL_LIMIT = 400
+"""Characters of a marker's storage URL shown: a deep temporary path fits, a forged page does not."""
 
 
 def owner(study_dir: Path) -> dict[str, str] | None:
@@ -41,9 +43,10 @@ def check(study_dir: Path, study: str, uid: str | None, *, exists: bool, storage
     marker = owner(study_dir)
     if marker is not None:
         if uid is None or marker.get("uid") != uid:
-            # The marker is a file in a shared folder: what it says is printed escaped and bounded.
-            owner_storage = shown(marker.get("storage", "?"))
-            if owner_storage == storage:
+            # The marker is a file in a shared folder: what it says is printed escaped and bounded (a URL of a long
+            # path stays whole; a megabyte does not).
+            owner_storage = shown(marker.get("storage", "?"), URL_LIMIT)
+            if marker.get("storage") == storage:
                 owner_storage = f"{storage}, since deleted or created again"
             raise StudyFolderError(_taken(study_dir, study, owner_storage))
         return

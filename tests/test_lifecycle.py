@@ -177,7 +177,7 @@ def test_a_storage_failure_inside_a_trial_hands_it_back_with_its_checkpoints(
 ) -> None:
     from optuna.exceptions import StorageInternalError
 
-    from hpsearch.search.attempt import TrialReporter
+    from hpsearch.search.trial_attrs import TrialReporter
 
     real_report = TrialReporter.report
     outage = {"left": 1}
@@ -477,12 +477,13 @@ def test_a_worker_that_starts_deletes_checkpoints_that_fell_out_of_the_top_k_mea
 def test_past_the_deadline_only_a_retry_is_taken_from_the_queue() -> None:
     from hpsearch.search import retry
 
-    study = optuna.create_study()
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage)
     study.enqueue_trial({"x": 1.0})  # a [[search.enqueue]] configuration, never started
     study.enqueue_trial({"x": 2.0}, user_attrs={attrs.RETRY_OF: 0})
-    taken = retry.pop_retry(study)
+    taken = retry.pop_retry(storage, study)
     assert taken is not None and taken.number == 1
-    assert retry.pop_retry(study) is None, "no retry left: nothing else may start"
+    assert retry.pop_retry(storage, study) is None, "no retry left: nothing else may start"
     assert [t.state for t in study.get_trials()] == [TrialState.WAITING, TrialState.RUNNING]
 
 

@@ -34,6 +34,7 @@ class _Validation:
     """What early_points and PruningGate read of a validation split: its size and its labels."""
 
     labels: list[int]
+    task: str = "classification"  # the chance stop's prior is the task's
 
     def __len__(self) -> int:
         return len(self.labels)

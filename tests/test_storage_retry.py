@@ -117,7 +117,7 @@ def test_a_lost_reply_to_a_claim_of_a_waiting_trial_gives_it_to_its_claimer(
         return any(isinstance(o, models.TrialModel) and o.state == TrialState.RUNNING for o in s.dirty)
 
     fired = lose_reply(claims)
-    trial = retry.pop_retry(study)
+    trial = retry.pop_retry(storage.optuna, study)
     assert fired["n"] == 1
     # Optuna answers a repeated claim False: the retry was left running with nobody training it.
     assert trial is not None and trial.number == 0
