@@ -463,7 +463,7 @@ class HpsearchSide:
             assert slot is not None
             trial = self.worker.study.ask()
             slots.bind_slot(self.storage.db, self.name, slot, trial.number)
-            attempt.run(self.worker, trial)
+            attempt.run(self.worker.record(trial), self.worker.bench())
         finally:
             del models.trial_model
         seconds = time.perf_counter() - t0
