@@ -367,10 +367,10 @@ class HpsearchSide:
     both)."""
 
     def __init__(self, s: Setup, name: str = "hpsearch") -> None:
-        from hpsearch.search import study as studies
-        from hpsearch.search.spec import StudySpec
-        from hpsearch.search.stop_signals import StopFlag
-        from hpsearch.search.worker import Worker, WorkerArgs
+        from hpsearch.search.study import studies
+        from hpsearch.search.study.spec import StudySpec
+        from hpsearch.search.workers.stop_signals import StopFlag
+        from hpsearch.search.workers.worker import Worker, WorkerArgs
         from hpsearch.storage.open import open_storage
 
         self.s, self.name = s, name
@@ -421,11 +421,11 @@ class HpsearchSide:
     def startup(self) -> float:
         # `hpsearch start`: the CLI's process, which spawns a worker process that imports the trainer's stack.
         worker = (
-            "import hpsearch.search.worker, hpsearch.trainer.loop, hpsearch.trainer.model; "
+            "import hpsearch.search.workers.worker, hpsearch.trainer.loop, hpsearch.trainer.model; "
             "from transformers import AutoModelForSequenceClassification, AutoTokenizer"
         )
         return timed_process(
-            "import multiprocessing as mp, hpsearch.search.cli\n"
+            "import multiprocessing as mp, hpsearch.search.cli.main\n"
             f"p = mp.get_context('spawn').Process(target=exec, args=({worker!r},)); p.start(); p.join()\n"
             "raise SystemExit(p.exitcode)\n"
         )
@@ -437,7 +437,7 @@ class HpsearchSide:
     _tokenised = 0.0
 
     def run(self, repeat: int) -> Outcome:
-        from hpsearch.search import attempt
+        from hpsearch.search.workers import attempt
         from hpsearch.storage import slots
 
         self.study.enqueue_trial({"seed": repeat})

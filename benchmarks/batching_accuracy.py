@@ -67,7 +67,7 @@ seed = {{ type = "categorical", choices = {args.train_seeds} }}
 """)
         url = f"sqlite:///{args.work_dir / 'db.sqlite'}"
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
-        cmd = [sys.executable, "-m", "hpsearch.search.cli", "start", "--study", "batching", "--config", str(spec)]
+        cmd = [sys.executable, "-m", "hpsearch.search.cli.main", "start", "--study", "batching", "--config", str(spec)]
         cmd += ["--storage", url, "--devices", "cpu:1", "--output-dir", str(args.work_dir / "runs")]
         subprocess.run(cmd, check=True, env=env, cwd=args.work_dir, stdout=subprocess.DEVNULL)
         import optuna

@@ -30,8 +30,8 @@ from typing import Any
 import search_vs_hf as bench
 import torch
 
-from hpsearch.search.spec import load_file
-from hpsearch.search.trial_attrs import NullReporter
+from hpsearch.search.study.spec import load_file
+from hpsearch.search.workers.trial_attrs import NullReporter
 from hpsearch.storage.trialdir import BEST, CURVES, OUT_OF_MEMORY_FILE, RESUME, RESUME_FILE
 from hpsearch.trainer.checkpoint import RunFiles
 from hpsearch.trainer.encoding import prepare

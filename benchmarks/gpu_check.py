@@ -302,7 +302,7 @@ def hpsearch_trial(name: str, spec_text: str, work: Path, devices: str) -> dict[
     argv = ["start", "--study", name, "--config", "spec.toml", "--devices", devices, "--storage", storage]
     started = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "hpsearch.search.cli", *argv, "--output-dir", "runs"],
+        [sys.executable, "-m", "hpsearch.search.cli.main", *argv, "--output-dir", "runs"],
         cwd=folder,
         capture_output=True,
         text=True,

@@ -30,8 +30,8 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from hpsearch.search.presets import tiny_gpt2
-    from hpsearch.search.trial_attrs import NullReporter
-    from hpsearch.trainer import distributed, memory
+    from hpsearch.search.workers.trial_attrs import NullReporter
+    from hpsearch.trainer import distributed, memory, meta_model
     from hpsearch.trainer.checkpoint import RunFiles
     from hpsearch.trainer.config import DataConfig, TrainConfig
     from hpsearch.trainer.encoding import prepare
@@ -80,7 +80,7 @@ def main() -> int:
         failures.append(f"the best model's loss {loss:.4f} is not its saved {meta['val_loss']:.4f}")
     world.close()
 
-    m, shape = memory.meta_model(model_dir, "causal-lm")
+    m, shape = meta_model.meta_model(model_dir, "causal-lm")
     e = memory.estimate(m, shape, memory.Setup("bf16", 8, 64, sharding="fsdp", devices=1))
     print(
         f"2. plan {e.total / 2**20:.0f} MiB (weights {e.weights / 2**20:.0f}, gradients {e.gradients / 2**20:.0f}, "
@@ -108,7 +108,7 @@ def main() -> int:
         '[search]\nmetric = "loss"\n[search.space]\nlearning_rate = { type = "float", low = 1e-5, high = 1e-4 }\n'
     )
     # Against cuda:0's memory as nvidia-smi reports it; the table has the same trial sharded over 2-16 GPUs.
-    cmd = [sys.executable, "-m", "hpsearch.search.cli", "plan", "--study", "llama", "--config", str(spec)]
+    cmd = [sys.executable, "-m", "hpsearch.search.cli.main", "plan", "--study", "llama", "--config", str(spec)]
     out = subprocess.run([*cmd, "--devices", "cpu:1" if cpu else "0"], capture_output=True, text=True, cwd=work)
     print(
         f"3. Llama-3-8B full fine-tune, plan against this GPU: exit {out.returncode}\n{out.stdout}{out.stderr[-800:]}"
@@ -127,8 +127,8 @@ def planned_vs_measured(work: Path, device: object, tokenizer: object, cpu: bool
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hpsearch.search.trial_attrs import NullReporter
-    from hpsearch.trainer import memory
+    from hpsearch.search.workers.trial_attrs import NullReporter
+    from hpsearch.trainer import memory, meta_model
     from hpsearch.trainer.checkpoint import RunFiles
     from hpsearch.trainer.config import DataConfig, TrainConfig
     from hpsearch.trainer.encoding import prepare
@@ -160,7 +160,7 @@ def planned_vs_measured(work: Path, device: object, tokenizer: object, cpu: bool
             torch.cuda.reset_peak_memory_stats()
         result = fit(Run(trial, tokenizer, data, cfg, "loss", device, files), NullReporter())  # type: ignore[arg-type]
         measured = (result.figures.held_mb or 0) * 2**20
-        m, s = memory.meta_model(str(folder), "causal-lm")
+        m, s = meta_model.meta_model(str(folder), "causal-lm")
         e = memory.estimate(m, s, memory.Setup("bf16", 8, 64, requested=precision))
         states = e.weights + e.gradients + e.optimizer
         planned = states if cpu else e.total

@@ -87,7 +87,7 @@ def save_bf16(folder: Path) -> str:
 def train_hpsearch(
     side: str, args: argparse.Namespace, name: str, train: Path, dev: Path, lr: float, seed: int, glue: Any
 ) -> tuple[float, int]:
-    from hpsearch.search.trial_attrs import NullReporter
+    from hpsearch.search.workers.trial_attrs import NullReporter
     from hpsearch.trainer import precision as prec
     from hpsearch.trainer.checkpoint import RunFiles
     from hpsearch.trainer.config import DataConfig, TrainConfig

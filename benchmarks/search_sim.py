@@ -46,10 +46,10 @@ from types import SimpleNamespace
 import numpy as np
 import optuna
 
-from hpsearch.search import sampling
-from hpsearch.search.early_stop import ChanceLevel, PruningGate
-from hpsearch.search.search_config import PRUNERS, SAMPLERS
-from hpsearch.search.spec import StudySpec
+from hpsearch.search.study import sampling
+from hpsearch.search.study.search_config import PRUNERS, SAMPLERS
+from hpsearch.search.study.spec import StudySpec
+from hpsearch.search.workers.early_stop import ChanceLevel, PruningGate
 from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.evaluate import Metrics
 

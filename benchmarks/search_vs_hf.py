@@ -66,7 +66,7 @@ class Side:
 
 
 def main() -> None:
-    from hpsearch.search.search_config import SAMPLERS
+    from hpsearch.search.study.search_config import SAMPLERS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -251,7 +251,7 @@ weight_decay = {{ type = "float", low = 0.0, high = {MAX_DECAY} }}
 def run_hpsearch(args: argparse.Namespace, train: Path, dev: Path) -> Side:
     import optuna
 
-    from hpsearch.search import summary
+    from hpsearch.search.views import summary
 
     spec = write_spec(args, train, dev)
     url = f"sqlite:///{args.work_dir / 'hpsearch.db'}"
@@ -259,7 +259,7 @@ def run_hpsearch(args: argparse.Namespace, train: Path, dev: Path) -> Side:
     cmd = [
         sys.executable,
         "-m",
-        "hpsearch.search.cli",
+        "hpsearch.search.cli.main",
         "start",
         "--study",
         "bench",

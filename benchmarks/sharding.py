@@ -83,8 +83,8 @@ def _config(args: argparse.Namespace, sharding: str, devices: int) -> Any:
 def _train(model_dir: str, files: tuple[str, str], cfg: Any, out: Path, world: Any) -> dict[str, Any]:
     import torch
 
-    from hpsearch.search.trial_attrs import NullReporter
-    from hpsearch.trainer import memory
+    from hpsearch.search.workers.trial_attrs import NullReporter
+    from hpsearch.trainer import meta_model
     from hpsearch.trainer.checkpoint import RunFiles
     from hpsearch.trainer.config import DataConfig
     from hpsearch.trainer.encoding import prepare
@@ -96,9 +96,9 @@ def _train(model_dir: str, files: tuple[str, str], cfg: Any, out: Path, world: A
     before = _rss()
     with PeakRss() as rss:
         # One copy, read from disk (a worker's cache would hold a pristine one beside it, for its next trial);
-        # a sharded trial's other ranks build it empty, as search/ranks.py does, and receive their shards.
+        # a sharded trial's other ranks build it empty, as search/workers/ranks.py does, and receive their shards.
         if cfg.sharding == "fsdp" and world.rank > 0:
-            model = memory.empty_model(model_dir, None, None)
+            model = meta_model.empty_model(model_dir, None, None)
         else:
             model = load_model(model_dir, 0)
         files_out = RunFiles(out / "best", out / "resume/state.pt", out / "tensorboard", out / "resume/oom.json")
@@ -167,9 +167,9 @@ def _one(model_dir: str, files: tuple[str, str], cfg: Any, out: str, threads: in
 
 
 def planned(model_dir: str, cfg: Any) -> Any:
-    from hpsearch.trainer import memory
+    from hpsearch.trainer import memory, meta_model
 
-    meta, shape = memory.meta_model(model_dir, "causal-lm")
+    meta, shape = meta_model.meta_model(model_dir, "causal-lm")
     setup = memory.Setup("fp32", cfg.micro_batch_size, 64, sharding=cfg.sharding, devices=cfg.devices_per_trial)
     return memory.estimate(meta, shape, setup)
 

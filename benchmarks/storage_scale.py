@@ -50,8 +50,9 @@ import psycopg2
 from optuna.trial import TrialState
 from sqlalchemy import func, select
 
-from hpsearch.search import budget, presets, sampling, spec as specs, study as studies
-from hpsearch.search.attempt import TrialReporter
+from hpsearch.search import presets
+from hpsearch.search.study import budget, sampling, spec as specs, studies
+from hpsearch.search.workers.attempt import TrialReporter
 from hpsearch.storage import registry, slots
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.tables import TrialSlot
@@ -195,7 +196,7 @@ class _Counter(logging.Handler):
 
 
 def hpsearch_worker(url: str, study: str, index: int, go: Any, results: Any, heartbeat_s: float) -> None:
-    """One worker process, step for step as search/worker.py runs it, with a synthetic objective."""
+    """One worker process, step for step as search/workers/worker.py runs it, with a synthetic objective."""
     counter = _Counter()
     logging.getLogger("hpsearch").addHandler(counter)
     out: dict[str, Any] = {"index": index, "finished": 0, "errors": [], "beats": 0}

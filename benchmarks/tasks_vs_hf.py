@@ -137,7 +137,7 @@ def run_hpsearch(task: str, job: Job) -> float:
     model, train, dev, data, args, out = job
     import torch
 
-    from hpsearch.search.trial_attrs import NullReporter
+    from hpsearch.search.workers.trial_attrs import NullReporter
     from hpsearch.storage.trialdir import BEST, CURVES, OUT_OF_MEMORY_FILE, RESUME, RESUME_FILE
     from hpsearch.trainer.checkpoint import RunFiles
     from hpsearch.trainer.config import DataConfig, TrainConfig

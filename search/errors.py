@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpsearch.search.devices import DeviceError
+from hpsearch.search.workers.devices import DeviceError
 from hpsearch.storage.errors import StorageUrlError, StudyFolderError, StudyNotFoundError
 from hpsearch.trainer.config import ConfigError
 from hpsearch.trainer.errors import ModelError

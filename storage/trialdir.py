@@ -31,7 +31,7 @@ RESUME_FILE = "state.pt"
 # Beside it: the micro-batch a rank of a multi-device trial ran out of memory at, for the group's restart to read.
 OUT_OF_MEMORY_FILE = "out_of_memory.json"
 CURVES = "tensorboard"
-LOG = "train.log"  # the log of every attempt at the trial (search/worker.py writes it)
+LOG = "train.log"  # the log of every attempt at the trial (search/workers/worker.py writes it)
 _LOCK = ".hpsearch.lock"  # held shared by an export while it copies best/, exclusively by retention to delete it
 
 

@@ -203,7 +203,7 @@ def hpsearch(
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     full_env.pop("HPSEARCH_STORAGE", None) if env is None or "HPSEARCH_STORAGE" not in env else None
     return subprocess.run(
-        [sys.executable, "-m", "hpsearch.search.cli", *args],
+        [sys.executable, "-m", "hpsearch.search.cli.main", *args],
         cwd=cwd,
         env=full_env,
         capture_output=True,
@@ -242,7 +242,7 @@ Cli = Callable[..., CliResult]
 @pytest.fixture
 def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Cli:
     """The CLI's own main() in-process (fast); the subprocess path is covered by other tests."""
-    from hpsearch.search.cli import main
+    from hpsearch.search.cli.main import main
 
     def run(*argv: str, cwd: Path) -> CliResult:
         monkeypatch.chdir(cwd)

@@ -72,7 +72,7 @@ def test_the_figure_status_shows_is_a_speed_field() -> None:
 def test_retention_ranks_by_the_loss_the_reporter_wrote(tmp_path: Path) -> None:
     """A tie of the objective goes to the lower validation loss: the key retention reads must be the one the
     trainer's best point is written under."""
-    from hpsearch.search.trial_attrs import NullReporter
+    from hpsearch.search.workers.trial_attrs import NullReporter
     from hpsearch.storage.retention import recorded_loss
 
     reporter = NullReporter()

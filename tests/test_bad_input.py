@@ -596,8 +596,8 @@ def test_a_damaged_sqlite_file_is_said_in_one_line(cli, tmp_path: Path, spec_fil
     """Found at opening (its schema) or halfway through a command (its trials): one line either way, exit 2."""
     import optuna
 
-    from hpsearch.search import study as studies
-    from hpsearch.search.spec import load_file
+    from hpsearch.search.study import studies
+    from hpsearch.search.study.spec import load_file
     from hpsearch.storage.open import open_storage
 
     db = tmp_path / "study.db"
@@ -666,8 +666,8 @@ def test_a_stored_spec_that_is_invalid_is_refused_by_worker_and_start(  # type: 
     """A database writer stores a seed no sampler takes: `worker` and `start` refuse it in one line, write nothing."""
     import optuna
 
-    from hpsearch.search import study as studies
-    from hpsearch.search.spec import load_file
+    from hpsearch.search.study import studies
+    from hpsearch.search.study.spec import load_file
     from hpsearch.storage.open import open_storage
 
     url = f"sqlite:///{tmp_path / 'study.db'}"

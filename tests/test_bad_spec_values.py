@@ -310,7 +310,7 @@ def test_bad_spec_value(
 
 def test_enqueued_values_on_the_grid_and_valid_are_accepted(tiny_model: Path, demo_files: tuple[Path, Path]) -> None:
     """The new checks refuse only what is wrong: on-grid values that make a valid trial load."""
-    from hpsearch.search.spec import StudySpec, tomllib
+    from hpsearch.search.study.spec import StudySpec, tomllib
 
     text = _enqueue(LR_GRID, "learning_rate = 3e-3")(spec_text(tiny_model, *demo_files))
     text = text.replace(

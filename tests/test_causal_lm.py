@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from hpsearch.search.trial_attrs import NullReporter
+from hpsearch.search.workers.trial_attrs import NullReporter
 from hpsearch.storage.trialdir import RESUME, RESUME_FILE
 from hpsearch.trainer.batching import IGNORE_INDEX, collate, even_shards
 from hpsearch.trainer.config import DataConfig, TrainConfig

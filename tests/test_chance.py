@@ -10,8 +10,8 @@ from pathlib import Path
 import optuna
 import pytest
 
-from hpsearch.search.early_stop import ChanceLevel, EarlyStop, PruningGate
-from hpsearch.search.trial_attrs import NullReporter
+from hpsearch.search.workers.early_stop import ChanceLevel, EarlyStop, PruningGate
+from hpsearch.search.workers.trial_attrs import NullReporter
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.evaluate import Metrics
@@ -133,7 +133,7 @@ def test_a_search_records_why_a_trial_stopped(tiny_model: Path, demo_files: tupl
         assert deleted.why(study, t.number) == "trial pruned"
 
 
-# -- when the pruner is asked (search/early_stop.py) --------------------------------------------------
+# -- when the pruner is asked (search/workers/early_stop.py) --------------------------------------------------
 
 
 def _judge(metric: str = "accuracy", patient: bool = True) -> PruningGate:

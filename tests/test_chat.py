@@ -181,7 +181,7 @@ def test_lora_chat_trial_from_the_cli_saves_an_adapter_that_peft_loads(tmp_path:
 
 def test_the_lora_chat_preset_searches_lora_on_the_shipped_chat_data() -> None:
     from hpsearch.search.presets import PRESETS, locate, preset_file
-    from hpsearch.search.spec import load_file
+    from hpsearch.search.study.spec import load_file
 
     assert "lora-chat" in PRESETS
     path = preset_file("lora-chat")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpsearch.search.cli import build_parser
+from hpsearch.search.cli.main import build_parser
 
 CLI_DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 
@@ -47,7 +47,10 @@ def test_the_global_options_are_in_docs_cli_md() -> None:
 @pytest.mark.parametrize("command", ["start", "worker", "status", "best", "reap", "dashboard"])
 def test_no_help_shows_a_password_in_a_url(command: str) -> None:
     shown = subprocess.run(
-        [sys.executable, "-m", "hpsearch.search.cli", command, "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "hpsearch.search.cli.main", command, "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "--storage" in shown
     assert not re.search(r"://[^/@\s]+:[^/@\s]+@", " ".join(shown.split())), shown

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hpsearch.search import cli
+from hpsearch.search.cli import main as cli
 from hpsearch.storage import urls
 
 COMPOSE = Path(__file__).resolve().parent.parent / "docker-compose.yml"

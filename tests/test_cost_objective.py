@@ -10,9 +10,10 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpsearch.search import note, objectives, progress, study as studies
-from hpsearch.search.trial_attrs import TrialReporter
-from hpsearch.search.worker import candidates
+from hpsearch.search.study import objectives, studies
+from hpsearch.search.views import note, progress
+from hpsearch.search.workers.trial_attrs import TrialReporter
+from hpsearch.search.workers.worker import candidates
 from hpsearch.storage import attrs, ledger, retention
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.trialdir import TrialDir

@@ -51,7 +51,7 @@ def spawn_dashboard(*args: str, cwd: Path, unset: tuple[str, ...] = ("HPSEARCH_S
     for name in unset:
         env.pop(name, None)
     return subprocess.Popen(
-        [sys.executable, "-m", "hpsearch.search.cli", "dashboard", *args, "--port", "0"],
+        [sys.executable, "-m", "hpsearch.search.cli.main", "dashboard", *args, "--port", "0"],
         cwd=cwd,
         env=env,
         stdout=subprocess.PIPE,
@@ -179,7 +179,7 @@ def test_port_in_use_names_another_port(tmp_path: Path, sqlite_study: str) -> No
 
 
 def test_binds_localhost_by_default_and_says_how_to_reach_it(sqlite_study: str) -> None:
-    from hpsearch.search import dashboard as dash
+    from hpsearch.search.views import dashboard as dash
 
     served = dash.create(sqlite_study, STUDY, port=0)
     try:

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import optuna
 import pytest
 
-from hpsearch.search import dashboard as dash
+from hpsearch.search.views import dashboard as dash
 from tests.conftest import hpsearch
 from tests.test_dashboard import STUDY, finished_study, spawn_dashboard
 

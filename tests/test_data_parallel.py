@@ -8,7 +8,7 @@ from pathlib import Path
 import optuna
 import torch
 
-from hpsearch.search.trial_attrs import NullReporter
+from hpsearch.search.workers.trial_attrs import NullReporter
 from hpsearch.trainer import distributed
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.distributed import World

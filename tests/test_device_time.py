@@ -11,8 +11,9 @@ import optuna
 import pytest
 import tomllib
 
-from hpsearch.search import budget, note, progress, status_text, summary
-from hpsearch.search.spec import StudySpec
+from hpsearch.search.study import budget
+from hpsearch.search.study.spec import StudySpec
+from hpsearch.search.views import note, progress, status_text, summary
 from hpsearch.storage import attrs, ledger, registry
 from hpsearch.storage.open import Storage, open_storage
 from hpsearch.storage.tables import Attempt

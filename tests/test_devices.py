@@ -17,8 +17,8 @@ from pathlib import Path
 import optuna
 import pytest
 
-from hpsearch.search import devices
-from hpsearch.search.devices import Device, DeviceError
+from hpsearch.search.workers import devices
+from hpsearch.search.workers.devices import Device, DeviceError
 from tests.conftest import spec_text
 
 
@@ -204,7 +204,7 @@ def test_a_trial_records_the_threads_its_worker_used(
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     one = min(os.sched_getaffinity(0))
     result = subprocess.run(
-        [sys.executable, "-m", "hpsearch.search.cli", "start", "--study", "t", "--config", str(spec)],
+        [sys.executable, "-m", "hpsearch.search.cli.main", "start", "--study", "t", "--config", str(spec)],
         cwd=tmp_path,
         env={**env, "HF_HUB_OFFLINE": "1", "HPSEARCH_STORAGE": url},
         capture_output=True,

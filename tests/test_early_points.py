@@ -12,10 +12,10 @@ import optuna
 import pytest
 import tomllib
 
-from hpsearch.search import sampling
-from hpsearch.search.early_stop import FLAT, ChanceLevel, EarlyStop, PruningGate
-from hpsearch.search.spec import StudySpec
-from hpsearch.search.trial_attrs import NullReporter
+from hpsearch.search.study import sampling
+from hpsearch.search.study.spec import StudySpec
+from hpsearch.search.workers.early_stop import FLAT, ChanceLevel, EarlyStop, PruningGate
+from hpsearch.search.workers.trial_attrs import NullReporter
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.encoding import Prepared, prepare
 from hpsearch.trainer.evaluate import EarlyPoints, Metrics, evaluate

@@ -60,7 +60,7 @@ def _start(tmp_path: Path, spec: Path, url: str, devices: str = "cpu:1", **env: 
         [
             sys.executable,
             "-m",
-            "hpsearch.search.cli",
+            "hpsearch.search.cli.main",
             "start",
             "--study",
             "f",
@@ -367,7 +367,7 @@ def test_sigterm_during_a_database_outage_exits_soon_and_the_retry_resumes_where
 def test_a_worker_that_starts_during_an_outage_waits_for_the_storage_or_a_stop() -> None:
     import threading
 
-    from hpsearch.search.stop_signals import StopFlag, open_retrying
+    from hpsearch.search.workers.stop_signals import StopFlag, open_retrying
     from hpsearch.storage.db import OUTAGE_RETRY
     from hpsearch.storage.open import open_storage
     from tests.support.pgcluster import Cluster
@@ -412,7 +412,7 @@ def _lose_host(tmp_path: Path, spec: Path, url: str) -> None:
 
 def _cli(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "hpsearch.search.cli", *argv],
+        [sys.executable, "-m", "hpsearch.search.cli.main", *argv],
         cwd=tmp_path,
         capture_output=True,
         text=True,

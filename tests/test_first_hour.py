@@ -209,7 +209,7 @@ def test_an_empty_text_is_refused_with_its_line(
 
 
 def test_a_long_study_shows_its_latest_and_best_rows_unless_all() -> None:
-    from hpsearch.search.status_text import format_trials
+    from hpsearch.search.views.status_text import format_trials
 
     def trial(n: int, value: float) -> dict[str, object]:
         return {

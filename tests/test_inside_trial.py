@@ -9,10 +9,10 @@ import optuna
 import pytest
 from optuna.trial import FrozenTrial, TrialState
 
-from hpsearch.search import study as studies
-from hpsearch.search.spec import load_file
-from hpsearch.search.stop_signals import StopFlag
-from hpsearch.search.worker import Worker, WorkerArgs
+from hpsearch.search.study import studies
+from hpsearch.search.study.spec import load_file
+from hpsearch.search.workers.stop_signals import StopFlag
+from hpsearch.search.workers.worker import Worker, WorkerArgs
 from hpsearch.storage.open import open_storage
 from hpsearch.trainer import checkpoint
 from tests.support import deleted
@@ -154,7 +154,7 @@ def test_a_run_that_fails_lets_its_reports_reach_the_search_first(
     # that end's clean-up and name the deleted best/ (seen once in CI). The search here takes 0.5 s to answer.
     import time
 
-    from hpsearch.search.trial_attrs import NullReporter
+    from hpsearch.search.workers.trial_attrs import NullReporter
     from hpsearch.trainer.checkpoint import CheckpointError
     from hpsearch.trainer.config import DataConfig, TrainConfig
     from hpsearch.trainer.encoding import prepare

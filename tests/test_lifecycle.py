@@ -93,8 +93,8 @@ def test_start_fails_and_retries_an_orphaned_running_trial_before_judging_gpu_ho
 ) -> None:
     from sqlalchemy import text
 
-    from hpsearch.search import study as studies
-    from hpsearch.search.spec import load_file
+    from hpsearch.search.study import studies
+    from hpsearch.search.study.spec import load_file
     from hpsearch.storage import slots
     from hpsearch.storage.open import open_storage
 
@@ -138,10 +138,10 @@ def _in_process_worker(
     tmp_path: Path, spec: Path, url: str, study: str, n_trials: int = 1, stop: object = None
 ) -> None:
     """One worker in this process (faults injected with monkeypatch) runs the study to its end."""
-    from hpsearch.search import study as studies
-    from hpsearch.search.spec import load_file
-    from hpsearch.search.stop_signals import StopFlag
-    from hpsearch.search.worker import Worker, WorkerArgs
+    from hpsearch.search.study import studies
+    from hpsearch.search.study.spec import load_file
+    from hpsearch.search.workers.stop_signals import StopFlag
+    from hpsearch.search.workers.worker import Worker, WorkerArgs
     from hpsearch.storage.open import open_storage
 
     loaded = load_file(spec)
@@ -177,7 +177,7 @@ def test_a_storage_failure_inside_a_trial_hands_it_back_with_its_checkpoints(
 ) -> None:
     from optuna.exceptions import StorageInternalError
 
-    from hpsearch.search.trial_attrs import TrialReporter
+    from hpsearch.search.workers.trial_attrs import TrialReporter
 
     real_report = TrialReporter.report
     outage = {"left": 1}
@@ -212,7 +212,7 @@ def test_a_worker_whose_storage_stays_down_exits_and_the_trial_is_reaped_later(
 ) -> None:
     from optuna.exceptions import StorageInternalError
 
-    from hpsearch.search import reap, stop_signals, trial_attrs, worker
+    from hpsearch.search.workers import reap, stop_signals, trial_attrs, worker
     from hpsearch.storage.errors import StorageError
     from hpsearch.storage.open import open_storage
 
@@ -289,7 +289,7 @@ class _Killed(BaseException):
 
 def _hand_back_as_supervisor(url: str, study: str, runs: Path) -> None:
     """What the supervisor does when its worker died during trial 0."""
-    from hpsearch.search import retry
+    from hpsearch.search.workers import retry
     from hpsearch.storage.open import open_storage
 
     storage = open_storage(url, create=False)
@@ -419,9 +419,9 @@ def test_an_enqueued_trial_that_ends_with_one_grid_point_left_is_no_reaped_trial
 def test_a_retry_runs_after_the_timeout_when_its_trial_started_before(
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], sqlite_url: str
 ) -> None:
-    from hpsearch.search import study as studies
-    from hpsearch.search.stop_signals import StopFlag
-    from hpsearch.search.worker import Worker, WorkerArgs
+    from hpsearch.search.study import studies
+    from hpsearch.search.workers.stop_signals import StopFlag
+    from hpsearch.search.workers.worker import Worker, WorkerArgs
     from hpsearch.storage.open import open_storage
 
     # Two known-good configurations queued first: trial 0 starts, trial 1 waits its turn.
@@ -475,7 +475,7 @@ def test_a_worker_that_starts_deletes_checkpoints_that_fell_out_of_the_top_k_mea
 
 
 def test_past_the_deadline_only_a_retry_is_taken_from_the_queue() -> None:
-    from hpsearch.search import retry
+    from hpsearch.search.workers import retry
 
     storage = optuna.storages.InMemoryStorage()
     study = optuna.create_study(storage=storage)

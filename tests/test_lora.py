@@ -12,7 +12,7 @@ import optuna
 import pytest
 import torch
 
-from hpsearch.search.trial_attrs import NullReporter
+from hpsearch.search.workers.trial_attrs import NullReporter
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.evaluate import evaluate
@@ -292,7 +292,7 @@ def test_bad_adapter_input_exits_2_with_one_line_and_writes_nothing(
 
 
 def test_a_lora_study_defaults_to_ten_times_the_learning_rate_and_a_full_one_stores_no_adapter() -> None:
-    from hpsearch.search.spec import LORA_LEARNING_RATE, StudySpec
+    from hpsearch.search.study.spec import LORA_LEARNING_RATE, StudySpec
 
     base = {"model": {"name": "m"}, "data": {"train": "a", "validation": "b"}}
     full = StudySpec.from_dict(base)

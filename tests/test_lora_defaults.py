@@ -8,9 +8,9 @@ from typing import Any
 
 import optuna
 
-from hpsearch.search.early_stop import PruningGate
-from hpsearch.search.space import Param
-from hpsearch.search.spec import LORA_LEARNING_RATES, StudySpec
+from hpsearch.search.study.space import Param
+from hpsearch.search.study.spec import LORA_LEARNING_RATES, StudySpec
+from hpsearch.search.workers.early_stop import PruningGate
 from hpsearch.trainer.evaluate import Metrics
 from tests.conftest import spec_text, start_study
 from tests.test_lora import with_adapter

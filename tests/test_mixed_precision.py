@@ -145,7 +145,7 @@ def _fit(model_dir: Path, out: Path, precision: str, adapter: AdapterConfig | No
     )
     model = PretrainedCache().trial_model(str(model_dir), None, 0, adapter, private=True, precision=precision)
     run = Run(model, tokenizer, data, cfg, "loss", torch.device("cpu"), files_in(out))
-    from hpsearch.search.trial_attrs import NullReporter
+    from hpsearch.search.workers.trial_attrs import NullReporter
 
     result = fit(run, NullReporter())
     assert result.status == Status.COMPLETE

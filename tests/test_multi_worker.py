@@ -13,7 +13,7 @@ import optuna
 import pytest
 import sqlalchemy
 
-from hpsearch.search import spec as specs, study as studies
+from hpsearch.search.study import spec as specs, studies
 from hpsearch.storage import liveness, registry
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.tables import TrialSlot
@@ -49,7 +49,7 @@ def _worker(host: str, url: str, tmp_path: Path) -> subprocess.Popen[str]:
         [
             sys.executable,
             "-m",
-            "hpsearch.search.cli",
+            "hpsearch.search.cli.main",
             "worker",
             "--study",
             "shared",

@@ -1,4 +1,4 @@
-"""How an attempt ends (search/outcome.py), checked through what a user and the next attempt see on a real SQLite
+"""How an attempt ends (workers/outcome.py), checked through what a user and the next attempt see on a real SQLite
 study and real trial folders: the trial's state, whether a retry is queued and what that retry resumes from, what
 the leftover sweep removes afterwards (nothing the ending kept wrongly, nothing it should have removed), the reason
 `status` shows, and the device time the ledger recorded.
@@ -13,9 +13,11 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpsearch.search import outcome, retry, study as studies, summary, sweep
-from hpsearch.search.outcome import Outcome
-from hpsearch.search.spec import load_file
+from hpsearch.search.study import studies
+from hpsearch.search.study.spec import load_file
+from hpsearch.search.views import summary
+from hpsearch.search.workers import outcome, retry, sweep
+from hpsearch.search.workers.outcome import Outcome
 from hpsearch.storage import attrs, ledger, registry, slots
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.trialdir import TrialDir

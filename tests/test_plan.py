@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpsearch.search import plan as plans
-from hpsearch.search.devices import Device
-from hpsearch.search.spec import StudySpec, tomllib
-from hpsearch.trainer import held, memory
+from hpsearch.search.study import plan as plans
+from hpsearch.search.study.spec import StudySpec, tomllib
+from hpsearch.search.workers.devices import Device
+from hpsearch.trainer import held, memory, meta_model
 from hpsearch.trainer.config import AdapterConfig
 from hpsearch.trainer.model import PretrainedCache
 from tests.conftest import Cli, assert_refused, spec_text
@@ -42,10 +42,10 @@ def test_the_plans_terms_are_what_a_tiny_model_allocates(
     tiny_gpt2: Path, tiny_model: Path, adapter: AdapterConfig | None, task: str
 ) -> None:
     model_dir = tiny_gpt2 if task == "causal-lm" else tiny_model
-    meta, shape = memory.meta_model(str(model_dir), task)
+    meta, shape = meta_model.meta_model(str(model_dir), task)
     assert next(meta.parameters()).device.type == "meta", "no weights read"
     if adapter is not None:
-        meta = memory.with_adapter(meta, adapter, task)
+        meta = meta_model.with_adapter(meta, adapter, task)
     est = memory.estimate(meta, shape, memory.Setup("fp32", micro_batch=4, length=32))
     real = _real(model_dir, adapter, task)
     assert (est.weights, est.gradients, est.optimizer) == (real["parameters"], real["gradients"], real["optimizer"])
@@ -185,10 +185,10 @@ def test_each_precisions_terms_are_what_the_trainer_allocates_for_a_bf16_checkpo
     optimizer.step()
     real = held.held_bytes(model, optimizer)
 
-    meta, shape = memory.meta_model(str(model_dir), "causal-lm")
+    meta, shape = meta_model.meta_model(str(model_dir), "causal-lm")
     assert shape.stored == torch.bfloat16
     if adapter is not None:
-        meta = memory.with_adapter(meta, adapter, "causal-lm")
+        meta = meta_model.with_adapter(meta, adapter, "causal-lm")
     est = memory.estimate(meta, shape, memory.Setup(compute, 4, 32, adapter=adapter, requested=requested))
     assert (est.weights, est.gradients, est.optimizer) == (real["parameters"], real["gradients"], real["optimizer"])
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hpsearch.search.progress import Snapshot
+from hpsearch.search.views.progress import Snapshot
 from tests.conftest import hpsearch
 
 
@@ -25,7 +25,7 @@ def run_in_pty(args: list[str], cwd: Path, timeout: float = 600) -> tuple[int, s
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TERM": "xterm-256color"}
     env.pop("HPSEARCH_STORAGE", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hpsearch.search.cli", *args],
+        [sys.executable, "-m", "hpsearch.search.cli.main", *args],
         cwd=cwd,
         env=env,
         stdin=slave,

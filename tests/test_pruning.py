@@ -7,8 +7,8 @@ from pathlib import Path
 import optuna
 import pytest
 
-from hpsearch.search.early_stop import EarlyStop, PruningGate
-from hpsearch.search.trial_attrs import NullReporter
+from hpsearch.search.workers.early_stop import EarlyStop, PruningGate
+from hpsearch.search.workers.trial_attrs import NullReporter
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.loop import fit

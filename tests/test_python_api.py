@@ -193,7 +193,7 @@ def test_stop_hands_back_the_running_trial(
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], request: pytest.FixtureRequest
 ) -> None:
     import hpsearch as api
-    from hpsearch.search.api_search import _runs_study
+    from hpsearch.search.python_api.search import _runs_study
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
     spec = _spec(tiny_model, demo_files, n_trials=3, extra_train="max_steps = 400\nresume_every_minutes = 0")

@@ -18,8 +18,9 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpsearch.search import reap, retry, study as studies
-from hpsearch.search.spec import load_file
+from hpsearch.search.study import studies
+from hpsearch.search.study.spec import load_file
+from hpsearch.search.workers import reap, retry
 from hpsearch.storage import attrs, liveness, registry, slots
 from hpsearch.storage.open import open_storage
 from hpsearch.trainer.report import FailReason
@@ -152,7 +153,7 @@ def test_a_start_retries_the_trials_of_this_hosts_gone_workers_and_ends_their_ro
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     full_env.pop("HPSEARCH_STORAGE", None)
-    argv = [sys.executable, "-m", "hpsearch.search.cli", *args]
+    argv = [sys.executable, "-m", "hpsearch.search.cli.main", *args]
     return subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -125,7 +125,7 @@ class TestRegistryContract:
                     deadline = time.monotonic() + 2 * interval
                     while time.monotonic() < deadline:
                         worst = max(worst, _only(watcher.db, "s").heartbeat_age_s)
-                        # What a worker waiting for a retry calls stale (search/worker.py).
+                        # What a worker waiting for a retry calls stale (search/workers/worker.py).
                         assert liveness.stale_trials(watcher.db, "s", missed_beats=1.5) == [], worst
                         time.sleep(0.02)
                     reg.trial_ended()

@@ -68,7 +68,7 @@ def test_macro_f1_weighs_a_rare_label_like_a_frequent_one() -> None:
 
 def test_each_metric_is_searched_in_the_direction_that_makes_it_better(spec_file: Path) -> None:
     """A better model (lower loss, higher accuracy and F1) must be the one the study prefers."""
-    from hpsearch.search.spec import load_file
+    from hpsearch.search.study.spec import load_file
 
     worse, better = Metrics(loss=0.7, accuracy=0.6, f1=0.5), Metrics(loss=0.3, accuracy=0.9, f1=0.8)
     for metric in ("loss", "accuracy", "f1"):

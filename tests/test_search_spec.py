@@ -7,10 +7,10 @@ from pathlib import Path
 import optuna
 import pytest
 
-from hpsearch.search import sampling
 from hpsearch.search.errors import SpecError
-from hpsearch.search.sobol import SobolSampler
-from hpsearch.search.spec import StudySpec, tomllib
+from hpsearch.search.study import sampling
+from hpsearch.search.study.sobol import SobolSampler
+from hpsearch.search.study.spec import StudySpec, tomllib
 from tests.conftest import hpsearch, spec_text
 
 SPACE = (

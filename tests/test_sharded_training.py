@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from hpsearch.search.trial_attrs import NullReporter
-from hpsearch.trainer import distributed, held, memory, sharded_state, sharding
+from hpsearch.search.workers.trial_attrs import NullReporter
+from hpsearch.trainer import distributed, held, memory, meta_model, sharded_state, sharding
 from hpsearch.trainer.config import AdapterConfig, DataConfig, TrainConfig
 from hpsearch.trainer.distributed import World
 from hpsearch.trainer.encoding import prepare
@@ -50,7 +50,7 @@ def _fit(
     tokenizer = load_tokenizer(model_dir)
     data = prepare(DataConfig(train=data_files[0], validation=data_files[1]), tokenizer, 48, None, task=task)
     if cfg.sharding == "fsdp" and world.rank > 0:  # as a peer rank builds it: empty, filled from rank 0's
-        model = memory.empty_model(model_dir, data.labels, adapter)
+        model = meta_model.empty_model(model_dir, data.labels, adapter)
     else:
         model = PretrainedCache().trial_model(model_dir, data.labels, cfg.seed, adapter, private=True)
     metric = "loss"
@@ -150,9 +150,9 @@ def test_two_sharded_ranks_reach_one_devices_parameters_holding_half_each(
     for mb in held:
         assert 0.45 * whole_mb < mb < 0.56 * whole_mb, (held, whole_mb)
     # The memory plan's sharded terms are what each rank held (to FSDP's padding of a dimension to an even size).
-    meta, shape = memory.meta_model(model_dir, "causal-lm")
+    meta, shape = meta_model.meta_model(model_dir, "causal-lm")
     if lora:
-        meta = memory.with_adapter(meta, LORA, "causal-lm")
+        meta = meta_model.with_adapter(meta, LORA, "causal-lm")
     planned = memory.estimate(meta, shape, memory.Setup("fp32", 4, 48, sharding="fsdp", devices=2))
     assert (planned.weights + planned.optimizer) / 2**20 == pytest.approx(held[0], rel=0.02)
     if lora:  # the adapter folder, as AutoPeftModelForCausalLM loads it
@@ -259,7 +259,7 @@ def test_a_bf16_checkpoint_shards_fp32_masters_as_the_plan_says(
     cfg = replace(FSDP, precision="bf16", learning_rate=2e-4)
     rank0, rank1 = _two_ranks(tmp_path, model_dir, files, cfg=cfg)
     assert {v.dtype for v in rank0["params"].values()} == {torch.float32}, "fp32 masters, gathered whole"
-    meta, shape = memory.meta_model(model_dir, "causal-lm")
+    meta, shape = meta_model.meta_model(model_dir, "causal-lm")
     planned = memory.estimate(meta, shape, memory.Setup("bf16", 4, 48, sharding="fsdp", devices=2, requested="bf16"))
     assert planned.regime == "bf16-mixed" and planned.bytes_per_trained == 16
     assert rank0["held"] == rank1["held"]

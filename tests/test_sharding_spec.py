@@ -57,7 +57,7 @@ def test_fsdp_over_two_devices_with_lora_is_a_valid_spec(tiny_model: Path, demo_
     """The pairs that are allowed load: fsdp over 2 devices, with and without [adapter] (LoRA is refused with
     devices_per_trial > 1 only without sharding)."""
     from hpsearch.search.errors import SpecError
-    from hpsearch.search.spec import StudySpec, tomllib
+    from hpsearch.search.study.spec import StudySpec, tomllib
 
     base = spec_text(tiny_model, *demo_files, extra_train='devices_per_trial = 2\nsharding = "fsdp"')
     assert StudySpec.from_dict(tomllib.loads(base)).train.sharding == "fsdp"

@@ -9,9 +9,9 @@ import optuna
 import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from hpsearch.search import sampling
-from hpsearch.search.sobol import SobolSampler, scale
-from hpsearch.search.spec import StudySpec, tomllib
+from hpsearch.search.study import sampling
+from hpsearch.search.study.sobol import SobolSampler, scale
+from hpsearch.search.study.spec import StudySpec, tomllib
 from tests.conftest import spec_text
 
 SPACE = (

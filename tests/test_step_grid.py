@@ -14,11 +14,11 @@ import optuna
 import pytest
 import tomllib
 
-from hpsearch.search import sampling
-from hpsearch.search.early_stop import EarlyStop, PruningGate
-from hpsearch.search.search_config import PRUNERS
-from hpsearch.search.spec import StudySpec
-from hpsearch.search.trial_attrs import TrialReporter
+from hpsearch.search.study import sampling
+from hpsearch.search.study.search_config import PRUNERS
+from hpsearch.search.study.spec import StudySpec
+from hpsearch.search.workers.early_stop import EarlyStop, PruningGate
+from hpsearch.search.workers.trial_attrs import TrialReporter
 from hpsearch.trainer.evaluate import EarlyPoints, Metrics, point_at
 from hpsearch.trainer.optim import plan_steps
 from tests.conftest import Cli, assert_refused, hpsearch, spec_text

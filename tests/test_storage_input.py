@@ -15,8 +15,8 @@ import optuna
 import pytest
 import sqlalchemy
 
-from hpsearch.search import study as studies
-from hpsearch.search.spec import load_file
+from hpsearch.search.study import studies
+from hpsearch.search.study.spec import load_file
 from hpsearch.storage import urls
 from hpsearch.storage.open import open_storage
 from tests.conftest import hpsearch
@@ -39,7 +39,7 @@ def _error_line(result: subprocess.CompletedProcess[str], command: str) -> str:
 def _read_only(folder: Path) -> Iterator[list[str]]:
     """The real CLI's command line while ``folder`` is read-only. root writes through mode bits,
     so for root the folder becomes a read-only bind mount in a private mount namespace."""
-    cli = [sys.executable, "-m", "hpsearch.search.cli"]
+    cli = [sys.executable, "-m", "hpsearch.search.cli.main"]
     if os.geteuid() != 0:
         folder.chmod(0o555)
         try:

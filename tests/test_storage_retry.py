@@ -19,8 +19,9 @@ from optuna.trial import TrialState
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from hpsearch.search import retry, study as study_mod
-from hpsearch.search.spec import StudySpec
+from hpsearch.search.study import studies as study_mod
+from hpsearch.search.study.spec import StudySpec
+from hpsearch.search.workers import retry
 from hpsearch.storage import attrs
 from hpsearch.storage.open import Storage, open_storage
 from hpsearch.storage.retrying import CREATED_AS, REPEATS

@@ -13,8 +13,8 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import study as studies
-from hpsearch.search.spec import load_file
+from hpsearch.search.study import studies
+from hpsearch.search.study.spec import load_file
 from hpsearch.storage import attrs, liveness, slots, urls
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.tables import StudyCreation

@@ -14,8 +14,8 @@ import optuna
 import pytest
 import torch
 
-from hpsearch.search.early_stop import ChanceLevel
-from hpsearch.trainer import memory
+from hpsearch.search.workers.early_stop import ChanceLevel
+from hpsearch.trainer import meta_model
 from hpsearch.trainer.batching import IGNORE_INDEX, MULTI_LABEL, REGRESSION, TOKEN_CLASSIFICATION, Encoded
 from hpsearch.trainer.checkpoint import META
 from hpsearch.trainer.config import DataConfig
@@ -130,8 +130,8 @@ def test_chance_priors_per_task() -> None:
 
 
 def test_memory_plan_builds_each_tasks_model(tiny_model: Path) -> None:
-    token, _ = memory.meta_model(str(tiny_model), TOKEN_CLASSIFICATION, 5)
-    regression, _ = memory.meta_model(str(tiny_model), REGRESSION, 1)
+    token, _ = meta_model.meta_model(str(tiny_model), TOKEN_CLASSIFICATION, 5)
+    regression, _ = meta_model.meta_model(str(tiny_model), REGRESSION, 1)
     assert type(token).__name__ == "BertForTokenClassification"
     assert type(regression).__name__ == "BertForSequenceClassification"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpsearch.search.trial_attrs import AttrReporter
+from hpsearch.search.workers.trial_attrs import AttrReporter
 from hpsearch.storage.trialdir import RESUME, RESUME_FILE
 from hpsearch.trainer import loop, step as trainer_step
 from hpsearch.trainer.checkpoint import load_resume, record_out_of_memory
@@ -300,7 +300,7 @@ def test_training_goes_on_while_the_search_does_not_answer(
 
 
 def test_a_failed_report_saves_the_state_and_a_good_one_does_not() -> None:
-    from hpsearch.search.trial_attrs import NullReporter
+    from hpsearch.search.workers.trial_attrs import NullReporter
     from hpsearch.trainer.report import StateSavingReporter
 
     saved: list[int] = []
@@ -375,7 +375,7 @@ def test_a_stop_while_the_search_hangs_saves_at_once_and_abandons_the_call_at_th
 def test_an_immediate_reporter_is_called_at_once_on_the_runs_own_thread() -> None:
     import threading
 
-    from hpsearch.search.trial_attrs import NullReporter
+    from hpsearch.search.workers.trial_attrs import NullReporter
     from hpsearch.trainer.report import StateSavingReporter
 
     class Where(NullReporter):

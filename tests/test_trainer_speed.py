@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpsearch.search.trial_attrs import NullReporter
+from hpsearch.search.workers.trial_attrs import NullReporter
 from hpsearch.trainer.batching import micro_batches
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.encoding import prepare
@@ -255,7 +255,7 @@ def fitted(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, varied: D
 
 
 def test_group_by_length_switch_reaches_the_loop(fitted: dict[bool, Run], tiny_model: Path, varied: DataConfig) -> None:
-    from hpsearch.search.spec import StudySpec
+    from hpsearch.search.study.spec import StudySpec
 
     spec = StudySpec.from_dict(
         {

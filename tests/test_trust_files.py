@@ -328,8 +328,8 @@ def test_files_holding_the_data_are_no_more_readable_than_the_data(
 def _sharded_rank(rank: int, port: int, model_dir: str, files: tuple[str, str], out: str, resume: str | None) -> None:
     """One rank of a two-rank sharded run (as test_sharded_training.py's), resuming from ``resume``; records how it
     ended and the warnings it logged."""
-    from hpsearch.search.trial_attrs import NullReporter
-    from hpsearch.trainer import distributed, memory
+    from hpsearch.search.workers.trial_attrs import NullReporter
+    from hpsearch.trainer import distributed, meta_model
     from hpsearch.trainer.loop import Run, fit
     from hpsearch.trainer.model import PretrainedCache
     from tests.support.tiny import files_in
@@ -347,7 +347,7 @@ def _sharded_rank(rank: int, port: int, model_dir: str, files: tuple[str, str], 
             seed=3, resume_every_minutes=0, sharding="fsdp", devices_per_trial=2,
         )  # fmt: skip
         if rank > 0:
-            model = memory.empty_model(model_dir, None, None)
+            model = meta_model.empty_model(model_dir, None, None)
         else:
             model = PretrainedCache().trial_model(model_dir, None, cfg.seed, None, private=True)
         run = Run(model=model, tokenizer=tokenizer, data=data, cfg=cfg, metric="loss", device=torch.device("cpu"),

@@ -12,8 +12,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpsearch.search import warm_start
-from hpsearch.search.spec import load_file
+from hpsearch.search.study import warm_start
+from hpsearch.search.study.spec import load_file
 from hpsearch.storage import urls
 from hpsearch.storage.shown import shown
 from tests.conftest import Cli, hpsearch, spec_text, start_study
@@ -201,7 +201,7 @@ def test_a_damaged_stored_spec_leaves_status_best_export_and_reap_reading_and_st
 
 def test_an_export_refused_for_another_studys_folder_names_that_study(tmp_path: Path) -> None:
     """Study a's row points at trial-0/best of study b's folder: the refusal names b, whose model it is."""
-    from hpsearch.search.export import ExportError, export_best
+    from hpsearch.search.views.export import ExportError, export_best
     from hpsearch.storage import rundir
 
     folder = tmp_path / "runs" / "b"

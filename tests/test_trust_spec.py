@@ -20,10 +20,10 @@ import pytest
 import sqlalchemy as sa
 from optuna.trial import TrialState
 
-from hpsearch.search import study as studies
-from hpsearch.search.spec import load_file
-from hpsearch.search.stop_signals import StopFlag
-from hpsearch.search.worker import Worker, WorkerArgs
+from hpsearch.search.study import studies
+from hpsearch.search.study.spec import load_file
+from hpsearch.search.workers.stop_signals import StopFlag
+from hpsearch.search.workers.worker import Worker, WorkerArgs
 from hpsearch.storage import registry, urls
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.trialdir import TrialDir
@@ -111,7 +111,7 @@ def test_no_value_of_a_data_file_reaches_the_database_in_a_fail_reason(
 
 
 def test_public_reason_names_the_error_and_its_place_not_its_message(tmp_path: Path) -> None:
-    from hpsearch.search.attempt import public_reason
+    from hpsearch.search.workers.attempt import public_reason
 
     def fails() -> None:
         raise ValueError(f"row 3 holds {SECRET}")
@@ -169,7 +169,7 @@ def _on_a_terminal(args: list[str], cwd: Path, timeout: float = 300) -> tuple[in
     controller, terminal = os.openpty()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(cwd / "hf-home")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hpsearch.search.cli", *args],
+        [sys.executable, "-m", "hpsearch.search.cli.main", *args],
         cwd=cwd,
         stdin=terminal,
         stdout=terminal,

@@ -13,7 +13,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from hpsearch.search import warm_start
+from hpsearch.search.study import warm_start
 from hpsearch.storage import attrs, urls
 from hpsearch.storage.open import open_storage
 from tests.conftest import Cli, hpsearch, spec_text, start_study
@@ -196,7 +196,7 @@ def test_values_that_do_not_fit_are_left_out_and_a_study_is_given_only_whole_poi
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
 ) -> None:
     """The earlier rows are input: a value off the grid, of the wrong type or outside the choices is left out."""
-    from hpsearch.search.spec import load_file
+    from hpsearch.search.study.spec import load_file
 
     space = (
         'learning_rate = { type = "float", low = 1e-4, high = 1e-3, step = 1e-4 }\n'
@@ -233,8 +233,8 @@ def test_values_that_do_not_fit_are_left_out_and_a_study_is_given_only_whole_poi
 
 def _racing_start(url: str, spec_path: str, barrier: Any) -> str:
     """One `start`'s read of the warm start and its creation of "big", released with the other's."""
-    from hpsearch.search import study as studies
-    from hpsearch.search.spec import load_file
+    from hpsearch.search.study import studies
+    from hpsearch.search.study.spec import load_file
 
     spec = load_file(Path(spec_path))
     plan = warm_start.plan(spec, "big", url)
@@ -270,7 +270,7 @@ def test_two_racing_starts_apply_the_warm_start_once(
     assert [t.system_attrs["fixed_params"]["learning_rate"] for t in queued] == [3e-4, 1e-4]  # best (lowest) first
     assert sorted(t.value for t in trials if t.user_attrs.get(attrs.EARLIER_RESULT)) == [0.2, 0.3, 0.4]
     # "big" ran nothing yet: a study warm-started from it gets none of the results "big" was only given.
-    from hpsearch.search.spec import load_file
+    from hpsearch.search.study.spec import load_file
 
     third = _spec(tmp_path / "third.toml", demo_files, tiny_model, n_trials=6, space=space, search='warm_start = "big"')
     chained = warm_start.plan(load_file(third), "third", storage_url)

@@ -1,5 +1,5 @@
 """One fine-tune: the training loop, in the spirit of nanoGPT's train.py and litgpt's fit().
-When a run ends early is the search's business: the reporter says whether to prune (search/early_stop.py)."""
+When a run ends early is the search's business: the reporter says whether to prune (search/workers/early_stop.py)."""
 
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResu
         path = _save_state(loop, state)
         loop.last_resume = time.monotonic()
         if world.is_main:
-            # Recorded so that a retry on another worker can find it (see search/reap.py).
+            # Recorded so that a retry on another worker can find it (see search/workers/reap.py).
             loop.reporter.state_saved(path.resolve())
     return _judge(loop, point.value, state.step, metrics)
 
@@ -175,7 +175,7 @@ def early_point(loop: Loop, state: TrainState) -> TrainResult | None:
         return TrainResult(Status.FAILED, fail_reason=FailReason.OOM)
     value = metrics.objective(run.metric)
     rows = len(loop.early_data.validation)
-    # The loss too: an early point cuts a trial on it (flat at the label prior's: search/early_stop.py).
+    # The loss too: an early point cuts a trial on it (flat at the label prior's: search/workers/early_stop.py).
     shown = f"val_loss {metrics.loss:.4f}" + (f" val_{run.metric} {value:.4f}" if run.metric != "loss" else "")
     log.info("step %d/%d early point (%d rows) %s", state.step, loop.total_steps, rows, shown)
     return _judge(loop, value, state.step, metrics)

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 class Reporter(Protocol):
     """What the trainer needs from a search: Optuna's trial, reduced to a few calls that say what
-    happened. Where the search records it is its own business (search/trial_attrs.py)."""
+    happened. Where the search records it is its own business (search/workers/trial_attrs.py)."""
 
     immediate: bool
     """True: called at once on the run's own thread, never through a report queue (its calls never wait)."""
@@ -30,7 +30,7 @@ class Reporter(Protocol):
         """Record the objective at optimizer step ``step``, with every metric of that point."""
 
     def should_prune(self) -> bool:
-        """Whether the search (its pruner, or search/early_stop.py) wants the run stopped after the last report."""
+        """Whether the search (its pruner, or workers/early_stop.py) wants the run stopped after the last report."""
 
     def best_saved(self, path: Path, step: int, values: dict[str, float]) -> None:
         """A new best model (of step ``step``, with ``Metrics.values()``) is at ``path`` (absolute); also
@@ -149,7 +149,7 @@ class CallAbandoned(Exception):
 
 
 class Status(enum.StrEnum):
-    """How a run ended, as the trainer sees it (search/outcome.py says what each means for the trial)."""
+    """How a run ended, as the trainer sees it (search/workers/outcome.py says what each means for the trial)."""
 
     COMPLETE = "complete"
     PRUNED = "pruned"

@@ -1,8 +1,8 @@
 """hpsearch from Python: ``import hpsearch``. Installed as the top-level package ``hpsearch`` (pyproject's
-package-dir); the code is in search/api_*.py, this only names what is public. docs/python.md shows it at work.
+package-dir); the code is in search/python_api/, this only names what is public. docs/python.md shows it at work.
 
 The names are imported on first use: every `hpsearch` command imports this package first, and `hpsearch --help`
-must not wait for optuna and torch (nor may `python -m hpsearch.search.cli` find its module imported already)."""
+must not wait for optuna and torch (nor may `python -m hpsearch.search.cli.main` find its module imported already)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hpsearch.search.api_errors import HpsearchError, InputError, SearchError
-    from hpsearch.search.api_search import Best, Search, Status
-    from hpsearch.search.api_start import load, plan, start, studies
-    from hpsearch.search.cli_list import StudyRow
+    from hpsearch.search.cli.list_command import StudyRow
+    from hpsearch.search.python_api.errors import HpsearchError, InputError, SearchError
+    from hpsearch.search.python_api.search import Best, Search, Status
+    from hpsearch.search.python_api.start import load, plan, start, studies
 
 try:
     __version__ = version("hpsearch")
@@ -22,17 +22,17 @@ except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "unknown"
 
 _HOMES = {
-    "HpsearchError": "api_errors",
-    "InputError": "api_errors",
-    "SearchError": "api_errors",
-    "Best": "api_search",
-    "Search": "api_search",
-    "Status": "api_search",
-    "load": "api_start",
-    "plan": "api_start",
-    "start": "api_start",
-    "studies": "api_start",
-    "StudyRow": "cli_list",
+    "HpsearchError": "python_api.errors",
+    "InputError": "python_api.errors",
+    "SearchError": "python_api.errors",
+    "Best": "python_api.search",
+    "Search": "python_api.search",
+    "Status": "python_api.search",
+    "load": "python_api.start",
+    "plan": "python_api.start",
+    "start": "python_api.start",
+    "studies": "python_api.start",
+    "StudyRow": "cli.list_command",
 }
 """Each public name and its module under hpsearch.search."""
 

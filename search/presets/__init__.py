@@ -13,7 +13,7 @@ from hpsearch.search.errors import SpecError
 from hpsearch.trainer.config import DataConfig
 
 if TYPE_CHECKING:
-    from hpsearch.search.spec import StudySpec
+    from hpsearch.search.study.spec import StudySpec
 
 PRESETS = ("bert-lr", "gpt2-lr", "lora-chat")
 PKG_SCHEME = "pkg://"

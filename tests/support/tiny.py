@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from hpsearch.search.presets import demo_data, tiny_gpt2
-from hpsearch.search.trial_attrs import NullReporter
+from hpsearch.search.workers.trial_attrs import NullReporter
 from hpsearch.storage.trialdir import BEST, CURVES, OUT_OF_MEMORY_FILE, RESUME, RESUME_FILE
 from hpsearch.trainer.checkpoint import RunFiles
 from hpsearch.trainer.config import TrainConfig

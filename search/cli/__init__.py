@@ -1,0 +1,1 @@
+"""The `hpsearch` command line and its commands."""

@@ -1,0 +1,1 @@
+"""hpsearch from Python (``import hpsearch``): what search/api/ names."""
