@@ -355,7 +355,7 @@ def trainer_side(
     learning rate, linear schedule without warm-up, clipping and steps; no saving, no evaluation."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
+    from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq
 
     from hpsearch.trainer.adapters import quantization_config
     from hpsearch.trainer.config import DataConfig, ModelConfig
@@ -399,30 +399,7 @@ def trainer_side(
         return pad(features)
 
     cuda = torch.cuda.is_available()
-    args = TrainingArguments(
-        output_dir=str(model_dir.parent / "trainer-out"),
-        per_device_train_batch_size=micro,
-        gradient_accumulation_steps=batch // micro,
-        max_steps=steps,
-        learning_rate=lr,
-        lr_scheduler_type="linear",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        bf16=precision == "bf16",
-        use_cpu=not cuda,
-        seed=0,
-        eval_strategy="no",
-        save_strategy="no",
-        logging_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collate)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()  # after the Trainer put the model on the GPU, as hpsearch's figure
-    out = trainer.train()
-    seconds = float(out.metrics["train_runtime"])
+    seconds = _trainer_train(model, rows, collate, model_dir.parent / "trainer-out", batch, micro, steps, lr, precision)
     figures = {
         "precision": precision,
         "train_tokens_per_second": round(counted["tokens"] / seconds, 1),
@@ -432,7 +409,7 @@ def trainer_side(
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "wall_seconds": round(time.monotonic() - started, 1),
     }
-    del trainer, model
+    del model
     if cuda:
         torch.cuda.empty_cache()
     return figures
@@ -444,7 +421,7 @@ def bert_trainer_side(model_dir: Path, train: Path, shapes: Shapes, lr: float, p
     same precision, batch, learning rate, linear schedule without warm-up, clipping and steps; no saving, no
     evaluation. Wall time from the model load to the end of training, as hpsearch's trial is timed."""
     import torch
-    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, Trainer, TrainingArguments
+    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
     from hpsearch.trainer.config import DataConfig
     from hpsearch.trainer.encoding import prepare
@@ -469,10 +446,39 @@ def bert_trainer_side(model_dir: Path, train: Path, shapes: Shapes, lr: float, p
         return batch
 
     cuda = torch.cuda.is_available()
+    batch = shapes.bert_batch
+    seconds = _trainer_train(
+        model, rows, collate, model_dir.parent / "bert-trainer-out", batch, batch, shapes.bert_steps, lr, precision
+    )
+    figures = {
+        "precision": precision,
+        "train_tokens_per_second": round(counted["tokens"] / seconds, 1),
+        "mfu": _mfu(flops_per_token(model), counted["tokens"], seconds),
+        "peak_memory_mb": round(_peak_mb(), 1),
+        "train_seconds": round(seconds, 3),
+        "train_padding_ratio": round(counted["padded"] / max(counted["tokens"], 1), 3),
+        "wall_seconds": round(time.monotonic() - started, 1),
+    }
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+    return figures
+
+
+def _trainer_train(
+    model: Any, rows: Any, collate: Any, out: Path, batch: int, micro: int, steps: int, lr: float, precision: str
+) -> float:
+    """``transformers.Trainer`` on hpsearch's settings (linear decay without warm-up, no weight decay, clipping at
+    1, seed 0; no evaluation, saving or logging): its train_runtime in seconds."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    cuda = torch.cuda.is_available()
     args = TrainingArguments(
-        output_dir=str(model_dir.parent / "bert-trainer-out"),
-        per_device_train_batch_size=shapes.bert_batch,
-        max_steps=shapes.bert_steps,
+        output_dir=str(out),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=batch // micro,
+        max_steps=steps,
         learning_rate=lr,
         lr_scheduler_type="linear",
         warmup_steps=0,
@@ -490,21 +496,7 @@ def bert_trainer_side(model_dir: Path, train: Path, shapes: Shapes, lr: float, p
     trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collate)
     if cuda:
         torch.cuda.reset_peak_memory_stats()  # after the Trainer put the model on the GPU, as hpsearch's figure
-    out = trainer.train()
-    seconds = float(out.metrics["train_runtime"])
-    figures = {
-        "precision": precision,
-        "train_tokens_per_second": round(counted["tokens"] / seconds, 1),
-        "mfu": _mfu(flops_per_token(model), counted["tokens"], seconds),
-        "peak_memory_mb": round(_peak_mb(), 1),
-        "train_seconds": round(seconds, 3),
-        "train_padding_ratio": round(counted["padded"] / max(counted["tokens"], 1), 3),
-        "wall_seconds": round(time.monotonic() - started, 1),
-    }
-    del trainer, model
-    if cuda:
-        torch.cuda.empty_cache()
-    return figures
+    return float(trainer.train().metrics["train_runtime"])
 
 
 def _mfu(flops: float, tokens: int, seconds: float) -> float | None:
