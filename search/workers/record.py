@@ -1,6 +1,7 @@
-"""One trial's record in its study, as the worker running an attempt writes it: what the trainer reports (through
-``reporter``, workers/trial_attrs.py), where it runs, the takeover of a failed attempt's folder, and the attempt's
-end (outcome.py's table: its state, fail_reason, retry and the device-time ledger's close). The deletion of its
+"""One trial's record in its study, as the worker running an attempt writes it: its start (its slot, the worker's
+registry row and the device-time ledger's open), what the trainer reports (through ``reporter``,
+workers/trial_attrs.py), where it runs, the takeover of a failed attempt's folder, and the attempt's end
+(outcome.py's table: its state, fail_reason, retry and the ledger's close). The deletion of its
 checkpoints is storage/deletions.py's, which retention (storage/, below search/) writes too."""
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import optuna
 from hpsearch.search.workers import outcome, retry
 from hpsearch.search.workers.outcome import Outcome
 from hpsearch.search.workers.trial_attrs import TrialReporter
+from hpsearch.storage import registry, slots
+from hpsearch.storage.errors import StorageError
 from hpsearch.storage.open import Storage
 from hpsearch.storage.trialdir import TrialDir
 
@@ -33,6 +36,29 @@ class TrialRecord:
     @property
     def number(self) -> int:
         return self.trial.number
+
+    def begin(self, slot: int, registration: registry.Registration | None) -> None:
+        """Bind the trial to its slot and to this worker's registry row, which opens its attempt in the device-time
+        ledger (one transaction). Until the row names the trial, no heartbeat covers it: a failure in between hands
+        it back here."""
+        try:
+            slots.bind_slot(self.storage.db, self.study.study_name, slot, self.number)
+            if registration:
+                registration.trial_started(self.number)
+        except BaseException:
+            log.error("trial %d could not be registered; handing it back", self.number)
+            try:
+                self.end(Outcome.NOT_STARTED)
+            except StorageError as err:
+                # Left RUNNING: the next worker to start finds it orphaned, fails and retries it (reap.py).
+                log.warning("could not hand trial %d back: %s", self.number, err)
+            raise
+
+    def leave(self, registration: registry.Registration | None, *, finished: bool) -> None:
+        """The worker's row lets go of the trial (``finished``: it ended here; else handed back), closing its
+        attempt in the ledger if its end did not."""
+        if registration:
+            registration.trial_ended(finished=finished)
 
     @functools.cached_property
     def reporter(self) -> TrialReporter:

@@ -200,7 +200,8 @@ class Worker:
                 slots.release_slot(self.storage.db, self.args.study, slot=slot)
                 continue
             record = self.record(trial)
-            self._begin(record, slot)
+            record.begin(slot, self.registration)
+            self._notify("trial", trial._trial_id, trial.number)
             try:
                 ended = attempt.run(record, self.bench())
                 if ended is not None and ended is not Outcome.INTERRUPTED:
@@ -215,9 +216,8 @@ class Worker:
                     raise
                 # Reaped meanwhile (see TrialRecord.end).
                 log.warning("trial %d was reaped while it ran here; dropping this attempt", trial.number)
-            if self.registration:
-                # A trial cut short by a stop request is handed back, not finished here.
-                self.registration.trial_ended(finished=not self.stop())
+            # A trial cut short by a stop request is handed back, not finished here.
+            record.leave(self.registration, finished=not self.stop())
             self._notify("idle", trial._trial_id, trial.number)
             self._tidy()
             finished += 1
@@ -264,24 +264,6 @@ class Worker:
             peers=self.peers,
             stop=self.stop,
         )
-
-    def _begin(self, record: TrialRecord, slot: int) -> None:
-        """Bind the trial to its slot and to this worker's registry row, then tell the supervisor.
-        Until the row names the trial, no heartbeat covers it: a failure in between hands it back here."""
-        trial = record.trial
-        try:
-            slots.bind_slot(self.storage.db, self.args.study, slot, trial.number)
-            if self.registration:
-                self.registration.trial_started(trial.number)
-        except BaseException:
-            log.error("trial %d could not be registered; handing it back", trial.number)
-            try:
-                record.end(Outcome.NOT_STARTED)
-            except StorageError as err:
-                # Left RUNNING: the next worker to start finds it orphaned, fails and retries it (reap.py).
-                log.warning("could not hand trial %d back: %s", trial.number, err)
-            raise
-        self._notify("trial", trial._trial_id, trial.number)
 
     def _wait_for_missing_workers(self) -> bool:
         """True (after a pause, if needed) when the used-up budget may still free a slot here: a trial whose
