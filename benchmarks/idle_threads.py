@@ -76,10 +76,9 @@ def main(argv: list[str] | None = None) -> int:
             proc.kill()
     print(f"cores {cores}, busy for {args.busy_seconds:.0f} s before; load average at the start {load:.2f}")
     print(f"cores another job held through the trial: {args.busy_while_starting}")
-    print(
-        f"the trial trained with {threads} thread(s) (expected {max(cores - args.busy_while_starting, 1)}), {seconds:.1f} s"
-    )
-    return 0 if threads == max(cores - args.busy_while_starting, 1) else 1
+    expected = max(cores - args.busy_while_starting, 1)
+    print(f"the trial trained with {threads} thread(s) (expected {expected}), {seconds:.1f} s")
+    return 0 if threads == expected else 1
 
 
 if __name__ == "__main__":
