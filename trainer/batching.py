@@ -1,96 +1,28 @@
-"""Tokenised splits and how they are cut into batches: shuffled by length, sharded over ranks, padded; which
+"""How tokenised splits (tokenised.py) are cut into batches: shuffled by length, sharded over ranks, padded; which
 micro-batches each optimizer step trains on (``Batches``)."""
 
 from __future__ import annotations
 
-import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+# MULTI_LABEL, REGRESSION and TOKEN_CLASSIFICATION: task_rows.py still takes them from here (their home is
+# task_names.py).
+from hpsearch.trainer.task_names import (
+    CLASSIFICATION,
+    IGNORE_INDEX,
+    MULTI_LABEL as MULTI_LABEL,
+    PER_EXAMPLE,
+    REGRESSION as REGRESSION,
+    TOKEN_CLASSIFICATION as TOKEN_CLASSIFICATION,
+)
+from hpsearch.trainer.tokenised import Encoded, Prepared
+
 if TYPE_CHECKING:
     from hpsearch.trainer.config import TrainConfig
     from hpsearch.trainer.distributed import World
-    from hpsearch.trainer.encoding import Prepared
-
-CLASSIFICATION, CAUSAL_LM = "classification", "causal-lm"
-REGRESSION, MULTI_LABEL, TOKEN_CLASSIFICATION = "regression", "multi-label", "token-classification"
-PER_EXAMPLE = (CLASSIFICATION, REGRESSION, MULTI_LABEL)
-"""The tasks with one target a row (a class id, or a row of ``Encoded.scores``): the loss is averaged per row."""
-IGNORE_INDEX = -100
-"""Label of a token left out of the loss (cross_entropy's ignore_index): prompt and padding."""
-
-
-@dataclass
-class Encoded:
-    """A tokenised split: variable-length id lists (no padding is stored) and what they are trained to predict:
-    a class id each (classification), a row of ``scores`` (regression: the number; multi-label: 0/1 per label), a
-    tag id per token in ``token_labels`` (token-classification: a word's first sub-token; IGNORE_INDEX elsewhere),
-    or their own next tokens after ``prompt_lengths[i]`` prompt tokens (causal-lm), or, for chat data, the tokens
-    whose ``token_labels`` are not IGNORE_INDEX (the assistant's turns)."""
-
-    input_ids: list[list[int]]
-    labels: list[int] = field(default_factory=list)
-    prompt_lengths: list[int] = field(default_factory=list)
-    token_labels: list[list[int]] = field(default_factory=list)
-    """Chat data: each token's label, its own id or IGNORE_INDEX; empty otherwise (then prompt_lengths apply)."""
-    task: str = CLASSIFICATION
-    dropped: list[int] = field(default_factory=list)
-    """Causal-lm: the line numbers of rows left out, every token they train on lying beyond model.max_length."""
-    scores: list[list[float]] = field(default_factory=list)
-    """Regression ([the number]) and multi-label (1.0 where a label applies, else 0.0, in label id order)."""
-    token_type_ids: list[list[int]] = field(default_factory=list)
-    """Sentence pairs, for a tokenizer that marks the second sentence (BERT's segment ids); empty otherwise."""
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-    def subset(self, indices: Sequence[int]) -> Encoded:
-        """These rows only, in this order (the lists a task does not use stay empty)."""
-
-        def pick(rows: list[Any]) -> list[Any]:
-            return [rows[i] for i in indices] if rows else []
-
-        return Encoded(
-            pick(self.input_ids),
-            pick(self.labels),
-            pick(self.prompt_lengths),
-            pick(self.token_labels),
-            self.task,
-            scores=pick(self.scores),
-            token_type_ids=pick(self.token_type_ids),
-        )
-
-    @functools.cached_property
-    def lengths(self) -> list[int]:
-        # Cached: the loop asks for it every epoch and it is O(dataset) to rebuild.
-        return [len(ids) for ids in self.input_ids]
-
-    def real_tokens(self, indices: Sequence[int]) -> int:
-        """Tokens that carry text (special tokens included), padding excluded."""
-        return sum(self.lengths[i] for i in indices)
-
-    def padded_tokens(self, indices: Sequence[int]) -> int:
-        """Tokens the model processes for this batch once padded to its longest sequence."""
-        return len(indices) * max(self.lengths[i] for i in indices)
-
-    def targets(self, indices: Sequence[int]) -> int:
-        """What the loss is averaged over: examples, tagged words (token-classification), or predicted tokens for
-        causal-lm (a sequence's first token and its prompt are never predicted)."""
-        if self.task in PER_EXAMPLE:
-            return len(indices)
-        if self.token_labels:
-            return sum(self._label_counts[i] for i in indices)
-        lengths, prompts = self.lengths, self.prompt_lengths
-        return sum(lengths[i] - max(prompts[i], 1) for i in indices)
-
-    @functools.cached_property
-    def _label_counts(self) -> list[int]:
-        # Causal-lm from position 1: the first token is never predicted, whatever its label. A tagger predicts
-        # at every position: its [CLS] is IGNORE_INDEX anyway.
-        start = 0 if self.task == TOKEN_CLASSIFICATION else 1
-        return [sum(label != IGNORE_INDEX for label in labels[start:]) for labels in self.token_labels]
 
 
 GROUP_WINDOW_STEPS = 4
