@@ -100,7 +100,7 @@ def keep(prepared: Prepared, cfg: DataConfig, tokenizer: Any, max_length: int, c
         if os.path.lexists(path):
             return
         try:
-            tmp, _ = token_cache.build(cache_dir, key, prepared, pieces, mode)
+            tmp, _ = token_cache.build(cache_dir, key, prepared, pieces, mode, token_cache.narrow_ids(tokenizer))
         except OSError as exc:
             log.warning("cannot write token cache %s (%s); continuing without it", path, exc)
             return
@@ -172,7 +172,7 @@ def _tokenise(
 
     shared = Prepared(Encoded([]), Encoded([]), labels, pad_id=int(pad_id or 0), task=task)
     built = {"train": pieces(splits.train), "validation": pieces(splits.validation)}
-    tmp, prepared = token_cache.build(folder, key, shared, built, mode)
+    tmp, prepared = token_cache.build(folder, key, shared, built, mode, token_cache.narrow_ids(tokenizer))
     try:
         check_dropped(prepared, cfg, max_length)  # before a cache is published for a file that is refused
     except BaseException:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from hpsearch.trainer import precision as prec, tasks
-from hpsearch.trainer.batching import Batches, collate
+from hpsearch.trainer.batching import Batch, Batches, collate
 from hpsearch.trainer.distributed import World
 from hpsearch.trainer.errors import RankOutOfMemory
 from hpsearch.trainer.evaluate import Metrics, evaluate
@@ -73,7 +73,7 @@ def train_step(
 def _accumulate(
     model: torch.nn.Module,
     data: Prepared,
-    mine: list[list[int]],
+    mine: list[Batch],
     scale: float,
     device: torch.device,
     precision: str,

@@ -40,12 +40,14 @@ META_LIMIT = 64 << 20
 """meta.json is small (its largest part: the line numbers of rows left out); a planted one must not fill memory."""
 
 
-def _types() -> dict[str, Any]:
+def _types(narrow: bool = False) -> dict[str, Any]:
+    """Each Encoded field a split may hold, with its Arrow type; a split stores those it uses (a classifier has no
+    token_labels). ``narrow``: token ids as 2 bytes (a vocabulary of at most 65,536), half the file and the pages
+    each worker maps."""
     import pyarrow as pa
 
-    # Each Encoded field a split may hold; a split stores those it uses (a classifier has no token_labels).
     return {
-        "input_ids": pa.list_(pa.int32()),
+        "input_ids": pa.list_(pa.uint16() if narrow else pa.int32()),
         "labels": pa.int64(),
         "prompt_lengths": pa.int32(),
         "token_labels": pa.list_(pa.int32()),
@@ -73,8 +75,16 @@ def chunks(split: Encoded) -> Iterator[Encoded]:
         )
 
 
+def narrow_ids(tokenizer: Any) -> bool:
+    """Whether every id ``tokenizer`` gives fits in 2 bytes (BERT's 30,522, GPT-2's 50,257; not Llama 3's 128,256)."""
+    try:
+        return 0 < len(tokenizer) <= 1 << 16
+    except TypeError:  # no length to go by
+        return False
+
+
 def build(
-    folder: Path, key: str, prepared: Prepared, pieces: dict[str, Iterable[Encoded]], mode: int
+    folder: Path, key: str, prepared: Prepared, pieces: dict[str, Iterable[Encoded]], mode: int, narrow: bool
 ) -> tuple[Path, Prepared]:
     """Write an entry under a private name in ``folder`` from each split's ``pieces`` (consumed one at a time: the
     whole split is never in memory), and map it back. ``prepared`` gives what the splits share (labels, padding
@@ -85,7 +95,7 @@ def build(
     # The folder's mode follows its files': searchable by whoever may read them.
     os.mkdir(tmp, mode | ((mode & 0o444) >> 2))
     try:
-        splits = {name: _write_split(tmp / f"{name}.arrow", pieces[name], mode) for name in SPLITS}
+        splits = {name: _write_split(tmp / f"{name}.arrow", pieces[name], mode, narrow) for name in SPLITS}
         labels = None
         if prepared.labels is not None:
             labels = {"names": list(prepared.labels.names), "numeric": prepared.labels.numeric}
@@ -103,10 +113,10 @@ def build(
         raise
 
 
-def _write_split(path: Path, pieces: Iterable[Encoded], mode: int) -> dict[str, Any]:
+def _write_split(path: Path, pieces: Iterable[Encoded], mode: int, narrow: bool) -> dict[str, Any]:
     import pyarrow as pa
 
-    types = _types()
+    types = _types(narrow)
     rows, task, dropped = 0, None, []
     writer, sink = None, regular.create_new(path, mode, binary=True)
     with sink:
@@ -170,9 +180,9 @@ def _map(path: Path) -> Any:
             raise ValueError(f"{path.name} is empty")
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # outlives the descriptor
     table = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(mapped))).read_all()
-    types = _types()
+    types, narrow = _types(), _types(narrow=True)
     for name, column in zip(table.column_names, table.columns, strict=True):
-        if types.get(name) != column.type:
+        if column.type not in (types.get(name), narrow.get(name)):
             raise ValueError(f"{path.name}: column {name!r} of type {column.type} is not one hpsearch writes")
         if column.null_count:
             raise ValueError(f"{path.name}: column {name!r} has missing values")
