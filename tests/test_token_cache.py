@@ -174,3 +174,19 @@ def test_a_damaged_or_foreign_entry_is_refused_and_rebuilt(
         assert (tmp_path / "elsewhere" / "meta.json").exists(), "the link was followed"
     assert token_cache.load(rebuilt, json.loads((rebuilt / "meta.json").read_text())["key"]) is not None
     assert sorted(p.name for p in cache.iterdir()) == sorted([rebuilt.name, rebuilt.name + ".lock"])
+
+
+def test_with_no_temporary_disk_the_splits_are_tokenised_into_memory(
+    tiny_model: Path, cfg: DataConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import tempfile
+
+    tok = load_tokenizer(str(tiny_model))
+    mapped = prepare(cfg, tok, 32, None)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-folder"))
+    monkeypatch.setattr(token_cache, "CHUNK_ROWS", 50)  # the pieces joined again
+    caplog.set_level(logging.WARNING, "hpsearch.trainer.encoding")
+    held = prepare(cfg, tok, 32, None)
+    assert isinstance(held.train.input_ids, list) and held.train.input_ids == list(mapped.train.input_ids)
+    assert held.validation.labels == list(mapped.validation.labels) and held.labels == mapped.labels
+    assert any("held in memory" in r.getMessage() for r in caplog.records)

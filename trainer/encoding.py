@@ -81,7 +81,8 @@ def prepare(
                 except OSError as exc:
                     log.warning("cannot write token cache %s (%s); continuing without it", path, exc)
                     return _private(cfg, tokenizer, max_length, task, splits, key, mode)
-                _publish(tmp, path)
+                if tmp is not None:
+                    _publish(tmp, path)
     return dataclasses.replace(cached, mode=mode)
 
 
@@ -129,9 +130,16 @@ def _private(
 ) -> Prepared:
     """Tokenised into a private temporary folder, mapped, and the folder deleted at once: the mapped files live
     on until the splits are dropped, and nothing is left behind (a `start` that fails writes nothing)."""
-    folder = Path(tempfile.mkdtemp(prefix="hpsearch-tokens-"))
+    try:
+        folder = Path(tempfile.mkdtemp(prefix="hpsearch-tokens-")).resolve()  # no link on the way (macOS: /var)
+    except OSError as exc:
+        log.warning("cannot make a temporary folder (%s): the tokenised splits are held in memory", exc)
+        return _tokenise(cfg, tokenizer, max_length, task, splits, None, key, mode)[1]
     try:
         _, prepared = _tokenise(cfg, tokenizer, max_length, task, splits, folder, key, mode)
+    except OSError as exc:  # the temporary disk is full, say: not the data's fault
+        log.warning("cannot write the tokenised splits to %s (%s): they are held in memory", folder, exc)
+        return _tokenise(cfg, tokenizer, max_length, task, splits, None, key, mode)[1]
     finally:
         regular.remove(folder)
     return prepared
@@ -143,12 +151,13 @@ def _tokenise(
     max_length: int,
     task: str,
     splits: Splits | None,
-    folder: Path,
+    folder: Path | None,
     key: str,
     mode: int,
-) -> tuple[Path, Prepared]:
+) -> tuple[Path | None, Prepared]:
     """Tokenise both splits CHUNK_ROWS rows at a time into an unpublished entry in ``folder``: the token ids of a
-    big file are never all in Python lists at once. Refused (and removed) when check_dropped refuses it."""
+    big file are never all in Python lists at once. Refused (and removed) when check_dropped refuses it. ``folder``
+    None: into Python lists (no disk to write to)."""
     splits = splits if splits is not None else read_splits(cfg, task)
     log.info("tokenising %s and %s (max_length %d)", *names(cfg), max_length)
     # GPT-style tokenizers have no padding token; padded positions are masked out anyway.
@@ -172,6 +181,10 @@ def _tokenise(
 
     shared = Prepared(Encoded([]), Encoded([]), labels, pad_id=int(pad_id or 0), task=task)
     built = {"train": pieces(splits.train), "validation": pieces(splits.validation)}
+    if folder is None:
+        joined = dataclasses.replace(shared, train=_joined(built["train"]), validation=_joined(built["validation"]))
+        check_dropped(joined, cfg, max_length)
+        return None, dataclasses.replace(joined, mode=mode)
     tmp, prepared = token_cache.build(folder, key, shared, built, mode, token_cache.narrow_ids(tokenizer))
     try:
         check_dropped(prepared, cfg, max_length)  # before a cache is published for a file that is refused
@@ -179,6 +192,18 @@ def _tokenise(
         regular.remove(tmp)
         raise
     return tmp, dataclasses.replace(prepared, mode=mode)
+
+
+def _joined(pieces: Iterator[Encoded]) -> Encoded:
+    """One split from its pieces, as Python lists."""
+    fields = ("input_ids", "labels", "prompt_lengths", "token_labels", "scores", "token_type_ids", "dropped")
+    lists: dict[str, list[Any]] = {name: [] for name in fields}
+    task = CLASSIFICATION
+    for piece in pieces:
+        task = piece.task
+        for name in fields:
+            lists[name].extend(getattr(piece, name))
+    return Encoded(task=task, **lists)
 
 
 def _pieces(rows: Any, size: int) -> Iterator[Any]:
