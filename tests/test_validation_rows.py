@@ -22,6 +22,7 @@ from hpsearch.trainer.evaluate import PointRows, evaluate
 from hpsearch.trainer.loop import fit
 from hpsearch.trainer.model import load_tokenizer
 from hpsearch.trainer.tokenised import Encoded, Prepared
+from tests.conftest import Cli, assert_refused, spec_text
 from tests.support.tiny import tiny_run
 
 
@@ -103,3 +104,19 @@ def test_two_workers_draw_the_same_rows(tmp_path: Path) -> None:
 def test_validation_rows_must_be_a_whole_number_of_rows(value: Any) -> None:
     with pytest.raises(ConfigError, match=r"data\.validation_rows: .* must be a positive whole number of rows"):
         DataConfig(train="t.jsonl", validation="v.jsonl", validation_rows=value).validate()
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("-5", "data.validation_rows: -5 must be a positive whole number of rows"),
+        ("0.5", "data.validation_rows: 0.5 has the wrong type; expected an integer"),
+    ],
+)
+def test_a_bad_validation_rows_stops_start_in_one_line(
+    cli: Cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path], value: str, expected: str
+) -> None:
+    spec = tmp_path / "spec.toml"
+    text = spec_text(tiny_model, *demo_files, n_trials=1)
+    spec.write_text(text.replace("[data]\n", f"[data]\nvalidation_rows = {value}\n"))
+    assert_refused(cli, spec, tmp_path, expected)
