@@ -44,7 +44,7 @@ def peak_rss_mib() -> float:
 def measure(path: str, fraction: float) -> None:
     """In its own process: the peak RSS is this read's alone (and the imports', given as "before")."""
     from hpsearch.trainer.config import DataConfig
-    from hpsearch.trainer.encoding import read_splits
+    from hpsearch.trainer.splits import read_splits
 
     before = peak_rss_mib()
     started = time.perf_counter()

@@ -107,12 +107,13 @@ def read_text(path: Path, limit: int, *, follow: bool = False, encoding: str = "
     return read_bytes(path, limit, follow=follow).decode(encoding)
 
 
-def create_new(path: Path, mode: int) -> IO[Any]:
+def create_new(path: Path, mode: int, *, binary: bool = False) -> IO[Any]:
     """A new file to write at ``path`` (none may be there: a temporary name of the caller's), created with
-    ``mode`` (less the umask) rather than the umask's default: for what holds data-derived content."""
+    ``mode`` (less the umask) rather than the umask's default: for what holds data-derived content. Text (UTF-8)
+    unless ``binary``."""
     check_unmoved(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    return os.fdopen(fd, "w", encoding="utf-8")
+    return os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8")
 
 
 def remove(path: Path) -> bool:

@@ -15,8 +15,9 @@ import pytest
 
 from hpsearch.trainer import reading as data_module
 from hpsearch.trainer.config import DataConfig
-from hpsearch.trainer.encoding import prepare, read_splits
+from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.model import load_tokenizer
+from hpsearch.trainer.splits import read_splits
 from tests.conftest import assert_refused, spec_text
 
 

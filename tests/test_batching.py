@@ -116,10 +116,10 @@ def test_a_halving_after_running_out_of_memory_keeps_every_dealt_step(n: int) ->
     """Batches.halve cuts each drawn micro-batch of 8 into pieces of 4, and the epoch's partial one (1 row, or 0)
     into one piece: each step still trains on the same rows as it would have unhalved, the steps after the
     partial micro-batch included."""
-    from hpsearch.trainer.batching import Batches, Encoded
+    from hpsearch.trainer.batching import Batches
     from hpsearch.trainer.config import TrainConfig
     from hpsearch.trainer.distributed import World
-    from hpsearch.trainer.encoding import Prepared
+    from hpsearch.trainer.tokenised import Encoded, Prepared
 
     train = Encoded([[1] * length for length in _lengths(n)], [0] * n)
     data = Prepared(train, train, None, 0)

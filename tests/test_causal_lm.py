@@ -12,12 +12,13 @@ import torch
 
 from hpsearch.search.workers.trial_attrs import NullReporter
 from hpsearch.storage.trialdir import RESUME, RESUME_FILE
-from hpsearch.trainer.batching import IGNORE_INDEX, collate, even_shards
+from hpsearch.trainer.batching import collate, even_shards
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.loop import Run, fit
 from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 from hpsearch.trainer.report import TrainResult
+from hpsearch.trainer.task_names import IGNORE_INDEX
 from tests.conftest import hpsearch, lm_spec_text, one_trial
 from tests.support.tiny import files_in, write_lm_split
 

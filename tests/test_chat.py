@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from hpsearch.search.presets import tiny_llama_chat
-from hpsearch.trainer.batching import IGNORE_INDEX, collate
+from hpsearch.trainer.batching import collate
 from hpsearch.trainer.config import DataConfig
 from hpsearch.trainer.encoding import prepare
+from hpsearch.trainer.task_names import IGNORE_INDEX
 from tests.conftest import assert_refused, lm_spec_text, one_trial
 from tests.support.chat_templates import LLAMA3, QWEN25, SPECIALS
 

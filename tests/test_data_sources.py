@@ -22,8 +22,9 @@ import pytest
 from hpsearch.search.presets import demo_data
 from hpsearch.storage import attrs
 from hpsearch.trainer.config import ConfigError, DataConfig
-from hpsearch.trainer.encoding import _cache_key, read_splits
+from hpsearch.trainer.encoding import _cache_key
 from hpsearch.trainer.reading import DataError
+from hpsearch.trainer.splits import read_splits
 from tests.conftest import Cli, assert_refused, spec_text, start_study
 
 
@@ -232,7 +233,7 @@ def test_hub_id_from_the_local_cache(tmp_path: Path) -> None:
     )
     subprocess.run([sys.executable, "-c", build, str(train), str(dev)], env=env, check=True, capture_output=True)
     read = (
-        "from hpsearch.trainer.config import DataConfig; from hpsearch.trainer.encoding import read_splits; "
+        "from hpsearch.trainer.config import DataConfig; from hpsearch.trainer.splits import read_splits; "
         "s = read_splits(DataConfig(dataset='someone/reviews')); print(len(s.train.texts), len(s.validation.texts), "
         "s.validation.texts[0])"
     )
@@ -270,7 +271,7 @@ def test_validation_fraction_same_on_two_workers(tmp_path: Path) -> None:
     train = _write(tmp_path / "train.parquet", _rows(300, 12))
     read = (
         "import sys; from hpsearch.trainer.config import DataConfig; "
-        "from hpsearch.trainer.encoding import read_splits; "
+        "from hpsearch.trainer.splits import read_splits; "
         "s = read_splits(DataConfig(train=sys.argv[1], validation_fraction=0.15, split_seed=7)); "
         "print('|'.join(s.validation.texts))"
     )

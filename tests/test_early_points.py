@@ -17,10 +17,11 @@ from hpsearch.search.study.spec import StudySpec
 from hpsearch.search.workers.early_stop import FLAT, ChanceLevel, EarlyStop, PruningGate
 from hpsearch.search.workers.trial_attrs import NullReporter
 from hpsearch.trainer.config import DataConfig, TrainConfig
-from hpsearch.trainer.encoding import Prepared, prepare
+from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.evaluate import EarlyPoints, Metrics, evaluate
 from hpsearch.trainer.loop import fit
 from hpsearch.trainer.model import load_tokenizer
+from hpsearch.trainer.tokenised import Prepared
 from tests.conftest import hpsearch, spec_text
 from tests.support.tiny import tiny_run
 

@@ -12,10 +12,10 @@ import optuna
 import pytest
 
 from hpsearch.search.presets import tiny_llama_chat
-from hpsearch.trainer.batching import IGNORE_INDEX
 from hpsearch.trainer.chat import render
 from hpsearch.trainer.config import DataConfig
 from hpsearch.trainer.encoding import prepare
+from hpsearch.trainer.task_names import IGNORE_INDEX
 from tests.conftest import Cli, assert_refused, lm_spec_text, start_study
 
 

@@ -16,12 +16,14 @@ import torch
 
 from hpsearch.search.workers.early_stop import ChanceLevel
 from hpsearch.trainer import meta_model
-from hpsearch.trainer.batching import IGNORE_INDEX, MULTI_LABEL, REGRESSION, TOKEN_CLASSIFICATION, Encoded
 from hpsearch.trainer.checkpoint import META
 from hpsearch.trainer.config import DataConfig
-from hpsearch.trainer.encoding import prepare, read_splits
+from hpsearch.trainer.encoding import prepare
 from hpsearch.trainer.evaluate import Metrics, evaluate
 from hpsearch.trainer.model import load_tokenizer
+from hpsearch.trainer.splits import read_splits
+from hpsearch.trainer.task_names import IGNORE_INDEX, MULTI_LABEL, REGRESSION, TOKEN_CLASSIFICATION
+from hpsearch.trainer.tokenised import Encoded
 from tests.conftest import Cli, assert_refused, hpsearch, one_trial
 from tests.support.task_data import (
     multi_label_rows,

@@ -99,7 +99,7 @@ PREPARE_CHILD = textwrap.dedent("""
     while not Path(go).exists():
         time.sleep(0.01)
     data = prepare(DataConfig(train=train, validation=dev), tok, 32, Path(cache))
-    ids = [data.train.input_ids, data.validation.input_ids]
+    ids = [list(data.train.input_ids), list(data.validation.input_ids)]
     digest = hashlib.sha256(json.dumps(ids).encode()).hexdigest()
     print(json.dumps({"calls": tok.calls, "digest": digest}))
 """)
@@ -143,7 +143,7 @@ def test_token_cache_is_tokenised_once_under_concurrent_first_use(
     # One process tokenised (train + validation = 2 calls); the other waited and read its file.
     assert sorted(o["calls"] for o in outs) == [0, 2]
     assert outs[0]["digest"] == outs[1]["digest"]
-    assert len(list(cache.glob("tokens-*.json"))) == 1
+    assert len(list(cache.glob("tokens-*/meta.json"))) == 1
     assert not list(cache.glob(".tokens-*")), "a temporary file was left behind"
 
 
@@ -178,7 +178,7 @@ def test_token_cache_is_reused_and_keyed_by_contents_and_max_length(
         f.write(json.dumps({"text": "good good", "label": "positive"}) + "\n")
     changed = prepare(cfg, Counting(), 32, cache)  # same path, new contents: not stale
     assert calls == 6 and len(changed.train) == len(first.train) + 1
-    assert len(list(cache.glob("tokens-*.json"))) == 3
+    assert len(list(cache.glob("tokens-*/meta.json"))) == 3
 
 
 # -- no wasted padding --------------------------------------------------------------------

@@ -151,8 +151,12 @@ def test_a_fifo_as_train_log_or_lock_or_token_cache_hangs_nobody(
     cfg = DataConfig(train=str(demo_files[0]), validation=str(demo_files[1]))
     cache = tmp_path / "runs" / "token-cache"
     first = prepare(cfg, tok, 32, cache)
-    [written] = cache.glob("tokens-*.json")
-    written.unlink()
+    [meta] = cache.glob("tokens-*/meta.json")
+    written = meta.parent
+    os.unlink(written / "train.arrow")  # a split's file, then the whole entry, made FIFOs
+    os.mkfifo(written / "train.arrow")
+    assert _within(HANG_S, lambda: prepare(cfg, tok, 32, cache)).train.input_ids == first.train.input_ids
+    shutil.rmtree(written)
     os.mkfifo(written)
     written.with_suffix(".lock").unlink()
     os.mkfifo(written.with_suffix(".lock"))
@@ -306,11 +310,12 @@ def test_files_holding_the_data_are_no_more_readable_than_the_data(
     try:
         tok = load_tokenizer(str(tiny_model))
         prepared = prepare(DataConfig(train=str(train), validation=str(dev)), tok, 32, tmp_path / "cache")
-        [cache] = (tmp_path / "cache").glob("tokens-*.json")
+        [meta] = (tmp_path / "cache").glob("tokens-*/meta.json")
         _, result, _ = train_tiny(tiny_model, (tok, prepared), CFG, tmp_path / "run")
     finally:
         os.umask(old)
-    assert stat.S_IMODE(cache.stat().st_mode) == 0o600
+    assert {stat.S_IMODE(f.stat().st_mode) for f in meta.parent.iterdir()} == {0o600}
+    assert stat.S_IMODE(meta.parent.stat().st_mode) == 0o700
     assert result.best_step is not None
     best = tmp_path / "run" / "best"
     assert stat.S_IMODE((best / "config.json").stat().st_mode) == 0o600  # the label names

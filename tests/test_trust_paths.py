@@ -146,9 +146,10 @@ def test_a_crafted_resumable_state_in_the_trial_s_own_folder_does_not_run(tmp_pa
     assert not pwned.exists()
 
 
-def test_the_token_cache_is_json_and_a_planted_pickle_runs_nothing(
+def test_the_token_cache_is_arrow_and_json_and_a_planted_pickle_runs_nothing(
     tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
 ) -> None:
+    import pyarrow as pa
     from transformers import AutoTokenizer
 
     from hpsearch.trainer import encoding as dataset
@@ -158,16 +159,19 @@ def test_the_token_cache_is_json_and_a_planted_pickle_runs_nothing(
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     cache = tmp_path / "cache"
     first = dataset.prepare(cfg, tokenizer, 32, cache)
-    [written] = cache.glob("tokens-*.json")
-    assert json.loads(written.read_text())["train"]["input_ids"] == first.train.input_ids
+    [meta] = cache.glob("tokens-*/meta.json")
+    assert json.loads(meta.read_text())["splits"]["train"]["rows"] == len(first.train)
+    with pa.ipc.open_file(meta.parent / "train.arrow") as f:
+        assert f.read_all()["input_ids"].to_pylist() == list(first.train.input_ids)
     again = dataset.prepare(cfg, tokenizer, 32, cache)
     assert again.train.input_ids == first.train.input_ids and again.labels == first.labels
-    # Someone with write access to a shared cache folder replaces the file with a pickle.
+    # Someone with write access to a shared cache folder replaces the files with pickles.
     pwned = tmp_path / "pwned"
-    written.write_bytes(pickle.dumps(_Exploit(pwned)))
-    third = dataset.prepare(cfg, tokenizer, 32, cache)
-    assert not pwned.exists()
-    assert third.train.input_ids == first.train.input_ids
+    for name in ("meta.json", "train.arrow"):
+        (meta.parent / name).write_bytes(pickle.dumps(_Exploit(pwned)))
+        third = dataset.prepare(cfg, tokenizer, 32, cache)
+        assert not pwned.exists()
+        assert third.train.input_ids == first.train.input_ids
 
 
 def test_export_reads_only_trial_n_best_of_a_study_folder_and_follows_no_link(

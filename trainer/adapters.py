@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from hpsearch.trainer.batching import CAUSAL_LM, TOKEN_CLASSIFICATION
 from hpsearch.trainer.config import AdapterConfig, ConfigError, ModelConfig
 from hpsearch.trainer.model import NO_REMOTE_CODE, auto_class, from_pretrained
+from hpsearch.trainer.task_names import CAUSAL_LM, TOKEN_CLASSIFICATION
 
 log = logging.getLogger(__name__)
 

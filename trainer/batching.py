@@ -1,96 +1,32 @@
-"""Tokenised splits and how they are cut into batches: shuffled by length, sharded over ranks, padded; which
+"""How tokenised splits (tokenised.py) are cut into batches: shuffled by length, sharded over ranks, padded; which
 micro-batches each optimizer step trains on (``Batches``)."""
 
 from __future__ import annotations
 
-import functools
 import random
-from collections.abc import Sequence
+from array import array
+from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+# MULTI_LABEL, REGRESSION and TOKEN_CLASSIFICATION: task_rows.py still takes them from here (their home is
+# task_names.py).
+from hpsearch.trainer.task_names import (
+    CLASSIFICATION,
+    IGNORE_INDEX,
+    MULTI_LABEL as MULTI_LABEL,
+    PER_EXAMPLE,
+    REGRESSION as REGRESSION,
+    TOKEN_CLASSIFICATION as TOKEN_CLASSIFICATION,
+)
+from hpsearch.trainer.tokenised import Encoded, Prepared
 
 if TYPE_CHECKING:
     from hpsearch.trainer.config import TrainConfig
     from hpsearch.trainer.distributed import World
-    from hpsearch.trainer.encoding import Prepared
 
-CLASSIFICATION, CAUSAL_LM = "classification", "causal-lm"
-REGRESSION, MULTI_LABEL, TOKEN_CLASSIFICATION = "regression", "multi-label", "token-classification"
-PER_EXAMPLE = (CLASSIFICATION, REGRESSION, MULTI_LABEL)
-"""The tasks with one target a row (a class id, or a row of ``Encoded.scores``): the loss is averaged per row."""
-IGNORE_INDEX = -100
-"""Label of a token left out of the loss (cross_entropy's ignore_index): prompt and padding."""
-
-
-@dataclass
-class Encoded:
-    """A tokenised split: variable-length id lists (no padding is stored) and what they are trained to predict:
-    a class id each (classification), a row of ``scores`` (regression: the number; multi-label: 0/1 per label), a
-    tag id per token in ``token_labels`` (token-classification: a word's first sub-token; IGNORE_INDEX elsewhere),
-    or their own next tokens after ``prompt_lengths[i]`` prompt tokens (causal-lm), or, for chat data, the tokens
-    whose ``token_labels`` are not IGNORE_INDEX (the assistant's turns)."""
-
-    input_ids: list[list[int]]
-    labels: list[int] = field(default_factory=list)
-    prompt_lengths: list[int] = field(default_factory=list)
-    token_labels: list[list[int]] = field(default_factory=list)
-    """Chat data: each token's label, its own id or IGNORE_INDEX; empty otherwise (then prompt_lengths apply)."""
-    task: str = CLASSIFICATION
-    dropped: list[int] = field(default_factory=list)
-    """Causal-lm: the line numbers of rows left out, every token they train on lying beyond model.max_length."""
-    scores: list[list[float]] = field(default_factory=list)
-    """Regression ([the number]) and multi-label (1.0 where a label applies, else 0.0, in label id order)."""
-    token_type_ids: list[list[int]] = field(default_factory=list)
-    """Sentence pairs, for a tokenizer that marks the second sentence (BERT's segment ids); empty otherwise."""
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-    def subset(self, indices: Sequence[int]) -> Encoded:
-        """These rows only, in this order (the lists a task does not use stay empty)."""
-
-        def pick(rows: list[Any]) -> list[Any]:
-            return [rows[i] for i in indices] if rows else []
-
-        return Encoded(
-            pick(self.input_ids),
-            pick(self.labels),
-            pick(self.prompt_lengths),
-            pick(self.token_labels),
-            self.task,
-            scores=pick(self.scores),
-            token_type_ids=pick(self.token_type_ids),
-        )
-
-    @functools.cached_property
-    def lengths(self) -> list[int]:
-        # Cached: the loop asks for it every epoch and it is O(dataset) to rebuild.
-        return [len(ids) for ids in self.input_ids]
-
-    def real_tokens(self, indices: Sequence[int]) -> int:
-        """Tokens that carry text (special tokens included), padding excluded."""
-        return sum(self.lengths[i] for i in indices)
-
-    def padded_tokens(self, indices: Sequence[int]) -> int:
-        """Tokens the model processes for this batch once padded to its longest sequence."""
-        return len(indices) * max(self.lengths[i] for i in indices)
-
-    def targets(self, indices: Sequence[int]) -> int:
-        """What the loss is averaged over: examples, tagged words (token-classification), or predicted tokens for
-        causal-lm (a sequence's first token and its prompt are never predicted)."""
-        if self.task in PER_EXAMPLE:
-            return len(indices)
-        if self.token_labels:
-            return sum(self._label_counts[i] for i in indices)
-        lengths, prompts = self.lengths, self.prompt_lengths
-        return sum(lengths[i] - max(prompts[i], 1) for i in indices)
-
-    @functools.cached_property
-    def _label_counts(self) -> list[int]:
-        # Causal-lm from position 1: the first token is never predicted, whatever its label. A tagger predicts
-        # at every position: its [CLS] is IGNORE_INDEX anyway.
-        start = 0 if self.task == TOKEN_CLASSIFICATION else 1
-        return [sum(label != IGNORE_INDEX for label in labels[start:]) for labels in self.token_labels]
+Batch = MutableSequence[int]
+"""A micro-batch's row numbers: an ``array("i")`` as drawn (4 bytes a row), or a list."""
 
 
 GROUP_WINDOW_STEPS = 4
@@ -110,13 +46,15 @@ dealt micro-batches")."""
 
 def micro_batches(
     lengths: Sequence[int], micro_batch_size: int, *, seed: int, epoch: int, group_by_length: bool, batch_size: int
-) -> list[list[int]]:
+) -> list[Batch]:
     """The epoch's micro-batches as index lists, ``batch_size // micro_batch_size`` a step in order (the last step
     may be short), deterministic in (seed, epoch). ``group_by_length`` (docs/speed.md): with one micro-batch a
     step, shuffled windows of GROUP_WINDOW_STEPS steps sorted by length inside, then the micro-batches shuffled;
     with several, ``_dealt``."""
     rng = random.Random(seed * 100_003 + epoch)
-    order = list(range(len(lengths)))
+    # Row numbers as 4-byte machine ints, not a Python int object each (36 bytes a row: 36 MB at a million rows,
+    # more than the memory-mapped token ids). shuffle draws the same permutation for an array as for a list.
+    order = array("i", range(len(lengths)))
     rng.shuffle(order)
     per_step = max(1, batch_size // micro_batch_size)
     if group_by_length and per_step > 1:
@@ -124,20 +62,21 @@ def micro_batches(
     if group_by_length:
         # A step is one micro-batch, so a narrow micro-batch would be a narrow step: sort only within a few
         # steps, so that each is a quarter of a random window's lengths (GROUP_WINDOW_STEPS).
-        mega = batch_size * GROUP_WINDOW_STEPS
-        chunks = [order[start : start + mega] for start in range(0, len(order), mega)]
-        order = [i for chunk in chunks for i in sorted(chunk, key=lengths.__getitem__, reverse=True)]
+        mega, grouped = batch_size * GROUP_WINDOW_STEPS, array("i")
+        for start in range(0, len(order), mega):
+            grouped.extend(sorted(order[start : start + mega], key=lengths.__getitem__, reverse=True))
+        order = grouped
     batches = _cut(order, micro_batch_size)
     if group_by_length:
         rng.shuffle(batches)
     return batches
 
 
-def _cut(order: list[int], size: int) -> list[list[int]]:
-    return [order[i : i + size] for i in range(0, len(order), size)]
+def _cut(order: Sequence[int], size: int) -> list[Batch]:
+    return [array("i", order[i : i + size]) for i in range(0, len(order), size)]
 
 
-def _dealt(order: list[int], lengths: Sequence[int], micro: int, per_step: int, rng: random.Random) -> list[list[int]]:
+def _dealt(order: Sequence[int], lengths: Sequence[int], micro: int, per_step: int, rng: random.Random) -> list[Batch]:
     """Steps of ``per_step`` narrow micro-batches that together span the lengths: each shuffled window of about
     DEAL_WINDOW_MICRO_BATCHES micro-batches (whole steps) is sorted by length and cut, its micro-batches split into
     ``per_step`` consecutive strata (the longest first), and each step takes one micro-batch of every stratum,
@@ -146,8 +85,8 @@ def _dealt(order: list[int], lengths: Sequence[int], micro: int, per_step: int, 
     short of a whole step at the epoch's end makes its last step."""
     window_steps = max(1, DEAL_WINDOW_MICRO_BATCHES // per_step)
     window = window_steps * per_step * micro
-    steps: list[list[list[int]]] = []
-    rest: list[list[int]] = []
+    steps: list[list[Batch]] = []
+    rest: list[Batch] = []
     for start in range(0, len(order), window):
         batches = _cut(sorted(order[start : start + window], key=lengths.__getitem__, reverse=True), micro)
         # Only the epoch's last window can be short. Its partial micro-batch goes to the epoch's last step: cut
@@ -170,11 +109,11 @@ def _dealt(order: list[int], lengths: Sequence[int], micro: int, per_step: int, 
     return [b for step in steps for b in step] + rest
 
 
-def even_shards(batches: list[list[int]], n: int) -> list[list[int]]:
+def even_shards(batches: list[Batch], n: int) -> list[Batch]:
     """Split the largest micro-batches in two until their count is a multiple of ``n``: every data-parallel
     rank must run as many forward/backward passes (DDP all-reduces in each one's last), the epoch's short last
     step too. The loss is normalised by the step's targets over every rank: no gradient changes."""
-    batches = [list(b) for b in batches]
+    batches = [b[:] for b in batches]
     while len(batches) % n:
         i = max(range(len(batches)), key=lambda j: (len(batches[j]), j))
         if len(batches[i]) < 2:
@@ -241,13 +180,13 @@ class Batches:
     # memory trains on the steps it would have trained on had it halved in place.
     drawn: int = 0
     _epoch: int = -1
-    _batches: list[list[int]] = field(default_factory=list)
+    _batches: list[Batch] = field(default_factory=list)
 
     @property
     def per_step(self) -> int:
         return self.cfg.batch_size // self.micro
 
-    def of_step(self, step: int) -> list[list[int]]:
+    def of_step(self, step: int) -> list[Batch]:
         """The micro-batches of optimizer step ``step``, over every rank."""
         epoch, group = divmod(step, self.steps_per_epoch)
         if epoch != self._epoch:  # the epoch's order is drawn once, not every step
@@ -269,7 +208,7 @@ class Batches:
         self.micro = smaller_micro(self.micro) or 1
         self._batches = self._cut(self._batches)
 
-    def _cut(self, batches: list[list[int]]) -> list[list[int]]:
+    def _cut(self, batches: list[Batch]) -> list[Batch]:
         cut = [b[i : i + self.micro] for b in batches for i in range(0, len(b), self.micro)]
         # A short micro-batch may cut into an odd count: every rank must still run as many passes.
         return even_shards(cut, self.world.size)

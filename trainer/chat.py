@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpsearch.trainer.batching import CAUSAL_LM, IGNORE_INDEX, Encoded
 from hpsearch.trainer.reading import DataError, Records, at, short
+from hpsearch.trainer.task_names import CAUSAL_LM, IGNORE_INDEX
+from hpsearch.trainer.tokenised import Encoded
 
 ROLES = ("system", "user", "assistant", "tool")
 Message = dict[str, Any]

@@ -92,7 +92,12 @@ class DataConfig:
     """With no validation data: this share of the training rows is held out for validation, chosen by split_seed
     (stratified by label for classification); the same rows on every worker."""
     split_seed: int = 0
-    """Which rows validation_fraction holds out; fixed for the study (not the trials' train.seed)."""
+    """Which rows validation_fraction holds out, and validation_rows scores; fixed for the study (not the trials'
+    train.seed)."""
+    validation_rows: int = 0
+    """Score every validation point of every trial on the same N validation rows (drawn by split_seed), and only
+    the trial's best point again on all of them at its end, for the trial's value: cheaper points, noisier choice
+    of the best (docs/data.md, "Cheaper validation"). 0: every point scores every row."""
     header: bool = True
     """.csv/.tsv: the first row names the columns. false: every row is an example (AG News as
     distributed), and the columns below are positions, 0 being the first."""
@@ -131,6 +136,11 @@ class DataConfig:
         if not 0 <= self.validation_fraction < 1 or not math.isfinite(self.validation_fraction):
             raise ConfigError(
                 f"{where}.validation_fraction: {self.validation_fraction:g} must be >= 0 and < 1 (a share of the rows)"
+            )
+        if type(self.validation_rows) is not int or self.validation_rows < 0:
+            raise ConfigError(
+                f"{where}.validation_rows: {self.validation_rows!r} must be a positive whole number of rows (or 0: "
+                "every point scores every row)"
             )
         if not 0 <= self.split_seed < 2**32:
             raise ConfigError(f"{where}.split_seed: {self.split_seed} must be between 0 and 4294967295 (2**32 - 1)")

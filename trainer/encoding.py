@@ -1,4 +1,4 @@
-"""A task's data, read, label-mapped and tokenised once, with an on-disk cache shared by trials."""
+"""A task's splits (splits.py) tokenised once, with an on-disk cache shared by trials."""
 
 from __future__ import annotations
 
@@ -9,110 +9,24 @@ import hashlib
 import json
 import logging
 import os
-import uuid
+import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hpsearch.storage import regular
-from hpsearch.trainer.batching import (
-    CAUSAL_LM,
-    CLASSIFICATION,
-    IGNORE_INDEX,
-    MULTI_LABEL,
-    REGRESSION,
-    TOKEN_CLASSIFICATION,
-    Encoded,
-)
-from hpsearch.trainer.chat import ChatRows, encode_chat, read_chat_rows
+from hpsearch.trainer import token_cache
+from hpsearch.trainer.chat import ChatRows, encode_chat
 from hpsearch.trainer.config import DataConfig
 from hpsearch.trainer.labels import LabelMap
-from hpsearch.trainer.reading import DataError, Rows, TextRows, read_rows, read_text_rows, short, unit
-from hpsearch.trainer.sources import Source, digest, files, names, read
-from hpsearch.trainer.task_rows import TaskRows, read_task_rows
+from hpsearch.trainer.reading import DataError, Rows, TextRows, short, unit
+from hpsearch.trainer.sources import digest, files, names
+from hpsearch.trainer.splits import Splits, read_splits, targets
+from hpsearch.trainer.task_names import CAUSAL_LM, CLASSIFICATION, IGNORE_INDEX, TOKEN_CLASSIFICATION
+from hpsearch.trainer.task_rows import TaskRows
+from hpsearch.trainer.tokenised import Encoded, Prepared
 
 log = logging.getLogger(__name__)
-# Raised whenever reading or encoding yields other examples from the same file, so no host reuses tokens the
-# current code would not produce (4: CSV quoted fields keep their line breaks; 5: JSON, not pickle; 6: chat data;
-# 7: causal-lm rows with nothing to train on within max_length are left out and their lines kept; 8: regression,
-# multi-label and token-classification, sentence pairs).
-CACHE_VERSION = 8
-
-
-@dataclass
-class Splits:
-    train: Rows | TaskRows | TextRows | ChatRows
-    validation: Rows | TaskRows | TextRows | ChatRows
-    labels: LabelMap | None
-    """Every task but causal-lm: label value <-> class id (a regression's: its one output)."""
-
-
-def read_splits(cfg: DataConfig, task: str = CLASSIFICATION) -> Splits:
-    """Read both splits (sources.py) and check their labels agree; no tokenizer needed (cheap validation)."""
-    train_source, validation_source = read(cfg, stratify=task == CLASSIFICATION)
-    if task == CAUSAL_LM:
-        return Splits(_read_lm(train_source, cfg), _read_lm(validation_source, cfg), None)
-    if task == CLASSIFICATION and cfg.text_pair_column == "":
-        train, validation = (
-            read_rows(s.path, cfg.text_column, cfg.label_column, cfg.header, s.records)
-            for s in (train_source, validation_source)
-        )
-        labels = LabelMap.fit(train.labels, train.path)
-        labels.encode(validation.labels, validation.path)  # raises on a label unseen in training
-        return Splits(train, validation, labels)
-    train_rows, validation_rows = (
-        read_task_rows(s.path, s.records, cfg, task) for s in (train_source, validation_source)
-    )
-    labels = _fit(train_rows, task, cfg)
-    _targets(validation_rows, labels)  # raises on a label unseen in training
-    return Splits(train_rows, validation_rows, labels)
-
-
-def _fit(rows: TaskRows, task: str, cfg: DataConfig) -> LabelMap:
-    if task == REGRESSION:
-        if len(set(rows.labels)) < 2:
-            raise DataError(
-                f"data.train: every row of {rows.path} has label {rows.labels[0]:g}; a regression needs labels that "
-                "vary (a constant is learnt by the bias alone, and correlations with it are undefined)"
-            )
-        return LabelMap.of_regression(cfg.label_column)
-    if task == MULTI_LABEL:
-        return LabelMap.fit_sets(rows.labels, rows.path)
-    if task == TOKEN_CLASSIFICATION:
-        return LabelMap.fit_tags(rows.labels, rows.path)
-    return LabelMap.fit(rows.labels, rows.path)
-
-
-def _targets(rows: TaskRows, labels: LabelMap) -> list[Any]:
-    """What each row is trained to predict: a class id, [its number], a multi-hot row, or each word's tag id."""
-    if labels.task == REGRESSION:
-        return [[float(y)] for y in rows.labels]
-    if labels.task == MULTI_LABEL:
-        return labels.encode_sets(rows.labels, rows.lines, rows.path)
-    if labels.task == TOKEN_CLASSIFICATION:
-        return [labels.encode_tags(tags, line, rows.path) for tags, line in zip(rows.labels, rows.lines, strict=True)]
-    return labels.encode(rows.labels, rows.path)
-
-
-def _read_lm(source: Source, cfg: DataConfig) -> TextRows | ChatRows:
-    """Chat rows when the split's first row holds ``messages_column``, else text or prompt/response rows."""
-    path, records = source.path, source.records
-    if cfg.messages_column in records[0][1]:
-        return read_chat_rows(path, cfg.messages_column, records)
-    return read_text_rows(path, cfg.text_column, cfg.prompt_column, cfg.response_column, cfg.header, records)
-
-
-@dataclass
-class Prepared:
-    train: Encoded
-    validation: Encoded
-    labels: LabelMap | None
-    pad_id: int
-    task: str = CLASSIFICATION
-    mode: int | None = None
-    """The permissions for files that hold what the data says (the token cache, a best model's label names): no
-    wider than the data files' own (:func:`data_mode`); None: the umask's."""
 
 
 def data_mode(cfg: DataConfig) -> int:
@@ -139,10 +53,10 @@ def prepare(
     write: bool = True,
 ) -> Prepared:
     """Tokenised splits, shared through ``cache_dir`` by every trial and worker pointing at it (keyed by the
-    files' contents, the task, the tokenizer and ``max_length``); ``splits``: as ``read_splits`` read them.
-    ``write=False`` reads a cached copy but writes none (a `start` whose other checks may still fail: :func:`keep`
-    writes it once the study exists). A file that loses too many rows to ``max_length`` is refused (check_dropped),
-    read from the cache or not: the share allowed is no part of the cache's key."""
+    files' contents, the task, the tokenizer and ``max_length``) and memory-mapped (token_cache.py); ``splits``: as
+    ``read_splits`` read them. ``write=False`` reads a cached copy but writes none (a `start` whose other checks may
+    still fail: :func:`keep` writes it once the study exists). A file that loses too many rows to ``max_length`` is
+    refused (check_dropped), read from the cache or not: the share allowed is no part of the cache's key."""
     if cache_dir is not None and (cache_dir.is_symlink() or not regular.unmoved(cache_dir)):
         # A shared runs folder is input: a link there (or on the way there: an output folder swapped for one) would
         # have the cache written (and read) elsewhere.
@@ -150,37 +64,100 @@ def prepare(
             "not using the token cache %s: it is (or lies behind) a link, and hpsearch writes through none", cache_dir
         )
         cache_dir = None
-    mode = data_mode(cfg)
+    mode, key = data_mode(cfg), _cache_key(cfg, tokenizer, max_length, task)
     if cache_dir is None:
-        return dataclasses.replace(_tokenise(cfg, tokenizer, max_length, task, splits), mode=mode)
-    path = _cache_file(cfg, tokenizer, max_length, task, cache_dir)
-    cached = _load(path, cfg, max_length)
+        return _private(cfg, tokenizer, max_length, task, splits, key, mode)
+    path = token_cache.entry(cache_dir, key)
+    cached = _hit(path, key, cfg, max_length)
     if cached is None and not write:
-        cached = _tokenise(cfg, tokenizer, max_length, task, splits)
+        return _private(cfg, tokenizer, max_length, task, splits, key, mode)
     if cached is None:
-        # Several workers starting at once: one tokenises under an exclusive lock, the others wait and read its file.
+        # Several workers starting at once: one tokenises under an exclusive lock, the others wait and map its files.
         with _exclusive(path.with_suffix(".lock")):
-            cached = _load(path, cfg, max_length)
+            cached = _hit(path, key, cfg, max_length)
             if cached is None:
-                cached = dataclasses.replace(_tokenise(cfg, tokenizer, max_length, task, splits), mode=mode)
-                _write_atomic(path, cached)
+                try:
+                    tmp, cached = _tokenise(cfg, tokenizer, max_length, task, splits, cache_dir, key, mode)
+                except OSError as exc:
+                    log.warning("cannot write token cache %s (%s); continuing without it", path, exc)
+                    return _private(cfg, tokenizer, max_length, task, splits, key, mode)
+                if tmp is not None:
+                    _publish(tmp, path)
     return dataclasses.replace(cached, mode=mode)
 
 
 def keep(prepared: Prepared, cfg: DataConfig, tokenizer: Any, max_length: int, cache_dir: Path) -> None:
-    """Write what ``prepare(..., write=False)`` tokenised into ``cache_dir``, unless a copy is there already."""
+    """Write what ``prepare(..., write=False)`` tokenised into ``cache_dir``, unless a copy is there already (from
+    its mapped rows, a piece at a time: nothing is tokenised again)."""
     if cache_dir.is_symlink() or not regular.unmoved(cache_dir):
         return  # prepare() said so
-    path = _cache_file(cfg, tokenizer, max_length, prepared.task, cache_dir)
-    if not path.exists():
-        _write_atomic(path, prepared)
+    key = _cache_key(cfg, tokenizer, max_length, prepared.task)
+    path = token_cache.entry(cache_dir, key)
+    if os.path.lexists(path):
+        return
+    pieces = {"train": token_cache.chunks(prepared.train), "validation": token_cache.chunks(prepared.validation)}
+    mode = prepared.mode if prepared.mode is not None else 0o600
+    with _exclusive(path.with_suffix(".lock")):
+        if os.path.lexists(path):
+            return
+        try:
+            tmp, _ = token_cache.build(cache_dir, key, prepared, pieces, mode, token_cache.narrow_ids(tokenizer))
+        except OSError as exc:
+            log.warning("cannot write token cache %s (%s); continuing without it", path, exc)
+            return
+        _publish(tmp, path)
 
 
-def _cache_file(cfg: DataConfig, tokenizer: Any, max_length: int, task: str, cache_dir: Path) -> Path:
-    return cache_dir / f"tokens-{_cache_key(cfg, tokenizer, max_length, task)}.json"
+def _hit(path: Path, key: str, cfg: DataConfig, max_length: int) -> Prepared | None:
+    """The cached entry mapped, checked as freshly tokenised splits are (check_dropped), or None."""
+    cached = token_cache.load(path, key)
+    if cached is not None:
+        log.info("token cache hit: %s", path)
+        check_dropped(cached, cfg, max_length)
+    return cached
 
 
-def _tokenise(cfg: DataConfig, tokenizer: Any, max_length: int, task: str, splits: Splits | None) -> Prepared:
+def _publish(tmp: Path, path: Path) -> None:
+    try:
+        token_cache.publish(tmp, path)
+    except OSError as exc:
+        regular.remove(tmp)  # the splits stay mapped from the deleted files: this worker goes on without a cache
+        log.warning("cannot write token cache %s (%s); continuing without it", path, exc)
+
+
+def _private(
+    cfg: DataConfig, tokenizer: Any, max_length: int, task: str, splits: Splits | None, key: str, mode: int
+) -> Prepared:
+    """Tokenised into a private temporary folder, mapped, and the folder deleted at once: the mapped files live
+    on until the splits are dropped, and nothing is left behind (a `start` that fails writes nothing)."""
+    try:
+        folder = Path(tempfile.mkdtemp(prefix="hpsearch-tokens-")).resolve()  # no link on the way (macOS: /var)
+    except OSError as exc:
+        log.warning("cannot make a temporary folder (%s): the tokenised splits are held in memory", exc)
+        return _tokenise(cfg, tokenizer, max_length, task, splits, None, key, mode)[1]
+    try:
+        _, prepared = _tokenise(cfg, tokenizer, max_length, task, splits, folder, key, mode)
+    except OSError as exc:  # the temporary disk is full, say: not the data's fault
+        log.warning("cannot write the tokenised splits to %s (%s): they are held in memory", folder, exc)
+        return _tokenise(cfg, tokenizer, max_length, task, splits, None, key, mode)[1]
+    finally:
+        regular.remove(folder)
+    return prepared
+
+
+def _tokenise(
+    cfg: DataConfig,
+    tokenizer: Any,
+    max_length: int,
+    task: str,
+    splits: Splits | None,
+    folder: Path | None,
+    key: str,
+    mode: int,
+) -> tuple[Path | None, Prepared]:
+    """Tokenise both splits CHUNK_ROWS rows at a time into an unpublished entry in ``folder``: the token ids of a
+    big file are never all in Python lists at once. Refused (and removed) when check_dropped refuses it. ``folder``
+    None: into Python lists (no disk to write to)."""
     splits = splits if splits is not None else read_splits(cfg, task)
     log.info("tokenising %s and %s (max_length %d)", *names(cfg), max_length)
     # GPT-style tokenizers have no padding token; padded positions are masked out anyway.
@@ -198,84 +175,45 @@ def _tokenise(cfg: DataConfig, tokenizer: Any, max_length: int, task: str, split
             return _encode_task(rows, labels, tokenizer, max_length)
         return _encode(rows, labels, tokenizer, max_length)
 
-    prepared = Prepared(encode(splits.train), encode(splits.validation), labels, pad_id=int(pad_id or 0), task=task)
-    check_dropped(prepared, cfg, max_length)  # before a cache is written for a file that is refused
-    return prepared
+    def pieces(rows: Any) -> Iterator[Encoded]:
+        for piece in _pieces(rows, token_cache.CHUNK_ROWS):
+            yield encode(piece)
 
-
-def _load(path: Path, cfg: DataConfig, max_length: int) -> Prepared | None:
-    """The cached tokens, or None (none yet, or unreadable: then tokenised again), checked as freshly tokenised ones
-    are (check_dropped). JSON, never pickle: the folder may sit on a shared disk (docs/decisions.md, "No pickle from
-    disk")."""
-    if not os.path.lexists(path):
-        return None
+    shared = Prepared(Encoded([]), Encoded([]), labels, pad_id=int(pad_id or 0), task=task)
+    built = {"train": pieces(splits.train), "validation": pieces(splits.validation)}
+    if folder is None:
+        joined = dataclasses.replace(shared, train=_joined(built["train"]), validation=_joined(built["validation"]))
+        check_dropped(joined, cfg, max_length)
+        return None, dataclasses.replace(joined, mode=mode)
+    tmp, prepared = token_cache.build(folder, key, shared, built, mode, token_cache.narrow_ids(tokenizer))
     try:
-        # A regular file reached through no link: a FIFO there would hang every worker at its start.
-        with regular.open_file(path, "rb") as f:
-            cached = _from_json(json.load(f))
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        log.warning("token cache %s is unreadable (%s); tokenising again", path, exc)
-        return None
-    log.info("token cache hit: %s", path)
-    check_dropped(cached, cfg, max_length)
-    return cached
+        check_dropped(prepared, cfg, max_length)  # before a cache is published for a file that is refused
+    except BaseException:
+        regular.remove(tmp)
+        raise
+    return tmp, dataclasses.replace(prepared, mode=mode)
 
 
-def _to_json(p: Prepared) -> dict[str, Any]:
-    labels = None
-    if p.labels is not None:
-        labels = {"names": list(p.labels.names), "numeric": p.labels.numeric, "task": p.labels.task}
-    return {
-        "version": CACHE_VERSION,
-        "task": p.task,
-        "pad_id": p.pad_id,
-        "labels": labels,
-        "train": dataclasses.asdict(p.train),
-        "validation": dataclasses.asdict(p.validation),
-    }
+def _joined(pieces: Iterator[Encoded]) -> Encoded:
+    """One split from its pieces, as Python lists."""
+    fields = ("input_ids", "labels", "prompt_lengths", "token_labels", "scores", "token_type_ids", "dropped")
+    lists: dict[str, list[Any]] = {name: [] for name in fields}
+    task = CLASSIFICATION
+    for piece in pieces:
+        task = piece.task
+        for name in fields:
+            lists[name].extend(getattr(piece, name))
+    return Encoded(task=task, **lists)
 
 
-def _from_json(d: dict[str, Any]) -> Prepared:
-    """Rebuild what :func:`_to_json` wrote, checking every field's type (a ValueError otherwise)."""
-    if d.get("version") != CACHE_VERSION:
-        raise ValueError("another cache version")
-
-    def ints(value: Any) -> list[int]:
-        if not isinstance(value, list) or not all(type(v) is int for v in value):
-            raise ValueError("not a list of integers")
-        return value
-
-    def floats(value: Any) -> list[float]:
-        if not isinstance(value, list) or not all(type(v) is float for v in value):
-            raise ValueError("not a list of numbers")
-        return value
-
-    def split(e: dict[str, Any]) -> Encoded:
-        ids = e["input_ids"]
-        if not isinstance(ids, list):
-            raise ValueError("input_ids is not a list")
-        return Encoded(
-            input_ids=[ints(x) for x in ids],
-            labels=ints(e["labels"]),
-            prompt_lengths=ints(e["prompt_lengths"]),
-            token_labels=[ints(x) for x in e["token_labels"]],
-            task=str(e["task"]),
-            dropped=ints(e["dropped"]),
-            scores=[floats(x) for x in e["scores"]],
-            token_type_ids=[ints(x) for x in e["token_type_ids"]],
-        )
-
-    raw = d["labels"]
-    labels = None
-    if raw is not None:
-        labels = LabelMap(tuple(str(n) for n in raw["names"]), numeric=bool(raw["numeric"]), task=str(raw["task"]))
-    return Prepared(
-        train=split(d["train"]),
-        validation=split(d["validation"]),
-        labels=labels,
-        pad_id=int(d["pad_id"]),
-        task=str(d["task"]),
-    )
+def _pieces(rows: Any, size: int) -> Iterator[Any]:
+    """``rows`` (Rows, TaskRows, TextRows or ChatRows) ``size`` rows at a time: every per-row list field sliced,
+    the rest (the path) kept."""
+    per_row = [f.name for f in dataclasses.fields(rows) if isinstance(getattr(rows, f.name), list)]
+    count = max(len(getattr(rows, name)) for name in per_row)
+    per_row = [name for name in per_row if len(getattr(rows, name)) == count]
+    for start in range(0, count, size):
+        yield dataclasses.replace(rows, **{name: getattr(rows, name)[start : start + size] for name in per_row})
 
 
 @contextlib.contextmanager
@@ -307,10 +245,10 @@ def _encode_task(rows: TaskRows, labels: LabelMap, tokenizer: Any, max_length: i
     encoded = tokenizer(rows.texts, rows.pairs, truncation=True, max_length=max_length, return_attention_mask=False)
     ids = [list(x) for x in encoded["input_ids"]]
     types = [list(x) for x in encoded.get("token_type_ids") or []] if rows.pairs is not None else []
-    targets = _targets(rows, labels)
+    wanted = targets(rows, labels)
     if labels.task == CLASSIFICATION:
-        return Encoded(input_ids=ids, labels=targets, token_type_ids=types)
-    return Encoded(input_ids=ids, task=labels.task, scores=targets, token_type_ids=types)
+        return Encoded(input_ids=ids, labels=wanted, token_type_ids=types)
+    return Encoded(input_ids=ids, task=labels.task, scores=wanted, token_type_ids=types)
 
 
 def _encode_words(rows: TaskRows, labels: LabelMap, tokenizer: Any, max_length: int) -> Encoded:
@@ -323,7 +261,7 @@ def _encode_words(rows: TaskRows, labels: LabelMap, tokenizer: Any, max_length: 
         )
     encoded = tokenizer(rows.texts, is_split_into_words=True, truncation=True, max_length=max_length)
     ids, token_labels = [], []
-    for i, tags in enumerate(_targets(rows, labels)):
+    for i, tags in enumerate(targets(rows, labels)):
         word_ids = encoded.word_ids(i)
         aligned = [IGNORE_INDEX] * len(word_ids)
         for position, word in enumerate(word_ids):
@@ -412,7 +350,7 @@ def _cache_key(cfg: DataConfig, tokenizer: Any, max_length: int, task: str) -> s
     columns += "" if cfg.header else "|no header"  # the first row is an example too
     # Which rows each split holds: the dataset's splits, or the share held out of the training rows.
     columns += f"|{cfg.train_split}|{cfg.validation_split}|{cfg.validation_fraction}|{cfg.split_seed}"
-    h = hashlib.sha256(f"v{CACHE_VERSION}|{task}|{max_length}|{columns}".encode())
+    h = hashlib.sha256(f"v{token_cache.CACHE_VERSION}|{task}|{max_length}|{columns}".encode())
     h.update(digest(cfg).encode())
     h.update(_tokenizer_identity(tokenizer).encode())
     return h.hexdigest()[:24]
@@ -430,19 +368,3 @@ def _tokenizer_identity(tokenizer: Any) -> str:
     state.pop("truncation", None)
     state.pop("padding", None)
     return json.dumps(state, sort_keys=True) + template
-
-
-def _write_atomic(path: Path, value: Prepared) -> None:
-    # Every writer renames a complete private file into place: a reader sees nothing or a whole cache, never a torn one.
-    # The rename replaces whatever was planted at ``path`` (a FIFO, a link) instead of writing through it; the new
-    # file has the data's mode (the tokens and label names are the data's).
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    try:
-        regular.check_unmoved(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with regular.create_new(tmp, value.mode if value.mode is not None else 0o600) as f:
-            json.dump(_to_json(value), f, separators=(",", ":"))
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        log.warning("cannot write token cache %s (%s); continuing without it", path, exc)

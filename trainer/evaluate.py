@@ -7,24 +7,27 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 
 from hpsearch.trainer import entities, precision as prec, tasks
-from hpsearch.trainer.batching import (
+from hpsearch.trainer.batching import collate, eval_batches
+from hpsearch.trainer.distributed import World
+from hpsearch.trainer.holdout import drawn_rows
+from hpsearch.trainer.sharding import is_sharded
+from hpsearch.trainer.task_names import (
     CAUSAL_LM,
     CLASSIFICATION,
     IGNORE_INDEX,
     MULTI_LABEL,
     REGRESSION,
     TOKEN_CLASSIFICATION,
-    Encoded,
-    collate,
-    eval_batches,
 )
-from hpsearch.trainer.distributed import World
-from hpsearch.trainer.sharding import is_sharded
+from hpsearch.trainer.tokenised import Encoded
+
+if TYPE_CHECKING:
+    from hpsearch.trainer.config import DataConfig
 
 MULTI_LABEL_THRESHOLD = 0.5
 """multi-label: a label is predicted where its sigmoid is above this (its logit above 0)."""
@@ -101,6 +104,28 @@ class EarlyPoints:
         if not 0 < self.rows < len(validation):
             return validation
         return validation.subset(sorted(random.Random(self.seed).sample(range(len(validation)), self.rows)))
+
+
+@dataclass(frozen=True)
+class PointRows:
+    """``data.validation_rows``: every full point of every trial scored on the same ``rows`` validation rows, drawn
+    by ``data.split_seed`` (the study's: trials, workers and hosts draw alike), and the trial's best re-scored on all
+    of them at its end, for the trial's value (loop.py). 0, or not fewer than the split holds: every row."""
+
+    rows: int = 0
+    seed: int = 0
+
+    @classmethod
+    def of(cls, cfg: DataConfig) -> PointRows:
+        return cls(cfg.validation_rows, cfg.split_seed)
+
+    def active(self, validation: Encoded) -> bool:
+        return 0 < self.rows < len(validation)
+
+    def data(self, validation: Encoded) -> Encoded:
+        if not self.active(validation):
+            return validation
+        return validation.subset(drawn_rows(len(validation), self.rows, self.seed))
 
 
 def point_at(step: int, total_steps: int, eval_every: int, early: EarlyPoints) -> Literal["full", "early"] | None:

@@ -62,3 +62,12 @@ def _quotas(sizes: dict[str, int], fraction: float) -> dict[str, int]:
         if quotas[key] < sizes[key] - 1:
             quotas[key] += 1
     return quotas
+
+
+def drawn_rows(total: int, count: int, seed: int) -> list[int]:
+    """``count`` of ``total`` row indices, in order, a function of the three alone (``data.validation_rows``'s rows:
+    the same on every worker of every host): the smallest of a draw per row from Random(seed).random(), as
+    :func:`hold_out` draws."""
+    rng = random.Random(seed)
+    draws = [rng.random() for _ in range(total)]
+    return sorted(heapq.nsmallest(count, range(total), key=draws.__getitem__))

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpsearch.trainer.batching import CLASSIFICATION, MULTI_LABEL, REGRESSION, TOKEN_CLASSIFICATION
 from hpsearch.trainer.reading import DataError, as_int, short
+from hpsearch.trainer.task_names import CLASSIFICATION, MULTI_LABEL, REGRESSION, TOKEN_CLASSIFICATION
 
 PROBLEM_TYPES = {
     CLASSIFICATION: "single_label_classification",

@@ -19,15 +19,15 @@ from hpsearch.trainer.batching import Batches
 from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.curves import Curves
 from hpsearch.trainer.distributed import World, parameter_digest
-from hpsearch.trainer.encoding import Prepared
 from hpsearch.trainer.errors import RankOutOfMemory
-from hpsearch.trainer.evaluate import EarlyPoints, Metrics, Point, point_at
+from hpsearch.trainer.evaluate import EarlyPoints, Metrics, Point, PointRows, point_at
 from hpsearch.trainer.model import enable_gradient_checkpointing
 from hpsearch.trainer.optim import build_optimizer, build_scheduler, plan_steps
 from hpsearch.trainer.report import FailReason, Reporter, StateSavingReporter, Status, TrainResult
 from hpsearch.trainer.state import Trainable, TrainState
 from hpsearch.trainer.stats import Figures, Throughput
 from hpsearch.trainer.step import COMPILE_BACKEND_ENV, compile_model, flops_per_token, train_step, validate
+from hpsearch.trainer.tokenised import Prepared
 
 __all__ = ["COMPILE_BACKEND_ENV", "Run", "compile_model", "fit", "flops_per_token"]
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class Run:
     started: float | None = None  # time.monotonic() at the trial's start (before the model copy); default: fit's entry
     world: World = field(default_factory=World)  # the data-parallel ranks; only rank 0 reports and saves
     early: EarlyPoints = field(default_factory=EarlyPoints)  # the pruner's points before the first eval_every
+    point_rows: PointRows = field(default_factory=PointRows)  # data.validation_rows: what a full point scores
 
 
 @dataclass
@@ -76,6 +77,10 @@ class Loop:
     running_steps: int = 0
     validating: float = 0.0  # seconds spent in validation
     early_data: Prepared = field(init=False)  # what an early point scores: run.early's subset of the validation rows
+    point_data: Prepared = field(init=False)  # what a full point scores: run.point_rows' subset, or every row
+    # data.validation_rows: the best point's trained weights (host memory), re-scored on every row at the end.
+    best_weights: dict[str, torch.Tensor] | None = None
+    final_rows: int | None = None  # the rows the trial's value was scored on, once its best was re-scored
 
     def __post_init__(self) -> None:
         run = self.run
@@ -124,6 +129,8 @@ def _train(loop: Loop, state: TrainState, started: float) -> TrainResult:
             result = validation_point(loop, state, stopping)
         elif point == "early":
             result = early_point(loop, state)
+    if result is None and loop.point_data is not run.data:
+        result = rescore_best(loop, state)
     return _finish(loop, state, result or TrainResult(Status.COMPLETE), first_step)
 
 
@@ -143,7 +150,7 @@ def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResu
     if stopping:
         _save_state(loop, state)  # every rank: a sharded state is written by all of them
         return TrainResult(Status.INTERRUPTED)
-    metrics = _validate(loop, run.data, state.micro)
+    metrics = _validate(loop, loop.point_data, state.micro)
     if metrics is None:
         return TrainResult(Status.FAILED, fail_reason=FailReason.OOM)
     loop.curves.validation(state.step, metrics)
@@ -153,6 +160,8 @@ def validation_point(loop: Loop, state: TrainState, stopping: bool) -> TrainResu
     if point.beats(state.best, run.metric):  # the same answer on every rank: the metrics are summed over them
         state.best = point
         _save_best(loop, metrics, state.step)
+        if loop.point_data is not run.data:  # kept to re-score on every row at the end (rescore_best)
+            loop.best_weights = _trained_weights(run.model)
     # The resumable state (weights and optimizer moments, ~3x the model) is costly to write: it is
     # refreshed at most every resume_every_minutes, by rank 0's clock.
     due = time.monotonic() - loop.last_resume >= run.cfg.resume_every_minutes * 60
@@ -179,6 +188,57 @@ def early_point(loop: Loop, state: TrainState) -> TrainResult | None:
     shown = f"val_loss {metrics.loss:.4f}" + (f" val_{run.metric} {value:.4f}" if run.metric != "loss" else "")
     log.info("step %d/%d early point (%d rows) %s", state.step, loop.total_steps, rows, shown)
     return _judge(loop, value, state.step, metrics)
+
+
+def rescore_best(loop: Loop, state: TrainState) -> TrainResult | None:
+    """data.validation_rows, at a trial's end: its best point's weights scored on every validation row, which
+    becomes its value (and its best_val_* attributes); its points stay the subset's. How the run ends if it ends
+    here, else None."""
+    run, best = loop.run, state.best
+    if best is None:
+        return None
+    if loop.best_weights is not None:
+        _load_trained(run.model, loop.best_weights)
+        loop.best_weights = None
+    elif best.step != state.step:
+        # Resumed after its best point: those weights are in the checkpoint only, not in this process.
+        log.warning(
+            "the best point (step %d) came before this attempt resumed: the trial's value stays its score on "
+            "the %d validation_rows",
+            best.step,
+            len(loop.point_data.validation),
+        )
+        return None
+    metrics = _validate(loop, run.data, state.micro)
+    if metrics is None:
+        return TrainResult(Status.FAILED, fail_reason=FailReason.OOM)
+    value, rows = metrics.objective(run.metric), len(run.data.validation)
+    log.info(
+        "best point (step %d) re-scored on all %d validation rows: %s %.4f (%.4f on the %d validation_rows)",
+        best.step,
+        rows,
+        run.metric,
+        value,
+        best.value,
+        len(loop.point_data.validation),
+    )
+    state.best, loop.final_rows = best._replace(value=value, loss=metrics.loss), rows
+    if run.world.is_main:
+        loop.reporter.best_saved(run.files.best.resolve(), best.step, metrics.values())
+    return None
+
+
+def _trained_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy, in host memory, of what training changes (every parameter of a full fine-tune; an adapter's and
+    its head's): the frozen rest is as it was."""
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _load_trained(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in weights:
+                param.copy_(weights[name])
 
 
 def _judge(loop: Loop, value: float, step: int, metrics: Metrics) -> TrainResult | None:
@@ -238,10 +298,35 @@ def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
     batches = Batches(run.data, cfg, state.micro, world, steps_per_epoch, drawn=micro)
     loop = Loop(run, world.wrap(compiled, device), compiled, parts, precision, total_steps, batches, policy)
     loop.early_data = dataclasses.replace(run.data, validation=run.early.data(run.data.validation))
+    loop.point_data = _point_data(run, sharded=loop.parts.sharded)
     loop.reporter = StateSavingReporter(
         reporter, lambda: _state_for_reporter(loop, state), run.should_stop, run.stop_waiting
     )
     return loop, state
+
+
+def _point_data(run: Run, *, sharded: bool) -> Prepared:
+    """What a full point scores: data.validation_rows' subset, or every row (and why, said once)."""
+    rows, validation = run.point_rows.rows, run.data.validation
+    if not rows:
+        return run.data
+    if not run.point_rows.active(validation):
+        log.info(
+            "data.validation_rows %d: the validation split has %d rows; every point scores all", rows, len(validation)
+        )
+        return run.data
+    if sharded:
+        # A sharded model's best is not copied out of its shards to be re-scored: points score every row.
+        log.warning(
+            "data.validation_rows is not used by a sharded trial: every point scores all %d rows", len(validation)
+        )
+        return run.data
+    log.info(
+        "validation points score %d of the %d validation rows (data.validation_rows); the best, all",
+        rows,
+        len(validation),
+    )
+    return dataclasses.replace(run.data, validation=run.point_rows.data(validation))
 
 
 def _policy(run: Run) -> prec.Policy:
@@ -314,6 +399,8 @@ def _finish(loop: Loop, state: TrainState, result: TrainResult, first_step: floa
         held,
         round(loop.validating, 3),
         _held_on_device(loop),
+        point_rows=len(loop.point_data.validation) if loop.point_data is not run.data else None,
+        final_rows=loop.final_rows,
     )
     if world.is_main:
         loop.reporter.measured(result.figures)

@@ -16,10 +16,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpsearch.storage import regular
 from hpsearch.trainer import model_check, precision as prec
-from hpsearch.trainer.batching import CAUSAL_LM, CLASSIFICATION, MULTI_LABEL, REGRESSION, TOKEN_CLASSIFICATION
 from hpsearch.trainer.config import AdapterConfig, ConfigError
 from hpsearch.trainer.errors import ModelError
 from hpsearch.trainer.labels import PROBLEM_TYPES
+from hpsearch.trainer.task_names import CAUSAL_LM, CLASSIFICATION, MULTI_LABEL, REGRESSION, TOKEN_CLASSIFICATION
 
 
 def _quiet_transformers() -> None:

@@ -138,6 +138,8 @@ class Figures:
     gradients, optimizer state, activations: torch.cuda.max_memory_allocated); on CPU, where the process's memory
     says nothing of the tensors, the weights and optimizer state measured from the tensors at the end plus the
     gradients (each its parameter's size and dtype; the last step's are freed by then). Rank 0's."""
+    point_rows: int | None = None  # data.validation_rows: the validation rows each full point scored
+    final_rows: int | None = None  # data.validation_rows: the rows the best was re-scored on for the trial's value
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -10,13 +10,14 @@ from typing import Any
 import torch
 
 from hpsearch.trainer import precision as prec, tasks
-from hpsearch.trainer.batching import TOKEN_CLASSIFICATION, Batches, collate
+from hpsearch.trainer.batching import Batch, Batches, collate
 from hpsearch.trainer.distributed import World
-from hpsearch.trainer.encoding import Prepared
 from hpsearch.trainer.errors import RankOutOfMemory
 from hpsearch.trainer.evaluate import Metrics, evaluate
 from hpsearch.trainer.state import Trainable
 from hpsearch.trainer.stats import Throughput
+from hpsearch.trainer.task_names import TOKEN_CLASSIFICATION
+from hpsearch.trainer.tokenised import Prepared
 
 log = logging.getLogger(__name__)
 COMPILE_BACKEND_ENV = "HPSEARCH_COMPILE_BACKEND"
@@ -72,7 +73,7 @@ def train_step(
 def _accumulate(
     model: torch.nn.Module,
     data: Prepared,
-    mine: list[list[int]],
+    mine: list[Batch],
     scale: float,
     device: torch.device,
     precision: str,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hpsearch.trainer.batching import CAUSAL_LM, IGNORE_INDEX, MULTI_LABEL, REGRESSION, TOKEN_CLASSIFICATION
+from hpsearch.trainer.task_names import CAUSAL_LM, IGNORE_INDEX, MULTI_LABEL, REGRESSION, TOKEN_CLASSIFICATION
 
 
 def logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], task: str) -> torch.Tensor:

@@ -37,9 +37,11 @@ from hpsearch.storage.errors import StorageError, StudyNotFoundError
 from hpsearch.storage.open import Storage, check_creatable, open_storage
 from hpsearch.trainer.adapters import check_quantization, check_targets
 from hpsearch.trainer.config import ConfigError
-from hpsearch.trainer.encoding import Prepared, keep, left_out, prepare, read_splits
+from hpsearch.trainer.encoding import keep, left_out, prepare
 from hpsearch.trainer.model import check_model, check_reachable, load_tokenizer
 from hpsearch.trainer.sources import names
+from hpsearch.trainer.splits import read_splits
+from hpsearch.trainer.tokenised import Prepared
 
 log = logging.getLogger("hpsearch")
 TOKEN_CACHE = "token-cache"

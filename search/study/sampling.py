@@ -13,8 +13,8 @@ from hpsearch.search.study.spec import StudySpec
 
 if TYPE_CHECKING:
     from hpsearch.trainer.config import TrainConfig
-    from hpsearch.trainer.encoding import Prepared
     from hpsearch.trainer.evaluate import EarlyPoints
+    from hpsearch.trainer.tokenised import Prepared
 
 
 def worker_seed(spec: StudySpec, place: str, n_existing: int) -> int:

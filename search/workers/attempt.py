@@ -68,6 +68,7 @@ def run(record: TrialRecord, w: Bench) -> Outcome | None:
     trial = record.trial
 
     from hpsearch.trainer.checkpoint import CheckpointError, RunFiles
+    from hpsearch.trainer.evaluate import PointRows
     from hpsearch.trainer.loop import Run, fit
 
     try:
@@ -130,6 +131,7 @@ def run(record: TrialRecord, w: Bench) -> Outcome | None:
             started=started,
             world=w.world,
             early=early_points,
+            point_rows=PointRows.of(w.spec.data),
         )
         gate = PruningGate.of_search(
             data, cfg, w.spec.search, rank_searched=w.spec.searches_rank, early=early_points.steps

@@ -15,15 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from hpsearch.trainer.batching import (
-    CLASSIFICATION,
-    IGNORE_INDEX,
-    MULTI_LABEL,
-    REGRESSION,
-    TOKEN_CLASSIFICATION,
-    Encoded,
-)
 from hpsearch.trainer.report import FailReason, Reporter
+from hpsearch.trainer.task_names import CLASSIFICATION, IGNORE_INDEX, MULTI_LABEL, REGRESSION, TOKEN_CLASSIFICATION
+from hpsearch.trainer.tokenised import Encoded
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -179,7 +179,7 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
     from hpsearch.trainer import distributed, meta_model
     from hpsearch.trainer.encoding import prepare
     from hpsearch.trainer.errors import RankOutOfMemory
-    from hpsearch.trainer.evaluate import EarlyPoints
+    from hpsearch.trainer.evaluate import EarlyPoints, PointRows
     from hpsearch.trainer.loop import Run, fit
     from hpsearch.trainer.model import PretrainedCache, load_tokenizer
 
@@ -218,6 +218,7 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
             resume_from=Path(job.resume_from) if job.resume_from else None,
             world=world,
             early=job.early or EarlyPoints(),
+            point_rows=PointRows.of(job.data),
         )
         try:
             result = fit(run, NullReporter())
