@@ -49,6 +49,7 @@ import optuna
 from hpsearch.search.study import sampling
 from hpsearch.search.study.search_config import PRUNERS, SAMPLERS
 from hpsearch.search.study.spec import StudySpec
+from hpsearch.search.workers import early_stop
 from hpsearch.search.workers.early_stop import ChanceLevel, PruningGate
 from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.evaluate import Metrics
@@ -227,7 +228,7 @@ def main() -> None:
     # What a trial of the benchmark's shape is told to validate at (256 validation rows, all scored).
     shape = SimpleNamespace(train=range(STEPS * BATCH), validation=range(256))
     cfg = TrainConfig(batch_size=BATCH, micro_batch_size=BATCH, epochs=1, eval_every=EVAL_EVERY)
-    early = sampling.early_points(spec, cfg, shape).steps  # type: ignore[arg-type]
+    early = early_stop.early_points(spec, cfg, shape).steps  # type: ignore[arg-type]
     chance = spec.search.prune_at_chance if spec.search.pruner != "none" else 0
     ours = [
         search(

@@ -14,13 +14,15 @@ import tomllib
 
 from hpsearch.search.study import sampling
 from hpsearch.search.study.spec import StudySpec
+from hpsearch.search.workers import early_stop
 from hpsearch.search.workers.early_stop import FLAT, ChanceLevel, EarlyStop, PruningGate
 from hpsearch.search.workers.trial_attrs import NullReporter
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.encoding import prepare
-from hpsearch.trainer.evaluate import EarlyPoints, Metrics, evaluate
+from hpsearch.trainer.evaluate import Metrics, evaluate
 from hpsearch.trainer.loop import fit
 from hpsearch.trainer.model import load_tokenizer
+from hpsearch.trainer.points import EarlyPoints
 from hpsearch.trainer.tokenised import Prepared
 from tests.conftest import hpsearch, spec_text
 from tests.support.tiny import tiny_run
@@ -48,20 +50,22 @@ def test_early_points_continue_the_rungs_below_the_first_validation_point(
     cfg = TrainConfig(batch_size=16, epochs=1, eval_every=16)  # 20 steps
     # asha, eval_every 16, reduction factor 3: 16 // 3 and 16 // 9; the pruner's own rungs start at 16 as before.
     asha = _spec(tiny_model, demo_files, "asha")
-    assert sampling.early_points(asha, cfg, data) == EarlyPoints(frozenset({1, 5}), 96, 0)
+    assert early_stop.early_points(asha, cfg, data) == EarlyPoints(frozenset({1, 5}), 96, 0)
     pruner = sampling.make_pruner(asha)
     assert isinstance(pruner, optuna.pruners.SuccessiveHalvingPruner) and pruner._min_resource == 16
-    assert sampling.early_points(_spec(tiny_model, demo_files, "asha", pruner_reduction_factor=4), cfg, data).steps == {
+    assert early_stop.early_points(
+        _spec(tiny_model, demo_files, "asha", pruner_reduction_factor=4), cfg, data
+    ).steps == {
         1,
         4,
     }
     # median/percentile: a quarter and a half of the way to the first full point.
-    assert sampling.early_points(_spec(tiny_model, demo_files), cfg, data).steps == {4, 8}
+    assert early_stop.early_points(_spec(tiny_model, demo_files), cfg, data).steps == {4, 8}
     # No pruner, or early points off: none.
-    assert sampling.early_points(_spec(tiny_model, demo_files, "none"), cfg, data) == EarlyPoints()
-    assert sampling.early_points(_spec(tiny_model, demo_files, "asha", early=False), cfg, data) == EarlyPoints()
+    assert early_stop.early_points(_spec(tiny_model, demo_files, "none"), cfg, data) == EarlyPoints()
+    assert early_stop.early_points(_spec(tiny_model, demo_files, "asha", early=False), cfg, data) == EarlyPoints()
     # A subset smaller than the validation split where early_point_rows says so.
-    assert sampling.early_points(_spec(tiny_model, demo_files, early_point_rows=40), cfg, data).rows == 40
+    assert early_stop.early_points(_spec(tiny_model, demo_files, early_point_rows=40), cfg, data).rows == 40
 
 
 def test_an_early_point_that_costs_more_than_it_could_save_is_skipped(
@@ -70,11 +74,11 @@ def test_an_early_point_that_costs_more_than_it_could_save_is_skipped(
     _, data = prepared
     one = TrainConfig(batch_size=1, micro_batch_size=1, epochs=1, eval_every=16)
     # Batch 1: a point at step 4 saves at most 4 rows of training before step 8; scoring 96 rows costs ~32.
-    assert sampling.early_points(_spec(tiny_model, demo_files), one, data).steps == set()
+    assert early_stop.early_points(_spec(tiny_model, demo_files), one, data).steps == set()
     # Scoring 12 rows (a third: 4) costs what the 4 steps from 4 to 8 could save: skipped; the point at 8 could
     # save 8 steps, but alone it never cuts (a flat curve needs two points): none. 9 rows (3) cost less than either.
-    assert sampling.early_points(_spec(tiny_model, demo_files, early_point_rows=12), one, data).steps == set()
-    assert sampling.early_points(_spec(tiny_model, demo_files, early_point_rows=9), one, data).steps == {4, 8}
+    assert early_stop.early_points(_spec(tiny_model, demo_files, early_point_rows=12), one, data).steps == set()
+    assert early_stop.early_points(_spec(tiny_model, demo_files, early_point_rows=9), one, data).steps == {4, 8}
 
 
 def test_an_early_point_that_would_be_alone_is_not_kept(tiny_model: Path, demo_files: tuple[Path, Path]) -> None:
@@ -84,12 +88,12 @@ def test_an_early_point_that_would_be_alone_is_not_kept(tiny_model: Path, demo_f
     shape: Any = SimpleNamespace(train=range(1024), validation=range(256))
     asha = _spec(tiny_model, demo_files, "asha")
     cfg = TrainConfig(batch_size=16, epochs=2, eval_every=16)
-    assert sampling.early_points(asha, cfg, shape) == EarlyPoints()
+    assert early_stop.early_points(asha, cfg, shape) == EarlyPoints()
     # Batch 32: both pay (85 rows against 128 and 352).
-    assert sampling.early_points(asha, replace(cfg, batch_size=32), shape) == EarlyPoints(frozenset({1, 5}), 256, 0)
+    assert early_stop.early_points(asha, replace(cfg, batch_size=32), shape) == EarlyPoints(frozenset({1, 5}), 256, 0)
     # A subset of 128 rows (43) pays at batch 16 too.
     fewer = _spec(tiny_model, demo_files, "asha", early_point_rows=128)
-    assert sampling.early_points(fewer, cfg, shape) == EarlyPoints(frozenset({1, 5}), 128, 0)
+    assert early_stop.early_points(fewer, cfg, shape) == EarlyPoints(frozenset({1, 5}), 128, 0)
 
 
 def test_the_early_subset_is_fixed_and_the_same_in_every_trial(prepared: tuple[Any, Prepared]) -> None:

@@ -17,10 +17,12 @@ import tomllib
 from hpsearch.search.study import sampling
 from hpsearch.search.study.search_config import PRUNERS
 from hpsearch.search.study.spec import StudySpec
+from hpsearch.search.workers import early_stop
 from hpsearch.search.workers.early_stop import EarlyStop, PruningGate
 from hpsearch.search.workers.trial_attrs import TrialReporter
-from hpsearch.trainer.evaluate import EarlyPoints, Metrics, point_at
+from hpsearch.trainer.evaluate import Metrics
 from hpsearch.trainer.optim import plan_steps
+from hpsearch.trainer.points import EarlyPoints, point_at
 from tests.conftest import Cli, assert_refused, hpsearch, spec_text
 
 EVAL_EVERY = (1, 2, 3, 5)
@@ -89,7 +91,7 @@ def _search(spec: StudySpec, shape: _Shape) -> tuple[list[optuna.trial.FrozenTri
     points."""
     cfg = spec.train
     total, _ = plan_steps(len(shape.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
-    early = sampling.early_points(spec, cfg, shape)  # type: ignore[arg-type]
+    early = early_stop.early_points(spec, cfg, shape)  # type: ignore[arg-type]
     storage = optuna.storages.InMemoryStorage()
     study = optuna.create_study(storage=storage, direction=spec.direction, pruner=sampling.make_pruner(spec))
     placed: list[int] = []
@@ -129,7 +131,7 @@ def test_every_pruner_eval_every_and_run_length_places_points_and_ends_every_tri
             shape = _Shape(range(rows), _Validation([0, 1] * 4))
             said = f"{pruner} eval_every {eval_every}, {length} steps from {route}, factor {factor}, {metric}"
             assert plan_steps(rows, BATCH, epochs, spec.train.max_steps)[0] == length, said
-            early = sampling.early_points(spec, spec.train, shape)  # type: ignore[arg-type]
+            early = early_stop.early_points(spec, spec.train, shape)  # type: ignore[arg-type]
             first = min(eval_every, length)
             # Early points lie below the first full point, and none is a full point itself.
             assert all(1 <= s < first for s in early.steps), said
@@ -152,7 +154,7 @@ def test_a_first_point_at_step_1_or_2_has_no_early_points_and_does_not_crash(eva
     for pruner in ("asha", "hyperband", "median", "percentile"):
         spec = _spec(pruner, eval_every, 0, 3, "loss")
         shape = _Shape(range(40 * BATCH), _Validation([0, 1] * 4))
-        assert sampling.early_points(spec, spec.train, shape).steps == frozenset()  # type: ignore[arg-type]
+        assert early_stop.early_points(spec, spec.train, shape).steps == frozenset()  # type: ignore[arg-type]
 
 
 def test_the_placement_rule() -> None:

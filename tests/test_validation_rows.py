@@ -18,9 +18,10 @@ from hpsearch.search.workers.trial_attrs import NullReporter
 from hpsearch.storage import attrs
 from hpsearch.trainer.config import ConfigError, DataConfig, TrainConfig
 from hpsearch.trainer.encoding import prepare
-from hpsearch.trainer.evaluate import PointRows, evaluate
+from hpsearch.trainer.evaluate import evaluate
 from hpsearch.trainer.loop import fit
 from hpsearch.trainer.model import load_tokenizer
+from hpsearch.trainer.points import PointRows
 from hpsearch.trainer.tokenised import Encoded, Prepared
 from tests.conftest import Cli, assert_refused, spec_text
 from tests.support.tiny import tiny_run
@@ -79,7 +80,7 @@ def test_rows_not_fewer_than_the_split_mean_every_row_and_say_so(
 
 DRAW = """
 import json, sys
-from hpsearch.trainer.evaluate import PointRows
+from hpsearch.trainer.points import PointRows
 from hpsearch.trainer.tokenised import Encoded
 split = Encoded(input_ids=[[i] for i in range(5000)])
 print(json.dumps([row[0] for row in PointRows(int(sys.argv[1]), int(sys.argv[2])).data(split).input_ids]))

@@ -4,17 +4,15 @@ without gradients and with little padding, sharded over data-parallel ranks."""
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from hpsearch.trainer import entities, precision as prec, tasks
 from hpsearch.trainer.batching import collate, eval_batches
 from hpsearch.trainer.distributed import World
-from hpsearch.trainer.holdout import drawn_rows
 from hpsearch.trainer.sharding import is_sharded
 from hpsearch.trainer.task_names import (
     CAUSAL_LM,
@@ -25,9 +23,6 @@ from hpsearch.trainer.task_names import (
     TOKEN_CLASSIFICATION,
 )
 from hpsearch.trainer.tokenised import Encoded
-
-if TYPE_CHECKING:
-    from hpsearch.trainer.config import DataConfig
 
 MULTI_LABEL_THRESHOLD = 0.5
 """multi-label: a label is predicted where its sigmoid is above this (its logit above 0)."""
@@ -86,55 +81,6 @@ class Point(NamedTuple):
         if self.value != other.value:
             return self.value < other.value if metric == "loss" else self.value > other.value
         return self.loss < other.loss
-
-
-@dataclass(frozen=True)
-class EarlyPoints:
-    """Validation points the search asks for before a trial's first ``eval_every`` point, where its pruner can cut a
-    hopeless trial at a small part of its cost. Each is scored on the same seeded subset of ``rows`` validation rows
-    in every trial (all of them when ``rows`` is 0 or not fewer), reported and judged, never saved from: a trial's
-    value and its kept checkpoint come from full points only (docs/search.md, "Early pruning points")."""
-
-    steps: frozenset[int] = frozenset()
-    rows: int = 0
-    seed: int = 0
-
-    def data(self, validation: Encoded) -> Encoded:
-        """The rows an early point scores: a fixed draw, so every trial (and every rank) is judged on the same."""
-        if not 0 < self.rows < len(validation):
-            return validation
-        return validation.subset(sorted(random.Random(self.seed).sample(range(len(validation)), self.rows)))
-
-
-@dataclass(frozen=True)
-class PointRows:
-    """``data.validation_rows``: every full point of every trial scored on the same ``rows`` validation rows, drawn
-    by ``data.split_seed`` (the study's: trials, workers and hosts draw alike), and the trial's best re-scored on all
-    of them at its end, for the trial's value (loop.py). 0, or not fewer than the split holds: every row."""
-
-    rows: int = 0
-    seed: int = 0
-
-    @classmethod
-    def of(cls, cfg: DataConfig) -> PointRows:
-        return cls(cfg.validation_rows, cfg.split_seed)
-
-    def active(self, validation: Encoded) -> bool:
-        return 0 < self.rows < len(validation)
-
-    def data(self, validation: Encoded) -> Encoded:
-        if not self.active(validation):
-            return validation
-        return validation.subset(drawn_rows(len(validation), self.rows, self.seed))
-
-
-def point_at(step: int, total_steps: int, eval_every: int, early: EarlyPoints) -> Literal["full", "early"] | None:
-    """What the loop does after optimizer step ``step`` (1 = the first) of ``total_steps``: a full validation point
-    every ``eval_every`` steps and at the last step, so a run shorter than ``eval_every`` still has one; an early
-    point at the search's early steps that are not full ones; else nothing. The one rule of where points go."""
-    if step % eval_every == 0 or step == total_steps:
-        return "full"
-    return "early" if step in early.steps else None
 
 
 def pearson(x: torch.Tensor, y: torch.Tensor) -> float:

@@ -20,9 +20,10 @@ from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.curves import Curves
 from hpsearch.trainer.distributed import World, parameter_digest
 from hpsearch.trainer.errors import RankOutOfMemory
-from hpsearch.trainer.evaluate import EarlyPoints, Metrics, Point, PointRows, point_at
+from hpsearch.trainer.evaluate import Metrics, Point
 from hpsearch.trainer.model import enable_gradient_checkpointing
 from hpsearch.trainer.optim import build_optimizer, build_scheduler, plan_steps
+from hpsearch.trainer.points import EarlyPoints, PointRows, point_at
 from hpsearch.trainer.report import FailReason, Reporter, StateSavingReporter, Status, TrainResult
 from hpsearch.trainer.state import Trainable, TrainState
 from hpsearch.trainer.stats import Figures, Throughput

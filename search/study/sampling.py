@@ -12,9 +12,7 @@ from hpsearch.search.study.space import Param
 from hpsearch.search.study.spec import StudySpec
 
 if TYPE_CHECKING:
-    from hpsearch.trainer.config import TrainConfig
-    from hpsearch.trainer.evaluate import EarlyPoints
-    from hpsearch.trainer.tokenised import Prepared
+    pass
 
 
 def worker_seed(spec: StudySpec, place: str, n_existing: int) -> int:
@@ -98,34 +96,3 @@ def suggest(trial: optuna.trial.BaseTrial, spec: StudySpec) -> dict[str, Any]:
             assert isinstance(dist, optuna.distributions.FloatDistribution)
             params[name] = trial.suggest_float(name, dist.low, dist.high, log=dist.log, step=dist.step)
     return params
-
-
-def early_points(spec: StudySpec, cfg: TrainConfig, data: Prepared) -> EarlyPoints:
-    """The steps below a trial's first full validation point where it can be cut (asha/hyperband's rungs continued
-    down, ``eval_every / reduction_factor^k``; a quarter and a half of the way for median/percentile), each kept only
-    where validating costs less than the training it could save: scoring a row forward costs about a third of
-    training on it (forward 1, backward 2), and a cut here instead of at the next point saves that many steps of
-    ``batch_size`` rows. An early point cuts only a flat curve, which takes two points: one kept alone is none."""
-    from hpsearch.trainer.evaluate import EarlyPoints
-    from hpsearch.trainer.optim import plan_steps
-
-    s = spec.search
-    if s.pruner == "none" or not s.early_points:
-        return EarlyPoints()
-    total_steps, _ = plan_steps(len(data.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
-    first, n_validation = min(cfg.eval_every, total_steps), len(data.validation)
-    if s.pruner in ("asha", "hyperband"):
-        factor = s.pruner_reduction_factor
-        candidates = sorted({first // factor, first // factor**2} - {0})
-    else:
-        candidates = sorted({first // 4, first // 2} - {0})
-    rows = min(s.early_point_rows or n_validation, n_validation)
-    # Each candidate with the point after it (the next candidate, or the first full point): as many as there are
-    # candidates, none at all where the first full point comes at step 1 or 2 (a short run, eval_every 1).
-    following = [*candidates, first][1:]
-    kept = [
-        step for step, after in zip(candidates, following, strict=True) if rows / 3 < (after - step) * cfg.batch_size
-    ]
-    if len(kept) < 2:  # one point alone never cuts: it has no earlier one to be flat against
-        return EarlyPoints()
-    return EarlyPoints(frozenset(kept), rows, s.seed)

@@ -19,7 +19,7 @@ from hpsearch.search.exit_codes import ExitCode
 from hpsearch.search.study import sampling
 from hpsearch.search.study.space import split_params
 from hpsearch.search.study.spec import StudySpec
-from hpsearch.search.workers import ranks, stop_signals
+from hpsearch.search.workers import early_stop, ranks, stop_signals
 from hpsearch.search.workers.early_stop import EarlyStop, PruningGate
 from hpsearch.search.workers.outcome import Outcome
 from hpsearch.search.workers.record import TrialRecord
@@ -68,8 +68,8 @@ def run(record: TrialRecord, w: Bench) -> Outcome | None:
     trial = record.trial
 
     from hpsearch.trainer.checkpoint import CheckpointError, RunFiles
-    from hpsearch.trainer.evaluate import PointRows
     from hpsearch.trainer.loop import Run, fit
+    from hpsearch.trainer.points import PointRows
 
     try:
         params, cfg, adapter = trial_config(w.spec, trial)
@@ -102,7 +102,7 @@ def run(record: TrialRecord, w: Bench) -> Outcome | None:
     model: Any = None
     out_of_memory: RankOutOfMemory | None = None
     try:
-        early_points = sampling.early_points(w.spec, cfg, w.data())
+        early_points = early_stop.early_points(w.spec, cfg, w.data())
         if w.peers is not None:
             # First, so the peers prepare their copy while this rank prepares its own.
             spec = w.spec

@@ -23,8 +23,12 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from hpsearch.search.study.search_config import SearchConfig
+    from hpsearch.search.study.spec import StudySpec
+    from hpsearch.trainer.config import TrainConfig
     from hpsearch.trainer.evaluate import Metrics
+    from hpsearch.trainer.points import EarlyPoints
     from hpsearch.trainer.stats import Figures
+    from hpsearch.trainer.tokenised import Prepared
 
 log = logging.getLogger(__name__)
 RANK_JUDGED_FROM = 3
@@ -233,3 +237,19 @@ class EarlyStop:
 
     def measured(self, figures: Figures) -> None:
         self.inner.measured(figures)
+
+
+def early_points(spec: StudySpec, cfg: TrainConfig, data: Prepared) -> EarlyPoints:
+    """Whether a trial gets early points, and at which factor: its pruner's rungs continued down (asha/hyperband:
+    the reduction factor), a half and a quarter of the way for the others; none without a pruner or with
+    ``search.early_points = false``. Which steps, and which rows each scores: trainer/points.py."""
+    from hpsearch.trainer.optim import plan_steps
+    from hpsearch.trainer.points import EarlyPoints, early_steps
+
+    s = spec.search
+    if s.pruner == "none" or not s.early_points:
+        return EarlyPoints()
+    total_steps, _ = plan_steps(len(data.train), cfg.batch_size, cfg.epochs, cfg.max_steps)
+    factor = s.pruner_reduction_factor if s.pruner in ("asha", "hyperband") else 2
+    first = min(cfg.eval_every, total_steps)
+    return early_steps(first, factor, cfg.batch_size, s.early_point_rows, len(data.validation), s.seed)

@@ -31,7 +31,7 @@ from hpsearch.trainer.config import AdapterConfig, DataConfig, ModelConfig, Trai
 
 if TYPE_CHECKING:
     from hpsearch.trainer.checkpoint import RunFiles
-    from hpsearch.trainer.evaluate import EarlyPoints
+    from hpsearch.trainer.points import EarlyPoints
 
 log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 30.0
@@ -179,9 +179,9 @@ def peer_main(args: PeerArgs, conn: Connection) -> None:
     from hpsearch.trainer import distributed, meta_model
     from hpsearch.trainer.encoding import prepare
     from hpsearch.trainer.errors import RankOutOfMemory
-    from hpsearch.trainer.evaluate import EarlyPoints, PointRows
     from hpsearch.trainer.loop import Run, fit
     from hpsearch.trainer.model import PretrainedCache, load_tokenizer
+    from hpsearch.trainer.points import EarlyPoints, PointRows
 
     if args.threads:
         torch.set_num_threads(args.threads)
