@@ -52,7 +52,7 @@ from sqlalchemy import func, select
 
 from hpsearch.search import presets
 from hpsearch.search.study import budget, sampling, spec as specs, studies
-from hpsearch.search.workers.attempt import TrialReporter
+from hpsearch.search.workers.trial_attrs import TrialReporter
 from hpsearch.storage import registry, slots
 from hpsearch.storage.open import open_storage
 from hpsearch.storage.tables import TrialSlot
@@ -169,9 +169,11 @@ def objective_values(params: dict[str, Any], number: int) -> list[float]:
     return [base + 1.0 / (step + 1) + 0.01 * ((number * 7 + step) % 5) for step in range(STEPS)]
 
 
-def run_trial(trial: optuna.Trial, spec: specs.StudySpec) -> tuple[TrialState, float | None]:
+def run_trial(
+    trial: optuna.Trial, spec: specs.StudySpec, storage: optuna.storages.BaseStorage
+) -> tuple[TrialState, float | None]:
     params = sampling.suggest(trial, spec)
-    reporter = TrialReporter(trial)
+    reporter = TrialReporter(trial, storage)
     best = None
     for step, value in enumerate(objective_values(params, trial.number), start=1):
         # The worker's order at a validation point: report, then ask the pruner.
@@ -221,7 +223,7 @@ def hpsearch_worker(url: str, study: str, index: int, go: Any, results: Any, hea
                     trial = study_obj.ask()
                     slots.bind_slot(storage.db, study, slot, trial.number)
                     reg.trial_started(trial.number)
-                    state, value = run_trial(trial, spec)
+                    state, value = run_trial(trial, spec, storage.optuna)
                     if state == TrialState.COMPLETE:
                         study_obj.tell(trial, value)
                     else:
@@ -245,15 +247,16 @@ def optuna_worker(
     go.wait()
     try:
         name = f"plain-{index}"
+        plain = optuna.storages.RDBStorage(url)
         study_obj = optuna.load_study(
             study_name=study,
-            storage=url,
+            storage=plain,
             sampler=sampling.make_sampler(spec, sampling.worker_seed(spec, name)),
             pruner=sampling.make_pruner(spec),
         )
 
         def objective(trial: optuna.Trial) -> float:
-            state, value = run_trial(trial, spec)
+            state, value = run_trial(trial, spec, plain)
             if state == TrialState.PRUNED:
                 raise optuna.TrialPruned()
             assert value is not None
