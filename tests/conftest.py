@@ -30,6 +30,44 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+# The modules whose slowest test took 90 s or more in the last full run (wall, at a load of ~12), longest first
+# (`pytest --durations=0`; docs/development.md "How long the suite takes"). A module not listed runs after these, in
+# its usual order.
+SLOW_MODULES = (
+    "test_multi_worker.py",
+    "test_end_to_end.py",
+    "test_cost_objective.py",
+    "test_retention.py",
+    "test_mixed_precision.py",
+    "test_lora.py",
+    "test_lora_defaults.py",
+    "test_chat.py",
+    "test_early_points.py",
+    "test_study_creation.py",
+    "test_dashboard.py",
+    "test_data_parallel.py",
+    "test_faults.py",
+    "test_trust_files.py",
+    "test_trust_paths.py",
+    "test_pruning.py",
+    "test_progress.py",
+    "test_sharded_trials.py",
+    "test_bad_input.py",
+    "test_data_sources.py",
+)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slowest modules first. xdist's worksteal hands each worker a contiguous share of this order, then
+    moves tests that have not started from a busy worker to an idle one: a 100 s test that starts last
+    keeps one core busy while the other idles, one that starts first is balanced by the many short tests
+    after it. A module stays together (its module-scoped fixtures run once per worker), and the order is
+    the same on every worker, as xdist requires. Runs after pytest's own reordering (trylast)."""
+    rank = {name: i for i, name in enumerate(SLOW_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_bert(tmp_path_factory.mktemp("tiny-bert") / "model")

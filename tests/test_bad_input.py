@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -421,49 +422,50 @@ def test_bad_cli(cli, tmp_path: Path, argv: list[str], expected: str) -> None:  
     assert not (tmp_path / "hpsearch.db").exists()
 
 
-def test_existing_study_with_other_spec_is_refused(
-    tmp_path: Path, spec_file: Path, tiny_model: Path, demo_files: tuple[Path, Path]
-) -> None:
-    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+@dataclass(frozen=True)
+class Finished:
+    root: Path
+    spec: Path
+    url: str
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, demo_files: tuple[Path, Path]) -> Finished:
+    """A study of one finished trial, run once for the tests below that refuse things done to it (a start with
+    another spec, bad names and exports). They leave it as they found it."""
+    root = tmp_path_factory.mktemp("finished")
+    spec = root / "spec.toml"
+    spec.write_text(spec_text(tiny_model, *demo_files))
+    url = f"sqlite:///{root / 'db.sqlite'}"
     ok = hpsearch(
-        "start",
-        "--study",
-        "s",
-        "--config",
-        str(spec_file),
-        "--storage",
-        url,
-        "--devices",
-        "cpu:1",
-        "--n-trials",
-        "1",
-        "--output-dir",
-        str(tmp_path / "runs"),
-        cwd=tmp_path,
+        *("start", "--study", "s", "--config", str(spec), "--storage", url),
+        *("--devices", "cpu:1", "--n-trials", "1", "--output-dir", str(root / "runs")),
+        cwd=root,
     )
     assert ok.returncode == 0, ok.stderr[-2000:]
+    return Finished(root, spec, url)
+
+
+def test_existing_study_with_other_spec_is_refused(
+    tmp_path: Path, finished: Finished, tiny_model: Path, demo_files: tuple[Path, Path]
+) -> None:
     other = tmp_path / "other.toml"
     other.write_text(spec_text(tiny_model, *demo_files).replace("learning_rate = 1e-3", "learning_rate = 2e-3"))
-    result = hpsearch("start", "--study", "s", "--config", str(other), "--storage", url, cwd=tmp_path)
+    # In a real process: the refusal of a changed spec is one line, no traceback, from the installed CLI too.
+    result = hpsearch("start", "--study", "s", "--config", str(other), "--storage", finished.url, cwd=tmp_path)
     assert result.returncode == 2
     assert "exists with a different spec (train.learning_rate: stored 0.001, given 0.002)" in result.stderr
+    assert "Traceback" not in result.stderr
     import optuna
 
-    assert len(optuna.load_study(study_name="s", storage=url).trials) == 1
+    assert len(optuna.load_study(study_name="s", storage=finished.url).trials) == 1
 
 
 def test_a_finished_study_is_safe_from_bad_names_and_bad_exports(  # type: ignore[no-untyped-def]
-    cli, tmp_path: Path, spec_file: Path
+    cli, tmp_path: Path, spec_file: Path, finished: Finished
 ) -> None:
-    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    runs = tmp_path / "runs"
-    ok = hpsearch(
-        *("start", "--study", "s", "--config", str(spec_file), "--storage", url),
-        *("--devices", "cpu:1", "--n-trials", "1", "--output-dir", str(runs)),
-        cwd=tmp_path,
-    )
-    assert ok.returncode == 0, ok.stderr[-2000:]
-    best = runs / "s" / "trial-0" / "best"
+    url = finished.url
+    best = finished.root / "runs" / "s" / "trial-0" / "best"
     weights = (best / "model.safetensors").read_bytes()
 
     def refused(*argv: str) -> str:
@@ -478,10 +480,15 @@ def test_a_finished_study_is_safe_from_bad_names_and_bad_exports(  # type: ignor
     assert (best / "model.safetensors").read_bytes() == weights, "the finished trial's model is untouched"
     moved = tmp_path / "moved"
     best.rename(moved)
-    assert "no longer exists on this host" in refused("best", "--study", "s", "--export", str(tmp_path / "e"))
-    moved.rename(best)
+    try:
+        assert "no longer exists on this host" in refused("best", "--study", "s", "--export", str(tmp_path / "e"))
+    finally:
+        moved.rename(best)
     (best / "model.safetensors").write_bytes(weights[:100])  # a disk error, or a copy cut short
-    assert "model.safetensors is damaged" in refused("best", "--study", "s", "--export", str(tmp_path / "e"))
+    try:
+        assert "model.safetensors is damaged" in refused("best", "--study", "s", "--export", str(tmp_path / "e"))
+    finally:
+        (best / "model.safetensors").write_bytes(weights)  # the shared study as it was
     assert not (tmp_path / "e").exists()
 
 
@@ -591,25 +598,38 @@ def _damage(db: Path, *, pages: slice) -> None:
     db.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("pages", [slice(1, None), slice(-6, -3)], ids=["schema", "trials"])
-def test_a_damaged_sqlite_file_is_said_in_one_line(cli, tmp_path: Path, spec_file: Path, pages: slice) -> None:  # type: ignore[no-untyped-def]
-    """Found at opening (its schema) or halfway through a command (its trials): one line either way, exit 2."""
+@pytest.fixture(scope="module")
+def many_trials_db(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, demo_files: tuple[Path, Path]) -> Path:
+    """A SQLite study with enough trials to fill pages beyond the schema's; each test damages its own copy."""
     import optuna
 
     from hpsearch.search.study import studies
     from hpsearch.search.study.spec import load_file
     from hpsearch.storage.open import open_storage
 
-    db = tmp_path / "study.db"
+    root = tmp_path_factory.mktemp("many-trials")
+    spec = root / "spec.toml"
+    spec.write_text(spec_text(tiny_model, *demo_files))
+    db = root / "study.db"
     storage = open_storage(f"sqlite:///{db}", create=True)
     try:
-        study = studies.create_or_resume(storage, "x", load_file(spec_file))
-        for _ in range(200):  # enough trials to fill pages beyond the schema's
+        study = studies.create_or_resume(storage, "x", load_file(spec))
+        for _ in range(200):
             trial = study.ask()
             trial.suggest_float("learning_rate", 1e-4, 3e-3, log=True)
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
     finally:
         storage.close()
+    return db
+
+
+@pytest.mark.parametrize("pages", [slice(1, None), slice(-6, -3)], ids=["schema", "trials"])
+def test_a_damaged_sqlite_file_is_said_in_one_line(  # type: ignore[no-untyped-def]
+    cli, tmp_path: Path, spec_file: Path, many_trials_db: Path, pages: slice
+) -> None:
+    """Found at opening (its schema) or halfway through a command (its trials): one line either way, exit 2."""
+    db = tmp_path / "study.db"
+    shutil.copyfile(many_trials_db, db)  # closed cleanly: no WAL file beside it
     _damage(db, pages=pages)
     before = db.read_bytes()
     for argv in (["status"], ["start", "--config", str(spec_file), "--devices", "cpu:1"]):

@@ -24,7 +24,7 @@ MONEY = 'price_per_gpu_hour = 1.98\ncurrency = "CNY"\n'
 
 
 def test_a_two_objective_search_prunes_on_quality_shows_its_front_and_its_cost(
-    tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
+    cli: Cli, tmp_path: Path, tiny_model: Path, demo_files: tuple[Path, Path]
 ) -> None:
     spec = tmp_path / "cost.toml"
     # Half the space is hopeless (lr 1.0 wrecks the model): the median pruner stops it on the validation loss.
@@ -75,25 +75,26 @@ def test_a_two_objective_search_prunes_on_quality_shows_its_front_and_its_cost(
     ranked = sorted(complete, key=lambda t: (t.number not in front, t.values[0], t.number))
     kept = {t.number for t in complete if TrialDir(tmp_path / "runs" / "c", t.number).best.exists()}
     assert kept == {t.number for t in ranked[:2]}
-    # The end-of-search summary, status and best say what the study cost; best prints the front.
+    # The end-of-search summary, status and best say what the study cost; best prints the front. (status and
+    # best in-process: what they print is the test, not their process; `start` above is the real one.)
     assert "spent: " in result.stdout and " CNY so far" in result.stdout
-    best = hpsearch("best", "--study", "c", "--storage", url, cwd=tmp_path)
+    best = cli("best", "--study", "c", "--storage", url, cwd=tmp_path)
     assert best.returncode == 0, best.stderr
     assert "pareto front (loss and gpu_hours)" in best.stdout
     for number in front:
         assert f"  trial {number}  loss " in best.stdout
-    shown = json.loads(hpsearch("best", "--study", "c", "--storage", url, "--json", cwd=tmp_path).stdout)
+    shown = json.loads(cli("best", "--study", "c", "--storage", url, "--json", cwd=tmp_path).stdout)
     assert sorted(t["number"] for t in shown["pareto_front"]) == sorted(front)
     # Money = the ledger's device time x the price, exactly: the study's and each trial's.
     assert shown["study_money"]["spent"] == used / 3600 * 1.98
     for t in shown["pareto_front"]:
         assert t["money"] == sum(x.seconds for x in spent if x.trial_number == t["number"]) / 3600 * 1.98
         assert t["money"] == each[t["number"]] / 3600 * 1.98
-    status = hpsearch("status", "--study", "c", "--storage", url, "--json", cwd=tmp_path)
+    status = cli("status", "--study", "c", "--storage", url, "--json", cwd=tmp_path)
     s = json.loads(status.stdout)
     assert s["money"]["spent"] == used / 3600 * 1.98 and s["money"]["currency"] == "CNY"
     assert all(t["money"] == each.get(t["number"], 0.0) / 3600 * 1.98 for t in s["trials"])
-    assert "CNY" in hpsearch("status", "--study", "c", "--storage", url, cwd=tmp_path).stdout
+    assert "CNY" in cli("status", "--study", "c", "--storage", url, cwd=tmp_path).stdout
 
 
 def test_the_pruner_judges_a_two_objective_trial_on_its_quality_objective(storage_url: str) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from optuna.trial import TrialState
 
-from tests.conftest import hpsearch, lm_spec_text
+from tests.conftest import Cli, hpsearch, lm_spec_text
 from tests.support.inject import faults_env
 from tests.support.tiny import build_tiny_gpt2
 from tests.test_faults import _assert_recovered, _held_start, _spawned_workers
@@ -22,7 +22,7 @@ FSDP = 'devices_per_trial = 2\nsharding = "fsdp"'
 
 
 def test_a_sharded_search_runs_to_the_end_and_its_best_model_loads(
-    tmp_path: Path, tiny_gpt2: Path, lm_files: tuple[Path, Path]
+    cli: Cli, tmp_path: Path, tiny_gpt2: Path, lm_files: tuple[Path, Path]
 ) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -51,17 +51,17 @@ def test_a_sharded_search_runs_to_the_end_and_its_best_model_loads(
     held = [line for line in result.stderr.splitlines() if "held at the end" in line]
     assert len(held) == 2 and all("(parameters + optimizer state): rank 0 " in h and "; rank 1 " in h for h in held)
     # Retention kept the best trial's model only; it is a plain Hugging Face folder.
-    best = json.loads(hpsearch("best", "--study", "s", "--storage", url, "--json", cwd=tmp_path).stdout)
+    best = json.loads(cli("best", "--study", "s", "--storage", url, "--json", cwd=tmp_path).stdout)
     assert len(list(runs.glob("s/trial-*/best"))) == 1
     model = AutoModelForCausalLM.from_pretrained(best["best_checkpoint"])
     assert isinstance(next(model.parameters()), torch.nn.Parameter)
     export = tmp_path / "export"
-    done = hpsearch("best", "--study", "s", "--storage", url, "--export", str(export), cwd=tmp_path)
+    done = cli("best", "--study", "s", "--storage", url, "--export", str(export), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (export / "model.safetensors").exists()
     assert not list(runs.glob("s/trial-*/resume")), "a finished trial's sharded state is swept"
     # The memory plan `start` made is on the study, and status shows it.
-    status = hpsearch("status", "--study", "s", "--storage", url, cwd=tmp_path).stdout
+    status = cli("status", "--study", "s", "--storage", url, cwd=tmp_path).stdout
     assert "memory plan: " in status and "fsdp over 2" in status and ": fits cpu:0+1's" in status, status
 
 
