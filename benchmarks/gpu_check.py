@@ -361,7 +361,6 @@ def trainer_side(
     from hpsearch.trainer.config import DataConfig, ModelConfig
     from hpsearch.trainer.encoding import prepare
     from hpsearch.trainer.model import load_tokenizer
-    from hpsearch.trainer.step import flops_per_token
 
     max_length = shapes.lm_length
     batch, micro = (shapes.big_batch, shapes.big_micro) if quantized else (shapes.lm_batch, shapes.lm_micro)
@@ -400,15 +399,8 @@ def trainer_side(
 
     cuda = torch.cuda.is_available()
     seconds = _trainer_train(model, rows, collate, model_dir.parent / "trainer-out", batch, micro, steps, lr, precision)
-    figures = {
-        "precision": precision,
-        "train_tokens_per_second": round(counted["tokens"] / seconds, 1),
-        "mfu": _mfu(flops_per_token(model), counted["tokens"], seconds),
-        "peak_memory_mb": round(_peak_mb(), 1),
-        "train_seconds": round(seconds, 3),
-        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "wall_seconds": round(time.monotonic() - started, 1),
-    }
+    figures = _trainer_figures(model, precision, counted["tokens"], seconds, started)
+    figures["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     del model
     if cuda:
         torch.cuda.empty_cache()
@@ -426,7 +418,6 @@ def bert_trainer_side(model_dir: Path, train: Path, shapes: Shapes, lr: float, p
     from hpsearch.trainer.config import DataConfig
     from hpsearch.trainer.encoding import prepare
     from hpsearch.trainer.model import load_tokenizer
-    from hpsearch.trainer.step import flops_per_token
 
     tok = load_tokenizer(str(model_dir))
     data = prepare(DataConfig(train=str(train), validation=str(train)), tok, shapes.bert_length, None)
@@ -450,15 +441,8 @@ def bert_trainer_side(model_dir: Path, train: Path, shapes: Shapes, lr: float, p
     seconds = _trainer_train(
         model, rows, collate, model_dir.parent / "bert-trainer-out", batch, batch, shapes.bert_steps, lr, precision
     )
-    figures = {
-        "precision": precision,
-        "train_tokens_per_second": round(counted["tokens"] / seconds, 1),
-        "mfu": _mfu(flops_per_token(model), counted["tokens"], seconds),
-        "peak_memory_mb": round(_peak_mb(), 1),
-        "train_seconds": round(seconds, 3),
-        "train_padding_ratio": round(counted["padded"] / max(counted["tokens"], 1), 3),
-        "wall_seconds": round(time.monotonic() - started, 1),
-    }
+    figures = _trainer_figures(model, precision, counted["tokens"], seconds, started)
+    figures["train_padding_ratio"] = round(counted["padded"] / max(counted["tokens"], 1), 3)
     del model
     if cuda:
         torch.cuda.empty_cache()
@@ -497,6 +481,20 @@ def _trainer_train(
     if cuda:
         torch.cuda.reset_peak_memory_stats()  # after the Trainer put the model on the GPU, as hpsearch's figure
     return float(trainer.train().metrics["train_runtime"])
+
+
+def _trainer_figures(model: Any, precision: str, tokens: int, seconds: float, started: float) -> dict[str, Any]:
+    """What both Trainer sides report, under the keys hpsearch's trial figures use (wall from ``started``)."""
+    from hpsearch.trainer.step import flops_per_token
+
+    return {
+        "precision": precision,
+        "train_tokens_per_second": round(tokens / seconds, 1),
+        "mfu": _mfu(flops_per_token(model), tokens, seconds),
+        "peak_memory_mb": round(_peak_mb(), 1),
+        "train_seconds": round(seconds, 3),
+        "wall_seconds": round(time.monotonic() - started, 1),
+    }
 
 
 def _mfu(flops: float, tokens: int, seconds: float) -> float | None:
