@@ -386,7 +386,7 @@ def test_qlora_loads_the_base_as_nf4_with_bf16_compute() -> None:
 
 @pytest.mark.parametrize("p", [0.05, 0.3])
 def test_lora_dropout_on_a_cpu_keeps_each_element_with_1_minus_p_and_scales_the_survivors(p: float) -> None:
-    from hpsearch.trainer.adapters import MaskDropout
+    from hpsearch.trainer.dropout import MaskDropout
 
     drop = MaskDropout(p)
     x = torch.ones(64, 128, 96, requires_grad=True)
@@ -409,8 +409,9 @@ def test_lora_dropout_on_a_cpu_keeps_each_element_with_1_minus_p_and_scales_the_
 
 
 def test_a_lora_model_draws_its_dropout_masks_with_the_cheaper_dropout(tiny_model: Path) -> None:
-    from hpsearch.trainer.adapters import MaskDropout, attach
+    from hpsearch.trainer.adapters import attach
     from hpsearch.trainer.config import AdapterConfig
+    from hpsearch.trainer.dropout import MaskDropout
 
     cache = PretrainedCache()
     base = cache._base(str(tiny_model), 2, torch.float32)

@@ -58,7 +58,9 @@ def test_accumulation_matches_one_big_batch(no_dropout_model: Path, prepared, tm
 
 
 def _oom_above(monkeypatch: pytest.MonkeyPatch, limit: int) -> list[int]:
-    """Inject CUDA's out-of-memory error for micro-batches larger than ``limit`` (CPU has none)."""
+    """Inject CUDA's out-of-memory error for micro-batches larger than ``limit`` (CPU has none). As on a GPU, the
+    passes are padded micro-batches, not packed (packing.py is for CPUs)."""
+    monkeypatch.setattr(trainer_step.packing, "packs", lambda *_: False)
     sizes: list[int] = []
     real = trainer_step.collate
 
@@ -390,3 +392,62 @@ def test_an_immediate_reporter_is_called_at_once_on_the_runs_own_thread() -> Non
     inner = Where()
     StateSavingReporter(inner, lambda: "state.pt").report(0.5, 5)
     assert inner.thread is threading.current_thread() and inner.values == {5: 0.5}
+
+
+def test_a_steps_passes_cast_each_weight_once_and_give_the_same_gradients(  # type: ignore[no-untyped-def]
+    no_dropout_model: Path, prepared, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 autocast keeps one region around a step's passes (step._casts_kept): each trained weight is cast to
+    16 bits once a step instead of once a pass, and the gradients are those of a region per pass, to the bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hpsearch.trainer.distributed import World
+
+    _, data = prepared
+    passes = [list(range(0, 16)), list(range(16, 32))]
+    monkeypatch.setattr(trainer_step.packing, "packs", lambda *_: False)  # two padded passes, as on a GPU
+    model = PretrainedCache().fresh(str(no_dropout_model), 2, {0: "negative", 1: "positive"}, 0)
+    weights = {p.data_ptr() for p in model.parameters() if p.ndim == 2}
+
+    class WeightCasts(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in weights:
+                WeightCasts.count += 1
+            return func(*args, **(kwargs or {}))
+
+    def gradients(kept: bool) -> tuple[list[torch.Tensor], int]:
+        model.zero_grad(set_to_none=True)
+        WeightCasts.count = 0
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        with WeightCasts():
+            if kept:
+                trainer_step._accumulate(model, data, passes, 1 / 32, CPU, "bf16", scaler, World(0, 1), 16)
+            else:  # a region per pass, as before
+                for indices in passes:
+                    batch = trainer_step.collate(data.train, indices, data.pad_id)
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        logits = trainer_step.tasks.logits(model, batch, data.task)
+                    (trainer_step.tasks.loss_sum(logits, batch["labels"], data.task) / 32).backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None], WeightCasts.count
+
+    kept, kept_casts = gradients(True)
+    per_pass, per_pass_casts = gradients(False)
+    assert len(kept) == len(per_pass) > 10
+    assert all(torch.equal(a, b) for a, b in zip(kept, per_pass, strict=True))
+    assert 0 < kept_casts < per_pass_casts, (kept_casts, per_pass_casts)
+
+
+def test_a_full_fine_tune_on_a_cpu_draws_its_dropout_masks_with_the_cheaper_dropout(tiny_model: Path) -> None:
+    from hpsearch.trainer.dropout import MaskDropout, use_mask_dropout
+
+    model = PretrainedCache().fresh(str(tiny_model), 2, {0: "negative", 1: "positive"}, 0)
+    given = {n: m.p for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0}
+    keys = set(model.state_dict())
+    assert use_mask_dropout(model, torch.device("meta")) == 0  # not a CPU: torch's own (CUDA's is fused, cheap)
+    assert use_mask_dropout(model, CPU) == len(given) > 0
+    swapped = {n: m for n, m in model.named_modules() if isinstance(m, MaskDropout)}
+    assert swapped.keys() == given.keys()
+    assert all(m.p == pytest.approx(given[n], abs=1e-5) for n, m in swapped.items())
+    assert set(model.state_dict()) == keys  # nothing saved changes

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from hpsearch.search.workers.trial_attrs import NullReporter
+from hpsearch.trainer import packing
 from hpsearch.trainer.batching import micro_batches
 from hpsearch.trainer.config import DataConfig, TrainConfig
 from hpsearch.trainer.encoding import prepare
@@ -240,13 +241,16 @@ def test_a_grouped_step_is_not_one_narrow_band_of_lengths() -> None:
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, varied: DataConfig) -> dict[bool, Run]:
-    """Two real fits of the tiny model: length-grouped (1 epoch) and plain shuffled (2 epochs)."""
+    """Two real fits of the tiny model: length-grouped (1 epoch) and plain shuffled (2 epochs), each in padded
+    micro-batches as on a GPU (a CPU packs them: test_packed_passes_pad_little_in_random_steps)."""
     runs = {}
     for grouped in (True, False):
         out = tmp_path_factory.mktemp(f"fit-{grouped}")
         run, reporter = _run(tiny_model, varied, out, group_by_length=grouped, epochs=1 if grouped else 2)
         run.started = time.perf_counter() - 5.0  # the trial began 5 s before fit (model copy, say)
-        result = fit(run, reporter)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(packing, "packs", lambda *_: False)
+            result = fit(run, reporter)
         assert result.status == "complete"
         run.meta["attrs"] = reporter.attrs
         run.meta["result_attrs"] = result.attrs
@@ -268,6 +272,23 @@ def test_group_by_length_switch_reaches_the_loop(fitted: dict[bool, Run], tiny_m
     assert TrainConfig().group_by_length is True  # on by default
     grouped, shuffled = (fitted[g].meta["attrs"]["train_padding_ratio"] for g in (True, False))
     assert grouped < shuffled - 0.2
+
+
+def test_packed_passes_pad_little_in_random_steps(
+    fitted: dict[bool, Run], tmp_path: Path, tiny_model: Path, varied: DataConfig
+) -> None:
+    """On a CPU a BERT step's rows are packed (trainer/packing.py): random steps pad less than length-grouped
+    padded micro-batches, and the figures count the packed sequences' slots."""
+    run, reporter = _run(tiny_model, varied, tmp_path, group_by_length=False, epochs=1)
+    assert fit(run, reporter).status == "complete"
+    packed = reporter.attrs["train_padding_ratio"]
+    assert (
+        1.0
+        <= packed
+        < fitted[True].meta["attrs"]["train_padding_ratio"]
+        < fitted[False].meta["attrs"]["train_padding_ratio"]
+    )
+    assert reporter.attrs["train_tokens"] == sum(run.data.train.lengths)
 
 
 # -- honest figures -----------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from hpsearch.trainer.config import AdapterConfig, ConfigError, ModelConfig
+from hpsearch.trainer.dropout import MaskDropout
 from hpsearch.trainer.model import NO_REMOTE_CODE, auto_class, from_pretrained
 from hpsearch.trainer.task_names import CAUSAL_LM, TOKEN_CLASSIFICATION
 
@@ -62,36 +63,6 @@ def _token_head(base: torch.nn.Module, cfg: AdapterConfig, task: str) -> list[st
     if task != TOKEN_CLASSIFICATION or cfg.target_modules != "all-linear":
         return None
     return [name for name in ("classifier", "score") if isinstance(getattr(base, name, None), torch.nn.Module)] or None
-
-
-class MaskDropout(torch.nn.Module):
-    """Inverted dropout whose mask on a CPU comes from 16-bit random integers: torch's CPU ``bernoulli_`` draws
-    32 bits per element, and peft's mask per adapted layer was 18% of a LoRA step on a CPU (docs/adapters.md,
-    "Speed"). One 64-bit draw serves four elements: the same distribution (p resolved to 1/65536, survivors
-    scaled by 1/(1-p)) for 2-3x less work. CUDA's fused dropout kernel is already cheap, and stays."""
-
-    def __init__(self, p: float) -> None:
-        super().__init__()
-        self._given = p  # CUDA's kernel takes p as given: nothing there is resolved to 1/65536
-        dropped = round(p * 65536)
-        self.p = dropped / 65536
-        self._threshold = dropped - 32768  # an int16 below it is dropped
-        self._scale = 1.0 / (1.0 - self.p)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        if x.device.type != "cpu":
-            return torch.nn.functional.dropout(x, self._given, training=True)
-        n = x.numel()
-        words = torch.randint(-(2**63), 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64)
-        keep = words.view(torch.int16)[:n].view(x.shape) >= self._threshold
-        if x.dtype != torch.float32:  # a 16-bit mask would round 1/(1-p): scale x, not the mask
-            return x * keep * self._scale
-        return x * (keep.to(x.dtype) * self._scale)
-
-    def extra_repr(self) -> str:
-        return f"p={self.p:g}"
 
 
 def detach(model: torch.nn.Module) -> torch.nn.Module:

@@ -38,6 +38,10 @@ def use_fast_attention(model: torch.nn.Module, device: torch.device, precision: 
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         return
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register(NAME, sdpa_fp32_on_cpu)
+    # And SDPA's masks under the new name: transformers builds a padding mask only for an implementation its mask
+    # interface knows, and hands an unknown one no mask at all, so every row would attend to its padding.
+    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     model.set_attn_implementation(NAME)  # type: ignore[operator]

@@ -19,6 +19,7 @@ from hpsearch.trainer.batching import Batches
 from hpsearch.trainer.config import TrainConfig
 from hpsearch.trainer.curves import Curves
 from hpsearch.trainer.distributed import World, parameter_digest
+from hpsearch.trainer.dropout import use_mask_dropout
 from hpsearch.trainer.errors import RankOutOfMemory
 from hpsearch.trainer.evaluate import Metrics, Point
 from hpsearch.trainer.model import enable_gradient_checkpointing
@@ -277,6 +278,7 @@ def _setup(run: Run, reporter: Reporter) -> tuple[Loop, TrainState]:
         run.model.to(device)
     run.model.train()
     attention.use_fast_attention(run.model, device, precision)
+    use_mask_dropout(run.model, device)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(run.model)
     if sharded:

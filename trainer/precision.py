@@ -129,6 +129,12 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Autocast off inside an autocast region (which keeps its cache of casts: only the outermost region's end
+    clears it)."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
     # Only fp16 underflows small gradients; bf16 and fp32 need no scaling.
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16")

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hpsearch.trainer import precision as prec, tasks
+from hpsearch.trainer import packing, precision as prec, tasks
 from hpsearch.trainer.batching import Batch, Batches, collate
 from hpsearch.trainer.distributed import World
 from hpsearch.trainer.errors import RankOutOfMemory
 from hpsearch.trainer.evaluate import Metrics, evaluate
+from hpsearch.trainer.sharding import is_sharded
 from hpsearch.trainer.state import Trainable
 from hpsearch.trainer.stats import Throughput
 from hpsearch.trainer.task_names import TOKEN_CLASSIFICATION
@@ -45,7 +48,7 @@ def train_step(
         scale = world.size / data.train.targets([i for b in group for i in b])
         mine = group[world.rank :: world.size]
         try:
-            loss = _accumulate(model, data, mine, scale, device, precision, parts.scaler, world)
+            loss, done = _accumulate(model, data, mine, scale, device, precision, parts.scaler, world, batches.micro)
             break
         except torch.OutOfMemoryError as exc:
             if world.size > 1:
@@ -59,8 +62,8 @@ def train_step(
             log.warning(
                 "out of memory at step %d: micro-batch %d, accumulation %d", step, batches.micro, batches.per_step
             )
-    for ids in mine:
-        speed.add(examples=len(ids), tokens=data.train.real_tokens(ids), padded=data.train.padded_tokens(ids))
+    for counts in done:
+        speed.add(examples=counts.examples, tokens=counts.tokens, padded=counts.padded)
     if batches.cfg.max_grad_norm > 0:
         parts.scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
         # Returns the norm as a device tensor: no host sync.
@@ -79,19 +82,76 @@ def _accumulate(
     precision: str,
     scaler: Any,
     world: World,
-) -> torch.Tensor:
-    """Forward and backward of this rank's micro-batches of one step; their summed, scaled loss on the device."""
+    micro: int,
+) -> tuple[torch.Tensor, list[Pass]]:
+    """Forward and backward of this rank's rows of one step; their summed, scaled loss on the device, and the
+    passes it took."""
     step_loss = torch.zeros((), device=device)
-    for i, indices in enumerate(mine):
-        batch = _to_device(collate(data.train, indices, data.pad_id), device)
-        # While a step still accumulates, DDP's all-reduce of every backward would be wasted.
-        with world.no_sync(model, is_accumulating=i < len(mine) - 1):
-            with prec.autocast(precision, device):
-                logits = tasks.logits(model, batch, data.task)
-            loss = tasks.loss_sum(logits, batch["labels"], data.task) * scale
-            scaler.scale(loss).backward()
-        step_loss += loss.detach()
-    return step_loss
+    done: list[Pass] = []
+    todo = _passes(model, data, mine, micro, device)
+    with _casts_kept(precision, device, model, len(todo)):
+        for i, (batch, counts) in enumerate(todo):
+            # While a step still accumulates, DDP's all-reduce of every backward would be wasted.
+            with world.no_sync(model, is_accumulating=i < len(todo) - 1):
+                with prec.autocast(precision, device):
+                    logits = (
+                        packing.logits(model, batch, data.task)
+                        if counts.packed
+                        else tasks.logits(model, batch, data.task)
+                    )
+                with prec.no_autocast(device):  # autocast is for forward passes: loss and backward as they were
+                    loss = tasks.loss_sum(logits, batch["labels"], data.task) * scale
+                    scaler.scale(loss).backward()
+            step_loss += loss.detach()
+            done.append(counts)
+    return step_loss, done
+
+
+@dataclass(frozen=True)
+class Pass:
+    """What one forward and backward pass held: rows, the tokens they carry, the token slots it computed."""
+
+    examples: int
+    tokens: int
+    padded: int
+    packed: bool
+
+
+def _passes(
+    model: torch.nn.Module, data: Prepared, mine: list[Batch], micro: int, device: torch.device
+) -> list[tuple[dict[str, Any], Pass]]:
+    """This rank's passes of a step: its rows packed (packing.py) where the model allows, else its micro-batches
+    padded."""
+    train = data.train
+    if packing.packs(model, data.task, device):
+        packed = packing.bins(train.lengths, [i for b in mine for i in b], train.longest)
+        out = []
+        for group in packing.passes(packed, micro):
+            batch = packing.collate(train, group, data.pad_id)
+            rows = batch["rows"]
+            shape = batch["input_ids"].shape
+            out.append((batch, Pass(len(rows), train.real_tokens(rows), shape[0] * shape[1], packed=True)))
+        return out
+    return [
+        (
+            _to_device(collate(train, ids, data.pad_id), device),
+            Pass(len(ids), train.real_tokens(ids), train.padded_tokens(ids), packed=False),
+        )
+        for ids in mine
+    ]
+
+
+def _casts_kept(
+    precision: str, device: torch.device, model: torch.nn.Module, passes: int
+) -> contextlib.AbstractContextManager[Any]:
+    """An autocast region around a whole step of several passes, so that each trained weight is cast to 16 bits
+    once a step, not once a pass: autocast caches the casts of trainable weights until its outermost region
+    ends, and the passes' own (nested) regions end inside this one. The gradients are the same to the bit (tests/
+    test_trainer_loop.py); a MiniLM step of two passes on a CPU spends 3.5% less (benchmarks/history.md, "A step's
+    fixed costs"). Not for a sharded model: the cache would hold every gathered block's copy through the step."""
+    if passes < 2 or precision == "fp32" or is_sharded(model):
+        return contextlib.nullcontext()
+    return prec.autocast(precision, device)
 
 
 def validate(

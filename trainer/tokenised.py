@@ -62,6 +62,11 @@ class Encoded:
             return self.input_ids.row_lengths()
         return [len(ids) for ids in self.input_ids]
 
+    @functools.cached_property
+    def longest(self) -> int:
+        """The longest row's tokens (0 for no rows)."""
+        return max(self.lengths, default=0)
+
     def real_tokens(self, indices: Sequence[int]) -> int:
         """Tokens that carry text (special tokens included), padding excluded."""
         return sum(self.lengths[i] for i in indices)

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Iterable
+from functools import cache
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import optuna
@@ -87,12 +91,36 @@ def _space_table(spec: StudySpec) -> list[str]:
 
 def update(study: optuna.Study, spec: StudySpec, n_trials: int, used: ledger.DeviceTime) -> None:
     """Write the note if its text changed."""
-    from optuna_dashboard import get_note, save_note
-
+    notes = _dashboard_notes()
     body = render(study, spec, n_trials, used)
-    if get_note(study) != body:
-        save_note(study, body)
+    if notes.get_note(study) != body:
+        notes.save_note(study, body)
         log.debug("study note of %s updated", study.study_name)
+
+
+@cache
+def _dashboard_notes() -> ModuleType:
+    """optuna-dashboard's note functions (``get_note``, ``save_note``). Its package imports the whole web app on the
+    way, and with it scikit-learn (about 1.5 s of CPU in every `start`, which writes the note, and again in every
+    test that starts one); the module that holds them needs only optuna, so it is loaded alone. Should a release
+    move it, the package's own import is the fallback."""
+    package = importlib.util.find_spec("optuna_dashboard")  # finds it without importing it
+    origin = package.origin if package else None
+    location = origin and importlib.util.spec_from_file_location(
+        "hpsearch._dashboard_note", Path(origin).with_name("_note.py")
+    )
+    if location and location.loader:
+        module = importlib.util.module_from_spec(location)
+        try:
+            location.loader.exec_module(module)
+        except (OSError, ImportError):
+            pass
+        else:
+            if callable(getattr(module, "save_note", None)) and callable(getattr(module, "get_note", None)):
+                return module
+    import optuna_dashboard
+
+    return optuna_dashboard
 
 
 def finished_key(trials: Iterable[FrozenTrial]) -> tuple[int, ...]:
