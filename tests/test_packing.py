@@ -130,3 +130,24 @@ def test_only_bert_heads_on_a_cpu_are_packed() -> None:
     assert not packing.packs(seq, CLASSIFICATION, torch.device("cuda"))
     assert not packing.packs(seq, TOKEN_CLASSIFICATION, CPU)
     assert not packing.packs(torch.nn.Linear(2, 2), CLASSIFICATION, CPU)  # a wrapper (DDP, compile, peft) is not
+
+
+@pytest.mark.parametrize("task", [CLASSIFICATION, REGRESSION, MULTI_LABEL])
+def test_validation_of_packed_rows_gives_the_padded_figures(task: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpsearch.trainer.evaluate import evaluate
+
+    split = _split(task, rows=40, seed=3)
+    model = _model(task)
+    labels = 3 if task != REGRESSION else 0
+
+    def figures() -> dict[str, float]:
+        return evaluate(
+            model, split, pad_id=PAD, batch_size=16, device=CPU, precision="fp32", num_labels=labels
+        ).values()
+
+    packed = figures()
+    monkeypatch.setattr(packing, "packs", lambda *_: False)
+    padded = figures()
+    assert packed.keys() == padded.keys() and len(packed) > 1
+    for name, value in packed.items():
+        assert value == pytest.approx(padded[name], abs=1e-6), name

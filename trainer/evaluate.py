@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from hpsearch.trainer import entities, precision as prec, tasks
+from hpsearch.trainer import entities, packing, precision as prec, tasks
 from hpsearch.trainer.batching import collate, eval_batches
 from hpsearch.trainer.distributed import World
 from hpsearch.trainer.sharding import is_sharded
@@ -159,11 +159,17 @@ def evaluate(
     # A sharded model's forward gathers each block from every rank: all ranks must run as many passes, and one
     # short of a batch runs a spare pass whose result it drops.
     passes = -(-len(batches) // world.size) if is_sharded(model) else len(mine)
+    # A tagger's entities are read a row at a time (_tally): its rows are not packed here.
+    packed = data.task != TOKEN_CLASSIFICATION and packing.packs(model, data.task, device)
     for i in range(passes):
         indices = mine[i] if i < len(mine) else batches[0]
-        batch = {k: v.to(device, non_blocking=True) for k, v in collate(data, indices, pad_id).items()}
+        if packed:  # CPU tensors, where the model is (packing is for CPUs)
+            batch = packing.collate(data, packing.bins(data.lengths, indices, data.longest), pad_id)
+            indices = batch["rows"]  # the order of the logits
+        else:
+            batch = {k: v.to(device, non_blocking=True) for k, v in collate(data, indices, pad_id).items()}
         with prec.autocast(precision, device):
-            logits = tasks.logits(model, batch, data.task)
+            logits = packing.logits(model, batch, data.task) if packed else tasks.logits(model, batch, data.task)
         if i >= len(mine):
             continue
         sums[0] += tasks.loss_sum(logits, batch["labels"], data.task).double()

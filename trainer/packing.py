@@ -6,6 +6,8 @@ slowly on a CPU. Packed, the step is one pass of a dozen full sequences, with as
 gives. Each row keeps its own positions (0, 1, ...) and a block-diagonal mask keeps it from seeing its neighbours,
 so a packed row computes what it computes alone (tests/test_packing.py: the same loss and gradients).
 
+Validation packs the same way (not a tagger's, whose entities are read a row at a time).
+
 Only where the head is known to be read from a row's first token (BERT's sequence and token classifiers) and the
 model is not wrapped (one rank, not compiled, no adapter): a wrapper's own forward would be skipped. Measured on a
 CPU only (benchmarks/history.md, "Packed passes"), so only there."""
