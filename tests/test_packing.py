@@ -151,3 +151,25 @@ def test_validation_of_packed_rows_gives_the_padded_figures(task: str, monkeypat
     assert packed.keys() == padded.keys() and len(packed) > 1
     for name, value in packed.items():
         assert value == pytest.approx(padded[name], abs=1e-6), name
+
+
+@pytest.mark.parametrize("task", [CLASSIFICATION, TOKEN_CLASSIFICATION])
+def test_a_lora_models_packed_step_has_the_gradients_of_its_rows_padded(task: str) -> None:
+    """peft puts LoRA's layers and the head's trained copy inside the model: the packed path, which calls the
+    model's own modules, trains the adapter as its forward does."""
+    from hpsearch.trainer.adapters import attach
+    from hpsearch.trainer.config import AdapterConfig
+
+    split = _split(task, seed=5)
+    model = attach(_model(task), AdapterConfig(method="lora", r=4, alpha=8, dropout=0.0), task, 0).train()
+    assert packing.packs(model, task, CPU)
+    rows = list(range(len(split)))
+    padded_loss = _step(model, [collate(split, rows[:12], PAD), collate(split, rows[12:], PAD)], task, packed=False)
+    padded = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    batches = [packing.collate(split, g, PAD) for g in packing.passes(packing.bins(split.lengths, rows, 32), 4)]
+    packed_loss = _step(model, batches, task, packed=True)
+    torch.testing.assert_close(packed_loss, padded_loss, rtol=1e-5, atol=1e-5)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == padded.keys() and any("lora_A" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, padded[name], rtol=1e-4, atol=1e-5, msg=name)

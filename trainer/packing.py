@@ -8,8 +8,9 @@ so a packed row computes what it computes alone (tests/test_packing.py: the same
 
 Validation packs the same way (not a tagger's, whose entities are read a row at a time).
 
-Only where the head is known to be read from a row's first token (BERT's sequence and token classifiers) and the
-model is not wrapped (one rank, not compiled, no adapter): a wrapper's own forward would be skipped. Measured on a
+Only where the head is known to be read from a row's first token (BERT's sequence and token classifiers), with or
+without a LoRA adapter (whose layers live inside the model), and the model is not otherwise wrapped (one rank, not
+compiled): a wrapper's own forward would be skipped. Measured on a
 CPU only (benchmarks/history.md, "Packed passes"), so only there."""
 
 from __future__ import annotations
@@ -33,9 +34,20 @@ def packs(model: torch.nn.Module, task: str, device: torch.device) -> bool:
 
     if device.type != "cpu":
         return False
+    inner = type(_inner(model))
     if task == TOKEN_CLASSIFICATION:
-        return type(model) is BertForTokenClassification
-    return (task == CLASSIFICATION or task in PER_EXAMPLE) and type(model) is BertForSequenceClassification
+        return inner is BertForTokenClassification
+    return (task == CLASSIFICATION or task in PER_EXAMPLE) and inner is BertForSequenceClassification
+
+
+def _inner(model: Any) -> Any:
+    """The transformers model a LoRA adapter wraps: peft puts its layers (and the head's trained copy) inside it,
+    and its forward is that model's own, so its modules are what the adapter model computes."""
+    from hpsearch.trainer.adapters import is_adapter
+
+    if is_adapter(model) and not model.peft_config[model.active_adapter].is_prompt_learning:
+        return model.base_model.model
+    return model
 
 
 def bins(lengths: Sequence[int], rows: Sequence[int], width: int) -> list[Bin]:
@@ -130,6 +142,7 @@ def collate(data: Encoded, packed: list[Bin], pad_id: int) -> dict[str, Any]:
 def logits(model: Any, batch: dict[str, Any], task: str) -> torch.Tensor:
     """What the model's own forward computes for each packed row: BERT's encoder over the packed sequences, then
     its head, on every token (a tagger) or on each row's first token through the pooler (a sequence head)."""
+    model = _inner(model)
     extra = {"token_type_ids": batch["token_type_ids"]} if "token_type_ids" in batch else {}
     hidden = model.bert(
         input_ids=batch["input_ids"],
