@@ -423,7 +423,7 @@ def test_a_steps_passes_cast_each_weight_once_and_give_the_same_gradients(  # ty
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         with WeightCasts():
             if kept:
-                trainer_step._accumulate(model, data, passes, 1 / 32, CPU, "bf16", scaler, World(0, 1), 16)
+                trainer_step._accumulate(model, data, passes, 1 / 32, CPU, "bf16", scaler, 16, World(0, 1))
             else:  # a region per pass, as before
                 for indices in passes:
                     batch = trainer_step.collate(data.train, indices, data.pad_id)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from hpsearch.trainer.sharding import is_sharded
 from hpsearch.trainer.task_names import CLASSIFICATION, IGNORE_INDEX, PER_EXAMPLE, TOKEN_CLASSIFICATION
 from hpsearch.trainer.tokenised import Encoded
 
@@ -32,7 +33,7 @@ def packs(model: torch.nn.Module, task: str, device: torch.device) -> bool:
     """Whether this model's passes are packed (see the module's note)."""
     from transformers import BertForSequenceClassification, BertForTokenClassification
 
-    if device.type != "cpu":
+    if device.type != "cpu" or is_sharded(model):  # fsdp shards the wrapper in place: its class stays a Peft one
         return False
     inner = type(_inner(model))
     if task == TOKEN_CLASSIFICATION:

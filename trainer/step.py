@@ -48,7 +48,7 @@ def train_step(
         scale = world.size / data.train.targets([i for b in group for i in b])
         mine = group[world.rank :: world.size]
         try:
-            loss, done = _accumulate(model, data, mine, scale, device, precision, parts.scaler, world, batches.micro)
+            loss, done = _accumulate(model, data, mine, scale, device, precision, parts.scaler, batches.micro, world)
             break
         except torch.OutOfMemoryError as exc:
             if world.size > 1:
@@ -81,8 +81,8 @@ def _accumulate(
     device: torch.device,
     precision: str,
     scaler: Any,
-    world: World,
     micro: int,
+    world: World,
 ) -> tuple[torch.Tensor, list[Pass]]:
     """Forward and backward of this rank's rows of one step; their summed, scaled loss on the device, and the
     passes it took."""

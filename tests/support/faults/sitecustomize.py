@@ -65,7 +65,6 @@ if fault := os.environ.get("HPSEARCH_FAULT_HOLD"):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             try:
                 conn.connect(_socket)
-                conn.sendall(f"{os.getpid()} {step}\n".encode())
             except OSError:
                 return  # the test has let go of its hold: train on
             # A stop signal lets the rank go once, and only while it waits: a second one (a process-group SIGTERM
@@ -88,6 +87,10 @@ if fault := os.environ.get("HPSEARCH_FAULT_HOLD"):
                         signal.signal(signum, stop)
             try:
                 try:
+                    # Said only now that the handlers are in place: the test signals as soon as it hears, and a stop
+                    # that came before them ran only the product's handler, which sets a flag, and the rank waited
+                    # here for a release that never came (a CI run's 60 s timeout).
+                    conn.sendall(f"{os.getpid()} {step}\n".encode())
                     conn.recv(1)  # until the test releases (a byte or a close) or kills this process
                 finally:
                     waiting["now"] = False
