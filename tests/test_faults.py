@@ -104,9 +104,13 @@ def _held_start(
             _wait_for_report(_sa_url(url), min_step=steps[0], proc=proc, n_trials=n_trials)
             yield proc, hold
         finally:
-            if proc.poll() is None:  # the test failed: take its workers down too
+            if proc.poll() is None:  # the test failed: take its workers down too, saying first where each one was
+                os.killpg(proc.pid, signal.SIGQUIT)
+                time.sleep(1)
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+                for dump in sorted(hold.path.parent.glob("*.stacks")):
+                    print(f"--- {dump.name}\n{dump.read_text()[-6000:]}")
 
 
 def _trials_so_far(url: str) -> list[optuna.trial.FrozenTrial]:

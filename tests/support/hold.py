@@ -70,6 +70,8 @@ class Hold:
         self.release()
         self._server.close()
         self.path.unlink(missing_ok=True)
+        for dump in self._dir.glob("*.stacks"):  # the held processes' stack files (faults/sitecustomize.py)
+            dump.unlink()
         self._dir.rmdir()
 
     def __enter__(self) -> Hold:

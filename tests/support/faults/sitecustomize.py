@@ -45,7 +45,13 @@ if fault := os.environ.get("HPSEARCH_FAULT_OOM"):
     _loop.train_step = train_step  # loop.py imported it by name
 
 if fault := os.environ.get("HPSEARCH_FAULT_HOLD"):
+    import faulthandler
+    import select
     import signal
+
+    # A test whose held start hangs sends SIGQUIT before killing it: every thread's stack goes to a file per process.
+    _dumps = open(f"{fault.rsplit(':', 1)[1]}.{os.getpid()}.stacks", "w")  # noqa: SIM115 (open while the process lives)
+    faulthandler.register(signal.SIGQUIT, file=_dumps, all_threads=True)
     import socket
     import threading
 
@@ -87,17 +93,37 @@ if fault := os.environ.get("HPSEARCH_FAULT_HOLD"):
                         signal.signal(signum, stop)
             try:
                 try:
-                    # Said only now that the handlers are in place: the test signals as soon as it hears, and a stop
-                    # that came before them ran only the product's handler, which sets a flag, and the rank waited
-                    # here for a release that never came (a CI run's 60 s timeout).
+                    # Said only now that the handlers are in place: the test signals as soon as it hears.
                     conn.sendall(f"{os.getpid()} {step}\n".encode())
-                    conn.recv(1)  # until the test releases (a byte or a close) or kills this process
+                    _wait_for_release(conn, with_signals=bool(handlers))
                 finally:
                     waiting["now"] = False
             except (_Released, OSError):
                 pass
             for signum, previous in handlers.items():
                 signal.signal(signum, previous)
+
+    def _wait_for_release(conn: socket.socket, *, with_signals: bool) -> None:
+        """Until the test releases the rank (a byte or a close) or kills it; a stop signal runs its handler here.
+        Not by waiting in recv alone: the kernel hands a process's signal to any of its threads (the heartbeat's,
+        the TensorBoard writer's), and only one landing on this, the main thread, interrupts its recv, so a stop
+        that landed elsewhere was never handled and the rank waited for the 60 s timeout (CI, under load). Python
+        writes every signal it catches, on any thread, to the wakeup fd: waiting on it too wakes this thread, whose
+        next line runs the handlers."""
+        if not with_signals:
+            conn.recv(1)
+            return
+        wake, wakeup = socket.socketpair()
+        wakeup.setblocking(False)
+        previous = signal.set_wakeup_fd(wakeup.fileno(), warn_on_full_buffer=False)
+        try:
+            while not select.select([conn, wake], [], [])[0].count(conn):
+                wake.recv(64)  # a signal came: its Python handler runs between this line and the next
+            conn.recv(1)
+        finally:
+            signal.set_wakeup_fd(previous)
+            wake.close()
+            wakeup.close()
 
     def held_train_step(model: Any, parts: Any, batches: Any, step: int, *args: Any, **kwargs: Any) -> Any:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
